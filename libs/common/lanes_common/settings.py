@@ -1,0 +1,53 @@
+"""Settings from the environment. Unset server URLs mean "start embedded servers" where that applies."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+ENV_VARS = {
+    "NATS_URL": "NATS server with JetStream (>= 2.11), e.g. nats://127.0.0.1:4222; several comma-separated for a cluster",
+    "DATABASE_URL": "PostgreSQL (>= 15), e.g. postgresql://postgres@127.0.0.1:5432/lanes",
+    "REDIS_URL": "Redis (>= 6.2), e.g. redis://127.0.0.1:6379/0",
+    "LANES_STREAM_REPLICAS": "JetStream replicas for the timeline streams (1 embedded, 3 on a cluster)",
+    "LANES_LOG_LEVEL": "debug | info | warning | error (default info)",
+    "LANES_LOG_FORMAT": "json | console (default: console on a terminal, json otherwise)",
+}
+"""Every environment variable Lanes reads, with what it means (the README and compose file use these)."""
+
+
+@dataclass(frozen=True)
+class ServerUrls:
+    """Where the three servers are."""
+
+    nats_url: str
+    database_url: str
+    redis_url: str
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Process-wide configuration, read once at start-up."""
+
+    nats_url: str | None
+    database_url: str | None
+    redis_url: str | None
+    stream_replicas: int = 1
+    log_level: str = "info"
+    log_format: str | None = None
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        """Read the settings from the environment variables listed in `ENV_VARS`."""
+        replicas = os.environ.get("LANES_STREAM_REPLICAS", "1")
+        if not replicas.isdigit() or int(replicas) not in {1, 3, 5}:
+            msg = f"LANES_STREAM_REPLICAS must be 1, 3 or 5, not {replicas!r}"
+            raise ValueError(msg)
+        return cls(
+            nats_url=os.environ.get("NATS_URL") or None,
+            database_url=os.environ.get("DATABASE_URL") or None,
+            redis_url=os.environ.get("REDIS_URL") or None,
+            stream_replicas=int(replicas),
+            log_level=os.environ.get("LANES_LOG_LEVEL", "info"),
+            log_format=os.environ.get("LANES_LOG_FORMAT") or None,
+        )

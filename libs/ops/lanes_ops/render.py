@@ -1,0 +1,73 @@
+"""Terminal rendering of a job's timeline, grouped by responsibility lane.
+
+Each line carries every join key (seq, time, attempt, node, rank, source, type), so a line copied into a
+ticket or grepped out of a log still says everything about its event.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+
+from lanes_common.events import (
+    Event,
+    JobPlaced,
+    JobStateChanged,
+    JobSubmitted,
+    JobWaiting,
+    Lane,
+    RankExited,
+    RankStarted,
+    ResourcesReleased,
+)
+from lanes_ops.timeline import TimelineEntry
+
+
+def summarize(event: Event) -> str:
+    """One line that says what an event means."""
+    if isinstance(event, JobStateChanged):
+        d = event.data
+        return f"{d.from_state or '-'} -> {d.to_state} ({d.reason})"
+    if isinstance(event, JobPlaced):
+        return " ".join(f"r{a.rank}@{a.node}[{','.join(map(str, a.gpus))}]" for a in event.data.assignments)
+    if isinstance(event, JobSubmitted):
+        spec = event.data.spec
+        return f"{spec.name}: {spec.workers}x{spec.gpus_per_worker} GPUs {spec.gpu_model or ''} ({spec.workload_class})"
+    if isinstance(event, JobWaiting):
+        return f"{event.data.reason}: {event.data.detail}"
+    if isinstance(event, RankStarted):
+        return f"pid {event.data.pid}"
+    if isinstance(event, RankExited):
+        d = event.data
+        return f"signal {d.signal}" if d.signal else f"exit {d.exit_code}"
+    if isinstance(event, ResourcesReleased):
+        return f"{event.data.gpus} GPUs on {', '.join(event.data.nodes) or 'no node'}"
+    text = json.dumps(event.model_dump(mode="json")["data"], separators=(",", ":"))
+    return text if len(text) <= 80 else text[:77] + "..."  # noqa: PLR2004 - one terminal line
+
+
+def render_job(console: Console, job: dict[str, Any], entries: list[TimelineEntry]) -> None:
+    """Print a job header, then the events of each lane in stream order."""
+    attempts = ", ".join(f"#{a['number']} {a['state']}" for a in job.get("attempts", []))
+    console.print(
+        f"[bold]job {job['job_id']}[/bold]  state [bold]{job.get('state') or 'unknown'}[/bold]"
+        f"  attempts {attempts or '-'}  events {len(entries)}"
+    )
+    for lane in Lane:
+        rows = [(entry.seq, entry.event) for entry in entries if entry.event is not None and entry.event.lane is lane]
+        if not rows:
+            continue
+        console.print(f"\n[bold cyan]{lane.value} lane[/bold cyan] ({len(rows)} events)")
+        for seq, event in rows:
+            line = (
+                f"  #{seq:<4} {event.time.strftime('%H:%M:%S.%f')[:-3]}  {event.type.removeprefix('io.lanes.'):<28}"
+                f" job={event.jobid or '-'} attempt={event.attempt or '-'} node={event.node or '-'}"
+                f" rank={'-' if event.rank is None else event.rank} source={event.source}  {summarize(event)}"
+            )
+            console.print(escape(line), highlight=False, soft_wrap=True)
+    for entry in entries:
+        if entry.event is None:
+            console.print(f"[red]#{entry.seq} on {escape(entry.subject)} could not be decoded: {escape(entry.error or '')}[/red]")

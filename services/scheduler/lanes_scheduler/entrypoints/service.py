@@ -1,0 +1,22 @@
+"""The scheduler as the composition root sees it: migrations and consumers."""
+
+from __future__ import annotations
+
+from lanes_common.consumer import ConsumerSpec
+from lanes_common.service import ServiceDefinition
+from lanes_common.store import migrations_of
+from lanes_common.streams import JOBS, NODES
+from lanes_scheduler.service_layer.handlers import handle_job_event, handle_node_event
+
+JOB_EVENTS = ConsumerSpec(
+    durable="scheduler-jobs",
+    stream=JOBS,
+    subjects=("lanes.job.*.submitted", "lanes.job.*.state_changed"),
+)
+NODE_EVENTS = ConsumerSpec(durable="scheduler-nodes", stream=NODES, subjects=("lanes.node.*.registered",))
+
+SERVICE = ServiceDefinition(
+    name="scheduler",
+    migrations=migrations_of("lanes_scheduler.adapters"),
+    consumers=((JOB_EVENTS, handle_job_event), (NODE_EVENTS, handle_node_event)),
+)
