@@ -91,9 +91,7 @@ def process_tree(pgids: Iterable[int]) -> set[int]:
     frontier = set(tree)
     while frontier:
         children = {
-            pid
-            for pid, (st, ppid, _) in table.items()
-            if ppid in frontier and pid not in tree and _running(st)
+            pid for pid, (st, ppid, _) in table.items() if ppid in frontier and pid not in tree and _running(st)
         }
         tree |= children
         frontier = children

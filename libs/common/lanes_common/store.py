@@ -10,11 +10,16 @@ from __future__ import annotations
 import hashlib
 from importlib.resources import files
 from importlib.resources.abc import Traversable
+from typing import TypeAlias
 
 import asyncpg
 import structlog
+from asyncpg.pool import PoolConnectionProxy
 
 from lanes_common.errors import ServerUnavailableError, UnsupportedServerError
+
+Db: TypeAlias = asyncpg.Connection[asyncpg.Record] | PoolConnectionProxy[asyncpg.Record]
+"""A connection, plain or borrowed from a pool; handlers and repositories accept either."""
 
 MIN_POSTGRES_VERSION = 150000
 _MIGRATION_LOCK = 0x4C414E4553  # "LANES": one advisory lock key for every process applying migrations
@@ -64,7 +69,9 @@ async def apply_migrations(pool: asyncpg.Pool, component: str, directory: Traver
             )
             done = {
                 row["name"]: row["checksum"]
-                for row in await conn.fetch("SELECT name, checksum FROM lanes_migrations WHERE component = $1", component)
+                for row in await conn.fetch(
+                    "SELECT name, checksum FROM lanes_migrations WHERE component = $1", component
+                )
             }
             for name, sql in scripts:
                 checksum = hashlib.sha256(sql.encode()).hexdigest()

@@ -133,7 +133,7 @@ async def provision_streams(
 
 def _age_rank(age: float | None) -> float:
     # 0 (or unset) means "keep forever", the longest retention there is.
-    return float("inf") if not age else age
+    return age or float("inf")
 
 
 def _limit_rank(limit: int | None) -> float:

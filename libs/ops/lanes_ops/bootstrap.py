@@ -10,8 +10,6 @@ from dataclasses import dataclass
 import asyncpg
 import redis.asyncio as aioredis
 import structlog
-from nats.aio.client import Client as NATS
-
 from lanes_common.bus import connect_nats
 from lanes_common.cache import connect_redis
 from lanes_common.consumer import EventConsumer
@@ -24,6 +22,7 @@ from lanes_recovery.entrypoints.service import SERVICE as RECOVERY
 from lanes_router.entrypoints.service import SERVICE as ROUTER
 from lanes_scheduler.entrypoints.service import SERVICE as SCHEDULER
 from lanes_telemetry.entrypoints.service import SERVICE as TELEMETRY
+from nats.aio.client import Client as NatsClient
 
 SERVICES: dict[str, ServiceDefinition] = {s.name: s for s in (SCHEDULER, LIFECYCLE, TELEMETRY, RECOVERY, ROUTER)}
 log = structlog.get_logger(__name__)
@@ -33,7 +32,7 @@ log = structlog.get_logger(__name__)
 class Connections:
     """Open, checked connections to the three servers, with streams provisioned and migrations applied."""
 
-    nc: NATS
+    nc: NatsClient
     pool: asyncpg.Pool
     redis: aioredis.Redis
 

@@ -17,9 +17,6 @@ from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 import yaml
-from pydantic import ValidationError
-from rich.console import Console
-
 from lanes_common.bus import LanesClient, connect_nats
 from lanes_common.errors import LanesError, ServerUnavailableError, UnsupportedServerError
 from lanes_common.events import JobSubmitted, JobSubmittedData
@@ -29,8 +26,11 @@ from lanes_common.log import configure_logging
 from lanes_common.settings import ENV_VARS, ServerUrls, Settings
 from lanes_common.store import create_pool
 from lanes_lifecycle.adapters import repository as lifecycle_jobs
+from pydantic import ValidationError
+from rich.console import Console
+
 from lanes_ops.bootstrap import SERVICES, connected, run_services
-from lanes_ops.demo import job_report, local_nodes, register_nodes, run_demo
+from lanes_ops.demo import local_nodes, register_nodes, run_demo
 from lanes_ops.launcher import LocalLauncher
 from lanes_ops.render import render_job
 from lanes_ops.stack import servers
@@ -40,8 +40,7 @@ EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOT_FOUND, EXIT_SERVER = 1, 2, 3, 4
 _ENV_HELP = "\n".join(f"  {name}: {meaning}" for name, meaning in ENV_VARS.items())
 
 app = typer.Typer(
-    help="Lanes: the control plane and shared fault timeline for multi-node GPU work.\n\n"
-    f"Environment:\n\n{_ENV_HELP}",
+    help=f"Lanes: the control plane and shared fault timeline for multi-node GPU work.\n\nEnvironment:\n\n{_ENV_HELP}",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -84,7 +83,10 @@ def _run(work: Callable[[], Awaitable[_T]]) -> _T:
 
 def _require(value: str | None, name: str) -> str:
     if not value:
-        _fail(f"{name} is not set: start `lanes up` and export the URLs it prints, or point it at your server", EXIT_BAD_INPUT)
+        _fail(
+            f"{name} is not set: start `lanes up` and export the URLs it prints, or point it at your server",
+            EXIT_BAD_INPUT,
+        )
     return value
 
 
@@ -120,10 +122,16 @@ def up(
             stop = _stop_on_signals()
             fleet = local_nodes(nodes, gpus)
             await register_nodes(LanesClient(conns.nc, "lanes/up"), fleet)
-            for name, value in (("NATS_URL", urls.nats_url), ("DATABASE_URL", urls.database_url), ("REDIS_URL", urls.redis_url)):
+            for name, value in (
+                ("NATS_URL", urls.nats_url),
+                ("DATABASE_URL", urls.database_url),
+                ("REDIS_URL", urls.redis_url),
+            ):
                 out.print(f"export {name}={value}", highlight=False, soft_wrap=True)
             out.print(f"[dim]{len(fleet)} local nodes x {gpus} GPUs; Ctrl-C to stop[/dim]")
-            await asyncio.gather(run_services(conns, SERVICES, stop), LocalLauncher(conns.nc, frozenset(fleet)).run(stop))
+            await asyncio.gather(
+                run_services(conns, SERVICES, stop), LocalLauncher(conns.nc, frozenset(fleet)).run(stop)
+            )
 
     try:
         with servers(settings) as urls:
@@ -193,7 +201,9 @@ def submit(spec_file: Annotated[Path, typer.Argument(help="Job spec, YAML or JSO
     async def send() -> int:
         async with await LanesClient.connect(nats_url, source="lanes/cli") as client:
             event_id = derived_event_id(job_id, JobSubmitted.model_fields["type"].default)
-            event = JobSubmitted(id=event_id, source=client.source, jobid=job_id, attempt=1, data=JobSubmittedData(spec=spec))
+            event = JobSubmitted(
+                id=event_id, source=client.source, jobid=job_id, attempt=1, data=JobSubmittedData(spec=spec)
+            )
             return await client.publish(event)
 
     seq = _run(send)
@@ -224,7 +234,8 @@ def job(
     if as_json:
         out.print_json(json.dumps(view))
         return
-    out.print(f"[bold]{view['job_id']}[/bold] {view['state']}  ({view['spec']['workers']}x{view['spec']['gpus_per_worker']} GPUs)")
+    spec = view["spec"]
+    out.print(f"[bold]{view['job_id']}[/bold] {view['state']}  ({spec['workers']}x{spec['gpus_per_worker']} GPUs)")
     for attempt in view["attempts"]:
         out.print(f"  attempt {attempt['number']}: {attempt['state']}  {attempt.get('cause') or ''}")
 

@@ -14,6 +14,8 @@ from lanes_common.ids import new_event_id
 from lanes_common.jobs import JobSpec, JobState, WorkloadClass
 from lanes_common.settings import ServerUrls
 from lanes_lifecycle.adapters import repository as lifecycle_jobs
+from nats.aio.msg import Msg
+
 from lanes_ops.bootstrap import SERVICES, Connections, connected, run_services
 from lanes_ops.launcher import LocalLauncher
 from lanes_ops.timeline import TimelineEntry, job_timeline
@@ -38,7 +40,7 @@ async def wait_for_state(conns: Connections, job_id: str, state: JobState) -> as
     """A future that completes when the job reaches `state` (subscribed before anything is published)."""
     reached: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
-    async def on_change(msg: Any) -> None:
+    async def on_change(msg: Msg) -> None:
         with contextlib.suppress(DecodeError):
             event = decode(msg.subject, msg.headers, msg.data)
             if isinstance(event, JobStateChanged) and event.data.to_state is state and not reached.done():
@@ -51,7 +53,8 @@ async def wait_for_state(conns: Connections, job_id: str, state: JobState) -> as
 async def wait_for_nodes(conns: Connections, count: int, timeout_s: float) -> None:
     """Wait until the scheduler's projection holds at least `count` nodes."""
     async with asyncio.timeout(timeout_s):
-        while await conns.pool.fetchval("SELECT count(*) FROM scheduler_nodes") < count:
+        # Polling the scheduler's projection is the simplest honest check that it has seen the nodes.
+        while await conns.pool.fetchval("SELECT count(*) FROM scheduler_nodes") < count:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
 
 
@@ -84,9 +87,7 @@ async def run_demo(urls: ServerUrls, *, timeout_s: float = 120.0) -> tuple[dict[
             # consumers runs first (a job submitted earlier would wait with spec_mismatch, then be placed).
             await wait_for_nodes(conns, len(DEMO_NODES), timeout_s)
             spec = JobSpec(name="demo-train", workload_class=WorkloadClass.TRAINING, workers=2, gpus_per_worker=4)
-            await client.publish(
-                JobSubmitted(source=SOURCE, jobid=job_id, attempt=1, data=JobSubmittedData(spec=spec))
-            )
+            await client.publish(JobSubmitted(source=SOURCE, jobid=job_id, attempt=1, data=JobSubmittedData(spec=spec)))
             done, _ = await asyncio.wait([released, *workers], timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
             if released not in done:
                 failed = [t for t in workers if t in done]

@@ -13,12 +13,6 @@ import os
 import sys
 
 import structlog
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import APIError
-
 from lanes_common.bus import publish_encoded
 from lanes_common.codec import decode, encode
 from lanes_common.errors import DecodeError
@@ -34,6 +28,11 @@ from lanes_common.events import (
 )
 from lanes_common.jobs import JobSpec
 from lanes_common.streams import JOBS
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import APIError
 
 # What a rank runs when the spec names no command: a little real CPU work, then a clean exit.
 DEFAULT_RANK_PROGRAM = (
@@ -50,7 +49,7 @@ log = structlog.get_logger(__name__)
 class LocalLauncher:
     """Runs the ranks placed on a set of (simulated) nodes as local processes."""
 
-    def __init__(self, nc: NATS, nodes: frozenset[str], *, durable: str = "launcher-local") -> None:
+    def __init__(self, nc: NatsClient, nodes: frozenset[str], *, durable: str = "launcher-local") -> None:
         self._nc = nc
         self._js = nc.jetstream()
         self._nodes = nodes
@@ -104,7 +103,9 @@ class LocalLauncher:
                 await asyncio.gather(*(self._run_rank(event, spec, a, world, msg) for a in mine))
         await msg.ack()
 
-    async def _run_rank(self, placed: JobPlaced, spec: JobSpec, assignment: RankAssignment, world: int, msg: Msg) -> None:
+    async def _run_rank(
+        self, placed: JobPlaced, spec: JobSpec, assignment: RankAssignment, world: int, msg: Msg
+    ) -> None:
         command = list(spec.command) or [sys.executable, "-c", DEFAULT_RANK_PROGRAM]
         local_rank = [a.rank for a in placed.data.assignments if a.node == assignment.node].index(assignment.rank)
         env = os.environ | {
@@ -128,7 +129,9 @@ class LocalLauncher:
                 break
             except TimeoutError:
                 await msg.in_progress()  # a long rank must not make JetStream redeliver its placement
-        exit_data = RankExitedData(exit_code=code, signal=None) if code >= 0 else RankExitedData(exit_code=None, signal=-code)
+        exit_data = (
+            RankExitedData(exit_code=code, signal=None) if code >= 0 else RankExitedData(exit_code=None, signal=-code)
+        )
         exited = derive(RankExited, placed, key=str(assignment.rank), data=exit_data, **keys)
         await publish_encoded(self._js, encode(exited), stream=JOBS.name)
         log.info("rank finished", job_id=placed.jobid, rank=assignment.rank, node=assignment.node, exit_code=code)

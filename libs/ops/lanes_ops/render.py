@@ -9,9 +9,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from rich.console import Console
-from rich.markup import escape
-
 from lanes_common.events import (
     Event,
     JobPlaced,
@@ -23,6 +20,9 @@ from lanes_common.events import (
     RankStarted,
     ResourcesReleased,
 )
+from rich.console import Console
+from rich.markup import escape
+
 from lanes_ops.timeline import TimelineEntry
 
 
@@ -41,8 +41,8 @@ def summarize(event: Event) -> str:
     if isinstance(event, RankStarted):
         return f"pid {event.data.pid}"
     if isinstance(event, RankExited):
-        d = event.data
-        return f"signal {d.signal}" if d.signal else f"exit {d.exit_code}"
+        ended = event.data
+        return f"signal {ended.signal}" if ended.signal else f"exit {ended.exit_code}"
     if isinstance(event, ResourcesReleased):
         return f"{event.data.gpus} GPUs on {', '.join(event.data.nodes) or 'no node'}"
     text = json.dumps(event.model_dump(mode="json")["data"], separators=(",", ":"))
@@ -70,4 +70,6 @@ def render_job(console: Console, job: dict[str, Any], entries: list[TimelineEntr
             console.print(escape(line), highlight=False, soft_wrap=True)
     for entry in entries:
         if entry.event is None:
-            console.print(f"[red]#{entry.seq} on {escape(entry.subject)} could not be decoded: {escape(entry.error or '')}[/red]")
+            console.print(
+                f"[red]#{entry.seq} on {escape(entry.subject)} could not be decoded: {escape(entry.error or '')}[/red]"
+            )

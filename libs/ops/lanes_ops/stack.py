@@ -6,7 +6,6 @@ import contextlib
 from collections.abc import Iterator
 
 import structlog
-
 from lanes_common.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedRedis
 from lanes_common.settings import ServerUrls, Settings
 
@@ -25,7 +24,11 @@ def servers(settings: Settings) -> Iterator[ServerUrls]:
         redis_url = settings.redis_url or stack.enter_context(EmbeddedRedis()).url
         embedded = [
             name
-            for name, given in (("nats", settings.nats_url), ("postgres", settings.database_url), ("redis", settings.redis_url))
+            for name, given in (
+                ("nats", settings.nats_url),
+                ("postgres", settings.database_url),
+                ("redis", settings.redis_url),
+            )
             if not given
         ]
         if embedded:

@@ -6,14 +6,13 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any
 
-from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-
 from lanes_common.codec import decode, format_time
 from lanes_common.errors import DecodeError
 from lanes_common.events import Event
 from lanes_common.streams import JOBS
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 
 @dataclass(frozen=True)

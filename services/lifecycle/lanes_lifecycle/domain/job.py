@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from pydantic import BaseModel, ConfigDict
-
 from lanes_common.errors import PoisonEventError
 from lanes_common.events import (
     Event,
@@ -23,6 +21,7 @@ from lanes_common.events import (
     ResourcesReleased,
 )
 from lanes_common.jobs import JobSpec, JobState
+from pydantic import BaseModel, ConfigDict
 
 
 class IllegalTransitionError(PoisonEventError):
@@ -99,7 +98,7 @@ def evolve(view: JobView | None, event: Event) -> tuple[JobView, Transition | No
     if isinstance(event, JobPlaced):
         _require(view, event, {JobState.QUEUED})
         attempt = view.current.model_copy(update={"placement": event.data.assignments})
-        return _move(view, attempt, JobState.ADMITTED, event, "placed", wait_reason=None)
+        return _move(view, attempt, JobState.ADMITTED, "placed", wait_reason=None)
     if isinstance(event, RankStarted):
         _require(view, event, {JobState.ADMITTED, JobState.RUNNING})
         attempt = view.current.model_copy(
@@ -110,12 +109,12 @@ def evolve(view: JobView | None, event: Event) -> tuple[JobView, Transition | No
         )
         if view.state is JobState.RUNNING:
             return _replace_current(view, attempt), None
-        return _move(view, attempt, JobState.RUNNING, event, f"rank {_rank(event)} started")
+        return _move(view, attempt, JobState.RUNNING, f"rank {_rank(event)} started")
     if isinstance(event, RankExited):
         return _rank_exited(view, event)
     if isinstance(event, ResourcesReleased):
         _require(view, event, TERMINAL)
-        return _move(view, view.current, JobState.RELEASED, event, f"{event.data.gpus} GPUs released")
+        return _move(view, view.current, JobState.RELEASED, f"{event.data.gpus} GPUs released")
     raise IllegalTransitionError(f"the lifecycle does not handle {event.type}")
 
 
@@ -132,10 +131,10 @@ def _rank_exited(view: JobView, event: RankExited) -> tuple[JobView, Transition 
     if not event.data.succeeded:
         how = f"signal {event.data.signal}" if event.data.signal else f"exit code {event.data.exit_code}"
         reason = f"rank {rank} on {event.node} ended with {how}"
-        return _move(view, attempt.model_copy(update={"ended_at": event.time}), JobState.FAILED, event, reason)
+        return _move(view, attempt.model_copy(update={"ended_at": event.time}), JobState.FAILED, reason)
     if len(attempt.succeeded_ranks) == view.spec.workers:
         done = attempt.model_copy(update={"ended_at": event.time})
-        return _move(view, done, JobState.SUCCEEDED, event, "all ranks exited 0")
+        return _move(view, done, JobState.SUCCEEDED, "all ranks exited 0")
     return _replace_current(view, attempt), None
 
 
@@ -155,7 +154,7 @@ def _replace_current(view: JobView, attempt: Attempt) -> JobView:
 
 
 def _move(
-    view: JobView, attempt: Attempt, to_state: JobState, event: Event, reason: str, **changes: object
+    view: JobView, attempt: Attempt, to_state: JobState, reason: str, **changes: object
 ) -> tuple[JobView, Transition]:
     moved = attempt.model_copy(update={"state": to_state, "cause": reason if to_state in TERMINAL else attempt.cause})
     after = _replace_current(view, moved).model_copy(update={"state": to_state, **changes})

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from lanes_common.consumer import HandlerContext
 from lanes_common.events import Event, JobStateChanged, JobStateChangedData, derive
+
 from lanes_lifecycle.adapters import repository
 from lanes_lifecycle.domain.job import evolve
 
@@ -14,8 +15,7 @@ SOURCE = "lanes/lifecycle"
 
 async def handle_job_event(event: Event, ctx: HandlerContext) -> Sequence[Event]:
     """Apply the event to its job; an illegal event raises IllegalTransitionError and is dead-lettered."""
-    assert event.jobid is not None  # guaranteed by the job family's validation
-    view = await repository.load(ctx.conn, event.jobid, for_update=True)
+    view = await repository.load(ctx.conn, event.job_key, for_update=True)
     after, transition = evolve(view, event)
     await repository.save(ctx.conn, after)
     if transition is None:
@@ -26,4 +26,4 @@ async def handle_job_event(event: Event, ctx: HandlerContext) -> Sequence[Event]
         cause_type=event.type,
         reason=transition.reason,
     )
-    return [derive(JobStateChanged, event, source=SOURCE, attempt=after.current.number, node=None, rank=None, data=changed)]
+    return [derive(JobStateChanged, event, source=SOURCE, attempt=after.current.number, data=changed)]

@@ -1,4 +1,7 @@
-"""The recovery as the composition root sees it. Recovery watches job state changes; policies come with the recovery issue."""
+"""The recovery as the composition root sees it.
+
+Recovery watches job state changes; policies come with the recovery issue.
+"""
 
 from __future__ import annotations
 

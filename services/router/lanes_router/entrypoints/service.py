@@ -1,4 +1,7 @@
-"""The router as the composition root sees it. The router watches placements (inference replicas); routing comes with the router issue."""
+"""The router as the composition root sees it.
+
+The router watches placements (inference replicas); routing comes with the router issue.
+"""
 
 from __future__ import annotations
 

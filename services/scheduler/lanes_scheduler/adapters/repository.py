@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-import asyncpg
-
 from lanes_common.events import NodeRegisteredData, RankAssignment
+from lanes_common.store import Db
+
 from lanes_scheduler.domain.placement import GangRequest, NodeCapacity
 
 # Scheduling decisions read capacity and then write allocations; one advisory lock per transaction keeps
@@ -25,12 +25,12 @@ class PendingJob:
     wait_reason: str | None
 
 
-async def lock_scheduling(conn: asyncpg.Connection) -> None:
+async def lock_scheduling(conn: Db) -> None:
     """Serialize scheduling decisions until the end of the current transaction."""
     await conn.execute("SELECT pg_advisory_xact_lock($1)", _SCHEDULING_LOCK)
 
 
-async def upsert_node(conn: asyncpg.Connection, node_id: str, data: NodeRegisteredData) -> None:
+async def upsert_node(conn: Db, node_id: str, data: NodeRegisteredData) -> None:
     """Record a node and its GPUs (a re-registration updates them)."""
     await conn.execute(
         """INSERT INTO scheduler_nodes (node_id, gpu_model, gpus, gpu_memory_gib, labels)
@@ -45,7 +45,7 @@ async def upsert_node(conn: asyncpg.Connection, node_id: str, data: NodeRegister
     )
 
 
-async def add_pending_job(conn: asyncpg.Connection, job_id: str, attempt: int, request: GangRequest, seq: int) -> None:
+async def add_pending_job(conn: Db, job_id: str, attempt: int, request: GangRequest, seq: int) -> None:
     """Queue a job attempt for placement."""
     await conn.execute(
         """INSERT INTO scheduler_jobs (job_id, attempt, workers, gpus_per_worker, gpu_model, status, submitted_seq)
@@ -59,7 +59,7 @@ async def add_pending_job(conn: asyncpg.Connection, job_id: str, attempt: int, r
     )
 
 
-async def capacity(conn: asyncpg.Connection) -> tuple[tuple[NodeCapacity, ...], dict[str, int]]:
+async def capacity(conn: Db) -> tuple[tuple[NodeCapacity, ...], dict[str, int]]:
     """Free GPUs per node, and each node's total GPU count."""
     rows = await conn.fetch(
         """SELECT n.node_id, n.gpu_model, n.gpu_memory_gib, n.gpus,
@@ -79,7 +79,7 @@ async def capacity(conn: asyncpg.Connection) -> tuple[tuple[NodeCapacity, ...], 
     return nodes, {row["node_id"]: row["gpus"] for row in rows}
 
 
-async def pending_jobs(conn: asyncpg.Connection) -> list[PendingJob]:
+async def pending_jobs(conn: Db) -> list[PendingJob]:
     """Job attempts waiting for placement, oldest submission first."""
     rows = await conn.fetch(
         """SELECT job_id, attempt, workers, gpus_per_worker, gpu_model, wait_reason
@@ -96,14 +96,14 @@ async def pending_jobs(conn: asyncpg.Connection) -> list[PendingJob]:
     ]
 
 
-async def set_wait_reason(conn: asyncpg.Connection, job: PendingJob, reason: str) -> None:
+async def set_wait_reason(conn: Db, job: PendingJob, reason: str) -> None:
     """Remember the reason last published for a waiting job."""
     await conn.execute(
         "UPDATE scheduler_jobs SET wait_reason = $3 WHERE job_id = $1 AND attempt = $2", job.job_id, job.attempt, reason
     )
 
 
-async def allocate(conn: asyncpg.Connection, job: PendingJob, assignments: tuple[RankAssignment, ...]) -> None:
+async def allocate(conn: Db, job: PendingJob, assignments: tuple[RankAssignment, ...]) -> None:
     """Hold the GPUs of a placement and mark the job attempt placed."""
     await conn.executemany(
         "INSERT INTO scheduler_allocations (node_id, gpu_index, job_id, attempt, rank) VALUES ($1, $2, $3, $4, $5)",
@@ -116,7 +116,7 @@ async def allocate(conn: asyncpg.Connection, job: PendingJob, assignments: tuple
     )
 
 
-async def release(conn: asyncpg.Connection, job_id: str, attempt: int) -> tuple[tuple[str, ...], int] | None:
+async def release(conn: Db, job_id: str, attempt: int) -> tuple[tuple[str, ...], int] | None:
     """Free the GPUs of a finished job attempt; return (nodes, gpu count), or None if the attempt is unknown."""
     status = await conn.fetchval(
         "UPDATE scheduler_jobs SET status = 'done' WHERE job_id = $1 AND attempt = $2 RETURNING status",

@@ -20,6 +20,7 @@ from lanes_common.events import (
     derive,
 )
 from lanes_common.jobs import JobState
+
 from lanes_scheduler.adapters import repository
 from lanes_scheduler.domain.placement import Blocked, GangRequest, place_first_fit
 
@@ -33,12 +34,12 @@ async def handle_job_event(event: Event, ctx: HandlerContext) -> Sequence[Event]
     if isinstance(event, JobSubmitted):
         spec = event.data.spec
         request = GangRequest(spec.workers, spec.gpus_per_worker, spec.gpu_model)
-        await repository.add_pending_job(ctx.conn, _job_id(event), event.attempt or 1, request, ctx.stream_seq)
+        await repository.add_pending_job(ctx.conn, event.job_key, event.attempt or 1, request, ctx.stream_seq)
         return await _schedule(event, ctx)
     if isinstance(event, JobStateChanged):
         if event.data.to_state not in TERMINAL:
             return []
-        released = await repository.release(ctx.conn, _job_id(event), event.attempt or 1)
+        released = await repository.release(ctx.conn, event.job_key, event.attempt or 1)
         if released is None:
             return []
         nodes, gpus = released
@@ -52,8 +53,7 @@ async def handle_node_event(event: Event, ctx: HandlerContext) -> Sequence[Event
     """Record node inventory; new capacity may let waiting jobs run."""
     await repository.lock_scheduling(ctx.conn)
     if isinstance(event, NodeRegistered):
-        assert event.node is not None  # guaranteed by the node family's validation
-        await repository.upsert_node(ctx.conn, event.node, event.data)
+        await repository.upsert_node(ctx.conn, event.node_key, event.data)
         return await _schedule(event, ctx)
     msg = f"the scheduler does not handle {event.type} on the node stream"
     raise PoisonEventError(msg)
@@ -70,7 +70,15 @@ async def _schedule(cause: Event, ctx: HandlerContext) -> list[Event]:
                 await repository.set_wait_reason(ctx.conn, job, result.reason)
                 data = JobWaitingData(reason=result.reason, detail=result.detail, queue_position=position)
                 outputs.append(
-                    derive(JobWaiting, cause, key=job.job_id, source=SOURCE, jobid=job.job_id, attempt=job.attempt, data=data)
+                    derive(
+                        JobWaiting,
+                        cause,
+                        key=job.job_id,
+                        source=SOURCE,
+                        jobid=job.job_id,
+                        attempt=job.attempt,
+                        data=data,
+                    )
                 )
             continue
         await repository.allocate(ctx.conn, job, result)
@@ -87,8 +95,3 @@ async def _schedule(cause: Event, ctx: HandlerContext) -> list[Event]:
             )
         )
     return outputs
-
-
-def _job_id(event: Event) -> str:
-    assert event.jobid is not None  # guaranteed by the job family's validation
-    return event.jobid

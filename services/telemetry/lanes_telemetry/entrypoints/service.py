@@ -1,4 +1,7 @@
-"""The telemetry as the composition root sees it. Telemetry consumes node evidence; correlation and first-error election come with the telemetry issue."""
+"""The telemetry as the composition root sees it.
+
+Telemetry consumes node evidence; correlation and first-error election come with the telemetry issue.
+"""
 
 from __future__ import annotations
 
