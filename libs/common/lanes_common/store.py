@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from importlib.resources import files
 from importlib.resources.abc import Traversable
-from typing import TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 import asyncpg
 import structlog
@@ -18,7 +18,10 @@ from asyncpg.pool import PoolConnectionProxy
 
 from lanes_common.errors import ServerUnavailableError, UnsupportedServerError
 
-Db: TypeAlias = asyncpg.Connection[asyncpg.Record] | PoolConnectionProxy[asyncpg.Record]
+if TYPE_CHECKING:
+    Db: TypeAlias = asyncpg.Connection[asyncpg.Record] | PoolConnectionProxy[asyncpg.Record]
+else:  # the classes are generic only in the type stubs
+    Db = asyncpg.Connection | PoolConnectionProxy
 """A connection, plain or borrowed from a pool; handlers and repositories accept either."""
 
 MIN_POSTGRES_VERSION = 150000
