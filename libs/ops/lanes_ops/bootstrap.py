@@ -58,8 +58,8 @@ async def connected(urls: ServerUrls, *, name: str, stream_replicas: int = 1) ->
             await nc.drain()
 
 
-async def run_services(conns: Connections, names: Iterable[str], stop: asyncio.Event) -> None:
-    """Apply each service's migrations, provision its consumers and run them until `stop` is set."""
+async def prepare_services(conns: Connections, names: Iterable[str]) -> list[EventConsumer]:
+    """Apply each service's migrations and provision its consumers; return the consumers, not yet running."""
     consumers: list[EventConsumer] = []
     for name in names:
         service = SERVICES[name]
@@ -69,7 +69,12 @@ async def run_services(conns: Connections, names: Iterable[str], stop: asyncio.E
             consumer = EventConsumer(conns.nc, conns.pool, spec, handler)
             await consumer.provision()
             consumers.append(consumer)
-    log.info("services running", services=list(names))
+    return consumers
+
+
+async def run_consumers(consumers: Iterable[EventConsumer], stop: asyncio.Event) -> None:
+    """Run consumers until `stop` is set; if one fails, the others are cancelled and the error raised."""
+    log.info("consumers running", consumers=[c.spec.durable for c in consumers])
     async with asyncio.TaskGroup() as group:
         for consumer in consumers:
             group.create_task(consumer.run(stop), name=consumer.spec.durable)

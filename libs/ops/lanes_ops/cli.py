@@ -29,7 +29,7 @@ from lanes_lifecycle.adapters import repository as lifecycle_jobs
 from pydantic import ValidationError
 from rich.console import Console
 
-from lanes_ops.bootstrap import SERVICES, connected, run_services
+from lanes_ops.bootstrap import SERVICES, connected, prepare_services, run_consumers
 from lanes_ops.demo import local_nodes, register_nodes, run_demo
 from lanes_ops.launcher import LocalLauncher
 from lanes_ops.render import render_job
@@ -129,9 +129,9 @@ def up(
             ):
                 out.print(f"export {name}={value}", highlight=False, soft_wrap=True)
             out.print(f"[dim]{len(fleet)} local nodes x {gpus} GPUs; Ctrl-C to stop[/dim]")
-            await asyncio.gather(
-                run_services(conns, SERVICES, stop), LocalLauncher(conns.nc, frozenset(fleet)).run(stop)
-            )
+            consumers = await prepare_services(conns, SERVICES)
+            launcher = LocalLauncher(conns.nc, frozenset(fleet))
+            await asyncio.gather(run_consumers(consumers, stop), launcher.run(stop))
 
     try:
         with servers(settings) as urls:
@@ -154,7 +154,7 @@ def serve(service: Annotated[str, typer.Argument(help=f"One of: {', '.join(SERVI
 
     async def serve_one() -> None:
         async with connected(urls, name=f"lanes-{service}", stream_replicas=settings.stream_replicas) as conns:
-            await run_services(conns, [service], _stop_on_signals())
+            await run_consumers(await prepare_services(conns, [service]), _stop_on_signals())
 
     try:
         _run(serve_one)

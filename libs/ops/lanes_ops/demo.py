@@ -16,7 +16,7 @@ from lanes_common.settings import ServerUrls
 from lanes_lifecycle.adapters import repository as lifecycle_jobs
 from nats.aio.msg import Msg
 
-from lanes_ops.bootstrap import SERVICES, Connections, connected, run_services
+from lanes_ops.bootstrap import SERVICES, Connections, connected, prepare_services, run_consumers
 from lanes_ops.launcher import LocalLauncher
 from lanes_ops.timeline import TimelineEntry, job_timeline
 
@@ -75,8 +75,9 @@ async def run_demo(urls: ServerUrls, *, timeout_s: float = 120.0) -> tuple[dict[
     job_id = f"demo-{new_event_id()[-12:]}"
     async with connected(urls, name="lanes-demo") as conns:
         stop = asyncio.Event()
+        consumers = await prepare_services(conns, SERVICES)
         workers = [
-            asyncio.create_task(run_services(conns, SERVICES, stop), name="services"),
+            asyncio.create_task(run_consumers(consumers, stop), name="services"),
             asyncio.create_task(LocalLauncher(conns.nc, frozenset(DEMO_NODES)).run(stop), name="launcher"),
         ]
         try:
