@@ -9,7 +9,6 @@ A launcher or node agent needs three lines::
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Self
@@ -151,9 +150,9 @@ class LanesClient:
         return published.seq
 
     async def close(self) -> None:
-        """Flush pending work and close the connection."""
+        """Close the connection (every publish has already been acknowledged by JetStream)."""
         if not self._nc.is_closed:
-            await asyncio.shield(self._nc.drain())
+            await self._nc.close()
 
     async def __aenter__(self) -> Self:
         return self

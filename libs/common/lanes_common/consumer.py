@@ -31,7 +31,6 @@ import asyncpg
 import structlog
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from lanes_common.bus import publish_encoded
@@ -142,7 +141,7 @@ class EventConsumer:
             while not stop.is_set():
                 try:
                     msgs = await sub.fetch(self.spec.batch, timeout=0.5)
-                except NatsTimeoutError:
+                except TimeoutError:  # nats-py raises its own subclass or the builtin, depending on the path
                     continue
                 await self.process_batch(msgs)
         finally:

@@ -54,8 +54,10 @@ async def connected(urls: ServerUrls, *, name: str, stream_replicas: int = 1) ->
         finally:
             await pool.close()
     finally:
+        # close, not drain: every publish already waited for its JetStream ack, and draining pull
+        # subscriptions waits out their pending fetches (up to the drain timeout) for nothing.
         with contextlib.suppress(Exception):
-            await nc.drain()
+            await nc.close()
 
 
 async def prepare_services(conns: Connections, names: Iterable[str]) -> list[EventConsumer]:

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar
 
+import asyncpg
 import typer
 import yaml
 from lanes_common.bus import LanesClient, connect_nats
@@ -224,6 +225,8 @@ def job(
         try:
             async with pool.acquire() as conn:
                 view = await lifecycle_jobs.load(conn, job_id)
+        except asyncpg.UndefinedTableError:
+            _fail("DATABASE_URL holds no Lanes projection yet: no lifecycle service has run against it", EXIT_NOT_FOUND)
         finally:
             await pool.close()
         return None if view is None else view.model_dump(mode="json")

@@ -30,7 +30,6 @@ from lanes_common.jobs import JobSpec
 from lanes_common.streams import JOBS
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import APIError
 
@@ -74,7 +73,7 @@ class LocalLauncher:
             while not stop.is_set():
                 try:
                     msgs = await sub.fetch(16, timeout=0.5)
-                except NatsTimeoutError:
+                except TimeoutError:  # nats-py raises its own subclass or the builtin, depending on the path
                     continue
                 for msg in msgs:
                     task = asyncio.create_task(self._handle(msg))

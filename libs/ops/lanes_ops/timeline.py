@@ -10,7 +10,6 @@ from lanes_common.codec import decode, format_time
 from lanes_common.errors import DecodeError
 from lanes_common.events import Event
 from lanes_common.streams import JOBS
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
@@ -62,7 +61,7 @@ async def read_stream(js: JetStreamContext, stream: str, subject: str, *, batch:
         while True:
             try:
                 msgs = await sub.fetch(batch, timeout=1.0)
-            except NatsTimeoutError:
+            except TimeoutError:  # nats-py raises its own subclass or the builtin, depending on the path
                 break
             for msg in msgs:
                 seq = msg.metadata.sequence.stream

@@ -1,0 +1,63 @@
+"""A test handler with a visible effect, shared by the contract tests and their crashing child process."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+
+from nats.js import JetStreamContext
+
+from lanes_common.consumer import ConsumerSpec, HandlerContext
+from lanes_common.events import Event, JobSubmitted, JobSubmittedData, JobWaiting, JobWaitingData, derive
+from lanes_common.jobs import JobSpec
+from lanes_common.store import Db
+from lanes_common.streams import JOBS
+
+EFFECTS_DDL = "CREATE TABLE IF NOT EXISTS effects (id bigserial PRIMARY KEY, event_id text NOT NULL)"
+
+
+def spec_for(job_id: str, **overrides: object) -> ConsumerSpec:
+    """A consumer of one job's submissions, with short timings so redeliveries happen within a test."""
+    fields: dict[str, object] = {
+        "durable": f"test-{job_id}",
+        "stream": JOBS,
+        "subjects": (f"lanes.job.{job_id}.submitted",),
+        "ack_wait_s": 2.0,
+        "max_deliver": 4,
+        "redelivery_delays_s": (0.2,),
+    }
+    return ConsumerSpec(**(fields | overrides))  # type: ignore[arg-type]
+
+
+def submission(job_id: str) -> JobSubmitted:
+    """A valid input event for `job_id`."""
+    return JobSubmitted(source="tests", jobid=job_id, attempt=1, data=JobSubmittedData(spec=JobSpec(name="t", workers=1)))
+
+
+async def record_effect(event: Event, ctx: HandlerContext) -> Sequence[Event]:
+    """Insert one row per processing and emit one follow-up event."""
+    await ctx.conn.execute("INSERT INTO effects (event_id) VALUES ($1)", event.id)
+    return [derive(JobWaiting, event, source="tests", data=JobWaitingData(reason="seen"))]
+
+
+async def effects(conn: Db, event_id: str) -> int:
+    """How many times the handler's effect was committed for an event."""
+    count = await conn.fetchval("SELECT count(*) FROM effects WHERE event_id = $1", event_id)
+    return int(count)
+
+
+async def stored(js: JetStreamContext, stream: str, subject: str) -> int:
+    """How many messages a stream holds on a subject."""
+    info = await js.stream_info(stream, subjects_filter=subject)
+    return int((info.state.subjects or {}).get(subject, 0))
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], *, timeout_s: float = 20.0, what: str = "condition") -> None:
+    """Wait until `check` holds, polling; fail with `what` if it never does."""
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        if time.monotonic() > deadline:
+            msg = f"timed out waiting for {what}"
+            raise AssertionError(msg)
+        await asyncio.sleep(0.05)

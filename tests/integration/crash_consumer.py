@@ -1,0 +1,45 @@
+"""Child process for the crash tests: runs a consumer and kills itself with SIGKILL at a chosen point.
+
+Usage: crash_consumer.py NATS_URL DATABASE_URL JOB_ID (ack|publish)
+- ack: after the transaction committed and the outputs were published, just before the ack.
+- publish: after the transaction committed, just before the first output is published.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import lanes_common.consumer as consumer_module  # noqa: E402
+from contract_support import EFFECTS_DDL, record_effect, spec_for  # noqa: E402
+from lanes_common.bus import connect_nats  # noqa: E402
+from lanes_common.store import apply_migrations, create_pool, migrations_of  # noqa: E402
+from nats.aio.msg import Msg  # noqa: E402
+
+
+def die(*_args: Any, **_kwargs: Any) -> Any:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+async def main(nats_url: str, database_url: str, job_id: str, point: str) -> None:
+    nc = await connect_nats(nats_url, name="crash-child")
+    pool = await create_pool(database_url)
+    await apply_migrations(pool, "lanes_common", migrations_of("lanes_common"))
+    await pool.execute(EFFECTS_DDL)
+    if point == "ack":
+        Msg.ack = die  # type: ignore[method-assign]
+    else:
+        consumer_module.publish_encoded = die  # type: ignore[attr-defined]
+    consumer = consumer_module.EventConsumer(nc, pool, spec_for(job_id), record_effect)
+    print("ready", flush=True)
+    await consumer.run(asyncio.Event())
+
+
+if __name__ == "__main__":
+    asyncio.run(main(*sys.argv[1:5]))

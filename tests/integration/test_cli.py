@@ -1,0 +1,187 @@
+"""The `lanes` command as a user runs it: real processes, real servers, exit codes and output."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import asyncpg
+import pytest
+from test_servers_and_streams import _server_announcing
+
+from lanes_common.settings import ServerUrls
+
+pytestmark = pytest.mark.real_servers
+LANES = str(Path(sys.executable).parent / "lanes")
+SERVER_NAMES = ("nats-server", "postgres", "redis-server")
+
+
+def _env(**urls: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in {"NATS_URL", "DATABASE_URL", "REDIS_URL"}}
+    return env | urls | {"LANES_LOG_FORMAT": "json"}
+
+
+def _lanes(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([LANES, *args], env=env, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def _our_temp_dirs() -> set[str]:
+    return {p.name for p in Path(tempfile.gettempdir()).glob("lanes-*")}
+
+
+def _server_pids() -> set[int]:
+    pids = set()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                name = (proc / "comm").read_text().strip()
+            except OSError:
+                continue
+            if name in SERVER_NAMES:
+                pids.add(int(proc.name))
+    return pids
+
+
+def _gone(before_dirs: set[str], before_pids: set[int], timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        extra_dirs, extra_pids = _our_temp_dirs() - before_dirs, _server_pids() - before_pids
+        if not extra_dirs and not extra_pids:
+            return
+        assert time.monotonic() < deadline, f"left behind: dirs {extra_dirs}, server pids {extra_pids}"
+        time.sleep(0.1)
+
+
+def test_demo_json_on_embedded_servers_runs_the_job_to_the_end() -> None:
+    dirs, pids = _our_temp_dirs(), _server_pids()
+    result = _lanes("demo", "--json", env=_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    (job,) = json.loads(result.stdout)["jobs"]
+    assert job["state"] == "released"
+    (attempt,) = job["attempts"]
+    assert attempt["state"] == "released"
+    assert {a["node"] for a in attempt["placement"]} == {"node-1", "node-2"}
+    timeline = job["timeline"]
+    assert [e["seq"] for e in timeline] == sorted(e["seq"] for e in timeline)
+    for entry in timeline:
+        assert set(entry) == {"seq", "time", "type", "lane", "job_id", "attempt", "node", "rank", "source", "data"}
+        assert entry["job_id"] == job["job_id"]
+        assert entry["attempt"] == 1
+    states = [e["data"]["to_state"] for e in timeline if e["type"] == "io.lanes.job.state_changed.v1"]
+    assert states == ["queued", "admitted", "running", "succeeded", "released"]
+    exits = [e for e in timeline if e["type"] == "io.lanes.job.rank_exited.v1"]
+    assert sorted((e["rank"], e["node"], e["data"]["exit_code"]) for e in exits) == [(0, "node-1", 0), (1, "node-2", 0)]
+    assert {e["lane"] for e in exits} == {"host"}
+    _gone(dirs, pids)
+
+
+def test_demo_prints_the_timeline_grouped_by_lane() -> None:
+    result = _lanes("demo", env=_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert out.index("platform lane") < out.index("host lane")
+    job_id = out.split()[1]
+    event_lines = [line for line in out.splitlines() if line.strip().startswith("#")]
+    assert len(event_lines) >= 12
+    for line in event_lines:
+        assert f"job={job_id}" in line
+        assert "attempt=1" in line
+        assert "node=" in line
+        assert "job." in line  # the event type
+
+
+async def test_demo_uses_the_servers_the_environment_names(servers: ServerUrls, database_url: str) -> None:
+    env = _env(DATABASE_URL=database_url, REDIS_URL=servers.redis_url)
+    result = await asyncio.to_thread(_lanes, "demo", "--json", env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (job,) = json.loads(result.stdout)["jobs"]
+    conn = await asyncpg.connect(database_url)
+    try:
+        state = await conn.fetchval("SELECT state FROM lifecycle_jobs WHERE job_id = $1", job["job_id"])
+    finally:
+        await conn.close()
+    assert state == "released"
+
+
+def test_up_serves_submit_job_and_timeline_then_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
+    dirs, pids = _our_temp_dirs(), _server_pids()
+    up = subprocess.Popen([LANES, "up"], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert up.stdout is not None
+        exports = {}
+        while len(exports) < 3:
+            line = up.stdout.readline()
+            assert line, "lanes up exited before printing its URLs"
+            if line.startswith("export "):
+                name, _, value = line.removeprefix("export ").strip().partition("=")
+                exports[name] = value
+        env = _env(**exports)
+        spec = tmp_path / "job.yaml"
+        spec.write_text("job_id: cli-job-1\nname: cli-job\nworkers: 3\ngpus_per_worker: 2\n")
+        submitted = _lanes("submit", str(spec), env=env)
+        assert submitted.returncode == 0, submitted.stderr
+        assert json.loads(submitted.stdout)["job_id"] == "cli-job-1"
+        again = _lanes("submit", str(spec), env=env)
+        assert json.loads(again.stdout)["seq"] == json.loads(submitted.stdout)["seq"]  # de-duplicated
+
+        deadline = time.monotonic() + 60
+        while True:
+            shown = _lanes("job", "cli-job-1", "--json", env=env)
+            if shown.returncode == 0 and json.loads(shown.stdout)["state"] == "released":
+                break
+            assert time.monotonic() < deadline, shown.stdout + shown.stderr
+            time.sleep(0.2)
+        timeline = _lanes("timeline", "cli-job-1", "--json", env=env)
+        assert timeline.returncode == 0, timeline.stderr
+        events = json.loads(timeline.stdout)["timeline"]
+        assert sum(e["type"] == "io.lanes.job.rank_exited.v1" for e in events) == 3
+        assert sum(e["type"] == "io.lanes.job.submitted.v1" for e in events) == 1
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(timeout=30)
+    assert up.returncode == 0
+    _gone(dirs, pids)
+
+
+def test_bad_input_gets_a_one_line_error_and_a_meaningful_exit_code(tmp_path: Path, servers: ServerUrls) -> None:
+    env = _env(NATS_URL=servers.nats_url, DATABASE_URL=servers.database_url, REDIS_URL=servers.redis_url)
+    missing = _lanes("submit", str(tmp_path / "nope.yaml"), env=env)
+    assert missing.returncode == 2
+    assert "cannot read" in missing.stderr
+
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("name: [unclosed\n")
+    assert _lanes("submit", str(bad_yaml), env=env).returncode == 2
+
+    bad_field = tmp_path / "field.yaml"
+    bad_field.write_text("name: ok\nworkers: 0\n")
+    result = _lanes("submit", str(bad_field), env=env)
+    assert result.returncode == 2
+    assert "workers" in result.stderr
+    assert "Traceback" not in result.stderr
+
+    unknown = _lanes("timeline", "no-such-job", env=env)
+    assert unknown.returncode == 3
+    assert "unknown job" in unknown.stderr
+
+    assert _lanes("serve", "nonsense", env=env).returncode == 2
+
+
+def test_an_unreachable_server_exits_4() -> None:
+    result = _lanes("timeline", "x", env=_env(NATS_URL="nats://127.0.0.1:1"), timeout=60)
+    assert result.returncode == 4
+    assert "cannot reach NATS" in result.stderr
+
+
+async def test_an_old_nats_is_refused_by_the_cli() -> None:
+    async with _server_announcing("2.9.10") as url:
+        result = await asyncio.to_thread(_lanes, "timeline", "x", env=_env(NATS_URL=url), timeout=60)
+    assert result.returncode == 4
+    assert "too old" in result.stderr

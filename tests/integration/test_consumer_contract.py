@@ -1,0 +1,293 @@
+"""The processing guarantees of DESIGN.md, on real NATS JetStream and PostgreSQL servers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import asyncpg
+import pytest
+from contract_support import EFFECTS_DDL, effects, eventually, record_effect, spec_for, stored, submission
+
+from lanes_common.bus import LanesClient, connect_nats
+from lanes_common.consumer import (
+    DEAD_CONSUMER,
+    DEAD_REASON,
+    DEAD_SEQUENCE,
+    DEAD_STREAM,
+    ORIGINAL_MSG_ID,
+    EventConsumer,
+    HandlerContext,
+    Outcome,
+)
+from lanes_common.errors import InvalidEventError, PoisonEventError
+from lanes_common.events import Event, JobSubmitted
+from lanes_common.settings import ServerUrls
+from lanes_common.store import apply_migrations, create_pool, migrations_of
+from lanes_common.streams import DEAD, JOBS, provision_streams
+
+pytestmark = pytest.mark.real_servers
+
+
+@pytest.fixture
+async def lanes(urls: ServerUrls) -> AsyncIterator[LanesClient]:
+    client = await LanesClient.connect(urls.nats_url, source="tests")
+    await provision_streams(client.js)
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+async def pool(urls: ServerUrls) -> AsyncIterator[asyncpg.Pool]:
+    db = await create_pool(urls.database_url)
+    await apply_migrations(db, "lanes_common", migrations_of("lanes_common"))
+    await db.execute(EFFECTS_DDL)
+    yield db
+    await db.close()
+
+
+async def _running(consumer: EventConsumer) -> tuple[asyncio.Event, asyncio.Task[None]]:
+    stop = asyncio.Event()
+    return stop, asyncio.create_task(consumer.run(stop))
+
+
+async def _stop(stop: asyncio.Event, task: asyncio.Task[None]) -> None:
+    stop.set()
+    await asyncio.wait_for(task, timeout=10)
+
+
+async def _dead_letters(lanes: LanesClient, durable: str) -> list[tuple[dict[str, str], bytes]]:
+    subject = f"lanes.dead.{JOBS.name}.{durable}"
+    if await stored(lanes.js, DEAD.name, subject) == 0:
+        return []
+    sub = await lanes.js.subscribe(subject, stream=DEAD.name, ordered_consumer=True)
+    letters = []
+    while True:
+        msg = await sub.next_msg(timeout=5)
+        letters.append((dict(msg.headers or {}), msg.data))
+        if msg.metadata.num_pending == 0:
+            break
+    await sub.unsubscribe()
+    return letters
+
+
+async def test_a_resent_event_is_stored_once(lanes: LanesClient, unique: str) -> None:
+    event = submission(f"dup-{unique}")
+    first = await lanes.publish(event)
+    second = await lanes.publish(event)
+    assert second == first
+    assert await stored(lanes.js, JOBS.name, event.nats_subject()) == 1
+
+
+async def test_an_invalid_event_is_refused_before_sending(lanes: LanesClient, unique: str) -> None:
+    good = submission(f"bad-{unique}")
+    broken = good.model_copy(update={"jobid": "has.dots"})  # model_copy skips validation
+    with pytest.raises(InvalidEventError, match="jobid"):
+        await lanes.publish(broken)
+    info = await lanes.js.stream_info(JOBS.name, subjects_filter="lanes.job.has.>")
+    assert not info.state.subjects
+
+
+async def test_an_event_is_processed_once_and_its_output_published(
+    lanes: LanesClient, pool: asyncpg.Pool, unique: str
+) -> None:
+    job_id = f"once-{unique}"
+    consumer = EventConsumer(lanes._nc, pool, spec_for(job_id), record_effect)
+    stop, task = await _running(consumer)
+    event = submission(job_id)
+    await lanes.publish(event)
+    await lanes.publish(event)  # de-duplicated by JetStream
+    await eventually(lambda: _processed(consumer, 1), what="processing")
+    await _stop(stop, task)
+    assert await effects(pool, event.id) == 1
+    assert await stored(lanes.js, JOBS.name, f"lanes.job.{job_id}.waiting") == 1
+
+
+async def _processed(consumer: EventConsumer, count: int) -> bool:
+    return consumer.outcomes[Outcome.PROCESSED] >= count
+
+
+@pytest.mark.parametrize("point", ["ack", "publish"])
+async def test_a_crash_after_commit_does_the_effect_exactly_once(
+    lanes: LanesClient, pool: asyncpg.Pool, urls: ServerUrls, unique: str, point: str
+) -> None:
+    job_id = f"crash-{point}-{unique}"
+    event = submission(job_id)
+    await lanes.publish(event)
+    child = Path(__file__).parent / "crash_consumer.py"
+    result = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, str(child), urls.nats_url, urls.database_url, job_id, point],
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == -9, result.stderr.decode()[-2000:]  # killed by its own SIGKILL
+    assert await effects(pool, event.id) == 1  # the transaction committed before the crash
+    outbox = await pool.fetchval("SELECT count(*) FROM lanes_outbox WHERE cause_id = $1", event.id)
+    assert outbox == (1 if point == "publish" else 0)
+
+    consumer = EventConsumer(lanes._nc, pool, spec_for(job_id), record_effect)
+    stop, task = await _running(consumer)  # the unacknowledged message comes back after ack_wait
+    await eventually(lambda: _settled(consumer), what="redelivery after the crash")
+    await _stop(stop, task)
+    assert consumer.outcomes[Outcome.DUPLICATE] == 1
+    assert consumer.outcomes[Outcome.PROCESSED] == 0
+    assert await effects(pool, event.id) == 1
+    assert await stored(lanes.js, JOBS.name, f"lanes.job.{job_id}.waiting") == 1
+    assert await pool.fetchval("SELECT count(*) FROM lanes_outbox WHERE cause_id = $1", event.id) == 0
+
+
+async def _settled(consumer: EventConsumer) -> bool:
+    return consumer.outcomes[Outcome.DUPLICATE] + consumer.outcomes[Outcome.PROCESSED] >= 1
+
+
+async def test_a_poison_message_is_dead_lettered_and_the_consumer_keeps_going(
+    lanes: LanesClient, pool: asyncpg.Pool, unique: str
+) -> None:
+    job_id = f"poison-{unique}"
+    spec = spec_for(job_id)
+    consumer = EventConsumer(lanes._nc, pool, spec, record_effect)
+    stop, task = await _running(consumer)
+    subject = f"lanes.job.{job_id}.submitted"
+    ack = await lanes.js.publish(
+        subject, b"{not json", headers={"ce-specversion": "1.0", "ce-type": "x", "Nats-Msg-Id": f"junk-{unique}"}
+    )
+    good = submission(job_id)
+    await lanes.publish(good)
+    await eventually(lambda: _processed(consumer, 1), what="the valid event after the poison one")
+    await _stop(stop, task)
+
+    assert consumer.outcomes[Outcome.DEAD_LETTERED] == 1
+    assert await effects(pool, good.id) == 1
+    (headers, payload), *rest = await _dead_letters(lanes, spec.durable)
+    assert not rest
+    assert payload == b"{not json"
+    assert headers[DEAD_SEQUENCE] == str(ack.seq)
+    assert headers[DEAD_STREAM] == JOBS.name
+    assert headers[DEAD_CONSUMER] == spec.durable
+    assert "not valid JSON" in headers[DEAD_REASON]
+    assert headers["ce-type"] == "x"  # the original headers travel with it
+    assert headers[ORIGINAL_MSG_ID] == f"junk-{unique}"
+
+
+async def test_an_invariant_violation_is_dead_lettered_at_once(
+    lanes: LanesClient, pool: asyncpg.Pool, unique: str
+) -> None:
+    async def refuse(event: Event, ctx: HandlerContext) -> list[Event]:
+        await ctx.conn.execute("INSERT INTO effects (event_id) VALUES ($1)", event.id)
+        raise PoisonEventError("job is in a state that forbids this")
+
+    job_id = f"invariant-{unique}"
+    spec = spec_for(job_id)
+    consumer = EventConsumer(lanes._nc, pool, spec, refuse)
+    stop, task = await _running(consumer)
+    event = submission(job_id)
+    await lanes.publish(event)
+    await eventually(lambda: _dead(consumer), what="dead letter")
+    await _stop(stop, task)
+    assert await effects(pool, event.id) == 0  # the transaction was rolled back
+    (headers, _), = await _dead_letters(lanes, spec.durable)
+    assert "forbids this" in headers[DEAD_REASON]
+    assert headers["Lanes-Dead-Deliveries"] == "1"
+
+
+async def _dead(consumer: EventConsumer) -> bool:
+    return consumer.outcomes[Outcome.DEAD_LETTERED] >= 1
+
+
+async def test_a_transient_postgres_error_is_redelivered_not_lost(
+    lanes: LanesClient, pool: asyncpg.Pool, unique: str
+) -> None:
+    deliveries: list[int] = []
+
+    async def flaky(event: Event, ctx: HandlerContext) -> list[Event]:
+        deliveries.append(ctx.deliveries)
+        if ctx.deliveries == 1:
+            # A real server-side failure: the database ends this session in the middle of the transaction.
+            await ctx.conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+        return list(await record_effect(event, ctx))
+
+    job_id = f"transient-{unique}"
+    consumer = EventConsumer(lanes._nc, pool, spec_for(job_id), flaky)
+    stop, task = await _running(consumer)
+    event = submission(job_id)
+    await lanes.publish(event)
+    await eventually(lambda: _processed(consumer, 1), what="processing after the transient error")
+    await _stop(stop, task)
+    assert deliveries == [1, 2]
+    assert consumer.outcomes[Outcome.RETRY] == 1
+    assert await effects(pool, event.id) == 1
+    assert await stored(lanes.js, JOBS.name, f"lanes.job.{job_id}.waiting") == 1
+
+
+async def test_a_message_that_always_fails_is_dead_lettered_after_max_deliver(
+    lanes: LanesClient, pool: asyncpg.Pool, unique: str
+) -> None:
+    async def broken(event: Event, ctx: HandlerContext) -> list[Event]:
+        raise RuntimeError("dependency keeps failing")
+
+    job_id = f"maxdeliver-{unique}"
+    spec = spec_for(job_id, max_deliver=3)
+    consumer = EventConsumer(lanes._nc, pool, spec, broken)
+    stop, task = await _running(consumer)
+    await lanes.publish(submission(job_id))
+    await eventually(lambda: _dead(consumer), what="dead letter after max deliveries")
+    await _stop(stop, task)
+    assert consumer.outcomes[Outcome.RETRY] == 2
+    (headers, _), = await _dead_letters(lanes, spec.durable)
+    assert "gave up after 3 deliveries" in headers[DEAD_REASON]
+    assert "dependency keeps failing" in headers[DEAD_REASON]
+
+
+async def test_provisioning_twice_is_a_no_op(lanes: LanesClient, pool: asyncpg.Pool, unique: str) -> None:
+    await provision_streams(lanes.js)
+    assert set((await provision_streams(lanes.js)).values()) == {"unchanged"}
+    consumer = EventConsumer(lanes._nc, pool, spec_for(f"prov-{unique}"), record_effect)
+    await consumer.provision()
+    before = await lanes.js.consumer_info(JOBS.name, consumer.spec.durable)
+    await consumer.provision()
+    after = await lanes.js.consumer_info(JOBS.name, consumer.spec.durable)
+    assert before.config == after.config
+    assert await apply_migrations(pool, "lanes_common", migrations_of("lanes_common")) == []
+
+
+async def test_the_max_deliveries_advisory_dead_letters_an_abandoned_message(
+    lanes: LanesClient, pool: asyncpg.Pool, unique: str
+) -> None:
+    job_id = f"abandoned-{unique}"
+    spec = spec_for(job_id, max_deliver=1, ack_wait_s=1.0)
+    consumer = EventConsumer(lanes._nc, pool, spec, record_effect)
+    await consumer.provision()
+    # A process that fetched the message and died: never acknowledged, no more deliveries allowed.
+    sub = await lanes.js.pull_subscribe_bind(spec.durable, stream=JOBS.name)
+    await lanes.publish(submission(job_id))
+    (abandoned,) = await sub.fetch(1, timeout=5)
+    assert abandoned.metadata.num_delivered == 1
+    stop, task = await _running(consumer)  # listens for the advisory
+    await eventually(lambda: _has_dead_letter(lanes, spec.durable), what="dead letter from the advisory")
+    await _stop(stop, task)
+    (headers, _), = await _dead_letters(lanes, spec.durable)
+    assert "max deliveries reached without a decision" in headers[DEAD_REASON]
+    assert headers[DEAD_SEQUENCE] == str(abandoned.metadata.sequence.stream)
+
+
+async def _has_dead_letter(lanes: LanesClient, durable: str) -> bool:
+    return await stored(lanes.js, DEAD.name, f"lanes.dead.{JOBS.name}.{durable}") > 0
+
+
+async def test_the_producer_api_in_three_lines(urls: ServerUrls, unique: str) -> None:
+    async with await LanesClient.connect(urls.nats_url, source="agent/node-17") as lanes:
+        await provision_streams(lanes.js)
+        seq = await lanes.publish(submission(f"three-{unique}"))
+    assert seq > 0
+    nc = await connect_nats(urls.nats_url, name="tests")
+    msg = await nc.jetstream().get_msg(JOBS.name, seq)
+    await nc.close()
+    assert msg.headers is not None
+    assert msg.headers["ce-type"] == JobSubmitted.model_fields["type"].default
+    assert json.loads(msg.data or b"{}")["spec"]["name"] == "t"
