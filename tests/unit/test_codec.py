@@ -205,7 +205,7 @@ def test_structured_mode_object_shape():
     assert structured["type"] == "io.lanes.job.rank_exited.v1"
     assert structured["time"] == "2026-12-02T10:20:11.123456Z"
     assert structured["traceparent"] == TRACEPARENT
-    assert structured["data"] == {"exit_code": 137}
+    assert structured["data"] == {"exit_code": 137, "signal": None}
 
 
 def test_header_names_are_case_insensitive_on_decode():
@@ -571,62 +571,51 @@ def test_the_upcaster_fixture_isolates_the_global_registry(upcasters):
     assert "io.lanes.job.rank_exited.v0" in upcasters
 
 
-# --- known defects (strict xfail: they start failing once the source is fixed) --------------------
+# --- regressions: defects these tests found -----------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=InvalidEventError,
-    reason="codec.encode dumps with exclude_none=True, which drops required nullable fields such as "
-    "RankExitedData.exit_code=None; the re-validation then fails with 'Field required'",
-)
-def test_a_rank_killed_by_a_signal_can_be_encoded():
+def test_a_rank_killed_by_a_signal_round_trips():
+    # exit_code=None is required-but-nullable: dumping with exclude_none once dropped it and encode refused.
     event = RankExited(
         source="agent/node-1", jobid="job-1", node="node-1", rank=0, data=RankExitedData(exit_code=None, signal=9)
     )
-    assert _decode_encoded(encode(event)) == event
+    encoded = encode(event)
+    assert json.loads(encoded.payload) == {"exit_code": None, "signal": 9}
+    assert _decode_encoded(encoded) == event
+    assert decode(encoded.subject, None, json.dumps(to_structured(event)).encode()) == event
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=InvalidEventError,
-    reason="same exclude_none defect: JobStateChangedData.from_state=None (a job's first state) is dropped",
-)
-def test_a_state_change_without_a_previous_state_can_be_encoded():
+def test_a_state_change_without_a_previous_state_round_trips():
     event = JobStateChanged(
         source="lanes/lifecycle",
         jobid="job-1",
         data=JobStateChangedData(from_state=None, to_state=JobState.SUBMITTED, cause_type="io.lanes.job.submitted.v1"),
     )
-    assert _decode_encoded(encode(event)) == event
+    encoded = encode(event)
+    assert json.loads(encoded.payload)["from_state"] is None
+    assert _decode_encoded(encoded) == event
+    assert decode(encoded.subject, None, json.dumps(to_structured(event)).encode()) == event
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="codec._upcast does `fields.get('type') in _UPCASTERS`: an unhashable structured-mode `type` "
-    "raises TypeError instead of DecodeError",
-)
-@pytest.mark.parametrize("bad_type", [[1], {"a": 1}])
-def test_structured_body_with_an_unhashable_type_is_a_decode_error(bad_type):
+@pytest.mark.parametrize("bad_type", [[1], {"a": 1}, 7, None])
+def test_structured_body_with_a_non_string_type_is_a_decode_error(bad_type):
+    # An unhashable `type` once raised TypeError from the upcaster lookup.
     body = json.dumps({"specversion": "1.0", "type": bad_type, "data": {}}).encode()
     with pytest.raises(DecodeError):
         decode(_WAITING.subject, None, body)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=(ValueError, RecursionError),
-    reason="codec._parse_json only catches UnicodeDecodeError/JSONDecodeError; json.loads raises a plain "
-    "ValueError for integers over 4300 digits and RecursionError for deep nesting",
-)
 @pytest.mark.parametrize(
     "payload",
     [pytest.param(b"1" * 5000, id="huge-integer"), pytest.param(b"[" * 100_000, id="deep-nesting")],
 )
 def test_hostile_json_payload_is_a_decode_error(payload):
+    # json.loads raises a plain ValueError (integer over 4300 digits) or RecursionError for these.
     with pytest.raises(DecodeError):
         decode(_WAITING.subject, _WAITING.headers, payload)
+    body = b'{"specversion": "1.0", "type": "io.lanes.job.waiting.v1", "data": ' + payload + b"}"
+    with pytest.raises(DecodeError):
+        decode(_WAITING.subject, None, body)
 
 
 # --- property: decode returns an Event or raises DecodeError, nothing else ------------------------
@@ -724,10 +713,6 @@ _ATTRIBUTE_NAMES = [key.removeprefix("ce-") for key in _CE_KEYS[:14]] + ["data",
 )
 def test_decode_of_mutated_structured_bodies_never_raises_anything_but_decode_error(sample, changes, content_type):
     body = to_structured(SAMPLES[sample]) | changes
-    # An unhashable `type` is a known defect with its own strict-xfail test above; keep this property about
-    # everything else so it stays green until then.
-    if isinstance(body.get("type"), (list, dict)):
-        body["type"] = json.dumps(body["type"])
     headers = None if content_type is None else {"Content-Type": content_type}
     _decodes_or_rejects(ENCODED[sample].subject, headers, json.dumps(body).encode())
 

@@ -48,29 +48,41 @@ def submitted(**keys: Any) -> JobSubmitted:
 
 
 def waiting(reason: str = "capacity_short", **keys: Any) -> JobWaiting:
-    fields = {"jobid": JOB, "attempt": 1, "time": _at(1)} | keys
+    fields: dict[str, Any] = {"jobid": JOB, "attempt": 1, "time": _at(1)} | keys
     return JobWaiting(source="lanes/scheduler", data=JobWaitingData(reason=reason), **fields)
 
 
 def placed(**keys: Any) -> JobPlaced:
-    fields = {"jobid": JOB, "attempt": 1, "time": _at(2)} | keys
+    fields: dict[str, Any] = {"jobid": JOB, "attempt": 1, "time": _at(2)} | keys
     return JobPlaced(source="lanes/scheduler", data=JobPlacedData(assignments=ASSIGNMENTS), **fields)
 
 
 def started(rank: int, seconds: int = 3, **keys: Any) -> RankStarted:
-    fields = {"jobid": JOB, "attempt": 1, "node": f"node-{rank + 1}", "rank": rank, "time": _at(seconds)} | keys
+    fields: dict[str, Any] = {
+        "jobid": JOB,
+        "attempt": 1,
+        "node": f"node-{rank + 1}",
+        "rank": rank,
+        "time": _at(seconds),
+    } | keys
     return RankStarted(source=f"agent/node-{rank + 1}", data=RankStartedData(pid=1000 + rank), **fields)
 
 
 def exited(rank: int, exit_code: int | None = 0, signal: int | None = None, seconds: int = 10, **keys: Any):
-    fields = {"jobid": JOB, "attempt": 1, "node": f"node-{rank + 1}", "rank": rank, "time": _at(seconds)} | keys
+    fields: dict[str, Any] = {
+        "jobid": JOB,
+        "attempt": 1,
+        "node": f"node-{rank + 1}",
+        "rank": rank,
+        "time": _at(seconds),
+    } | keys
     return RankExited(
         source=f"agent/node-{rank + 1}", data=RankExitedData(exit_code=exit_code, signal=signal), **fields
     )
 
 
 def released(**keys: Any) -> ResourcesReleased:
-    fields = {"jobid": JOB, "attempt": 1, "time": _at(20)} | keys
+    fields: dict[str, Any] = {"jobid": JOB, "attempt": 1, "time": _at(20)} | keys
     return ResourcesReleased(
         source="lanes/scheduler", data=ResourcesReleasedData(nodes=("node-1", "node-2"), gpus=8), **fields
     )

@@ -145,7 +145,9 @@ def _clusters(draw: st.DrawFn) -> tuple[tuple[NodeCapacity, ...], dict[str, int]
     sizes: dict[str, int] = {}
     for node_id in node_ids:
         size = draw(st.integers(min_value=0, max_value=8))
-        free = draw(st.permutations(range(size)).flatmap(lambda p: st.integers(0, len(p)).map(lambda k, p=p: p[:k])))
+        # Free GPUs: a random subset of the node's indices, in a random order.
+        order = draw(st.permutations(list(range(size))))
+        free = order[: draw(st.integers(min_value=0, max_value=size))]
         nodes.append(_node(node_id, tuple(free), model=draw(st.sampled_from(_MODELS))))
         sizes[node_id] = size
     return tuple(nodes), sizes

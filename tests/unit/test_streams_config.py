@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -75,7 +76,8 @@ def test_extra_existing_subjects_are_kept():
     ],
 )
 def test_a_retention_or_storage_change_is_a_conflict(attr, value):
-    existing = replace(_wanted(), **{attr: value})
+    changed: dict[str, Any] = {attr: value}
+    existing = replace(_wanted(), **changed)
     with pytest.raises(StreamConflictError, match=f"LANES_JOBS has {attr}="):
         strengthened(existing, _wanted())
 
@@ -88,17 +90,19 @@ def test_a_conflict_is_raised_even_when_other_fields_could_be_strengthened():
 
 @pytest.mark.parametrize("attr", ["deny_delete", "deny_purge", "allow_direct"])
 def test_audit_protections_are_switched_on(attr):
-    existing = replace(_wanted(), **{attr: False})
+    off: dict[str, Any] = {attr: False}
+    existing = replace(_wanted(), **off)
     merged = strengthened(existing, _wanted())
     assert merged is not None
     assert getattr(merged, attr) is True
-    assert replace(merged, **{attr: False}) == existing
+    assert replace(merged, **off) == existing
 
 
 @pytest.mark.parametrize("attr", ["deny_delete", "deny_purge"])
 def test_audit_protections_are_never_switched_off(attr):
     # TELEMETRY does not ask for them, but a stream that has them keeps them.
-    existing = replace(TELEMETRY.config(), **{attr: True})
+    on: dict[str, Any] = {attr: True}
+    existing = replace(TELEMETRY.config(), **on)
     assert strengthened(existing, TELEMETRY.config()) is None
 
 

@@ -75,14 +75,14 @@ def format_time(value: datetime) -> str:
 
 def encode(event: Event) -> EncodedEvent:
     """Encode an event in binary mode; raise InvalidEventError, before anything is sent, if it is invalid."""
-    fields = event.model_dump(mode="json", exclude_none=True)
+    fields = event.model_dump(mode="json")
     try:
         # Re-validate: `model_construct` or `model_copy(update=...)` can build events that skipped validation.
         type(event).model_validate(fields)
     except ValidationError as exc:
         raise InvalidEventError(_summarize(event.type, exc)) from exc
-    data = fields.pop("data")
-    headers = {_HEADER_OF[name]: str(value) for name, value in fields.items()}
+    data = fields.pop("data")  # kept whole: a None in the data (exit_code of a killed rank) is information
+    headers = {_HEADER_OF[name]: str(value) for name, value in fields.items() if value is not None}
     headers["ce-time"] = format_time(event.time)
     headers["ce-specversion"] = SPEC_VERSION
     headers["Content-Type"] = JSON
@@ -93,7 +93,7 @@ def encode(event: Event) -> EncodedEvent:
 
 def to_structured(event: Event) -> dict[str, Any]:
     """The structured-mode JSON object of an event (what `lanes replay` prints, one per line)."""
-    fields = event.model_dump(mode="json", exclude_none=True)
+    fields = {k: v for k, v in event.model_dump(mode="json").items() if v is not None or k == "data"}
     fields["time"] = format_time(event.time)
     return {"specversion": SPEC_VERSION, "datacontenttype": JSON, **fields}
 
@@ -146,19 +146,19 @@ def _check_spec_version(value: object) -> None:
 def _parse_json(payload: bytes, what: str) -> Any:
     try:
         return json.loads(payload)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, over-long integers, deep nesting
         msg = f"{what} is not valid JSON: {exc}"
         raise DecodeError(msg) from exc
 
 
 def _upcast(fields: dict[str, Any]) -> dict[str, Any]:
     seen: set[str] = set()
-    while (event_type := fields.get("type")) in _UPCASTERS:
+    while isinstance(event_type := fields.get("type"), str) and event_type in _UPCASTERS:
         if event_type in seen:
             msg = f"upcasters for {event_type!r} form a cycle"
             raise DecodeError(msg)
-        seen.add(str(event_type))
-        fields = _UPCASTERS[str(event_type)](dict(fields))
+        seen.add(event_type)
+        fields = _UPCASTERS[event_type](dict(fields))
     return fields
 
 

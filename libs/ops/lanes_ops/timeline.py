@@ -12,6 +12,7 @@ from lanes_common.events import Event
 from lanes_common.streams import JOBS
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,10 @@ class TimelineEntry:
 
 async def read_stream(js: JetStreamContext, stream: str, subject: str, *, batch: int = 512) -> list[TimelineEntry]:
     """Every stored message on `subject` (wildcards allowed) in stream order, read once, read-only."""
-    info = await js.stream_info(stream, subjects_filter=subject)
+    try:
+        info = await js.stream_info(stream, subjects_filter=subject)
+    except NotFoundError:
+        return []  # no stream yet: nothing was ever published there
     expected = sum((info.state.subjects or {}).values())
     if expected == 0:
         return []
