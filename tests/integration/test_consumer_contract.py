@@ -12,7 +12,6 @@ from pathlib import Path
 import asyncpg
 import pytest
 from contract_support import EFFECTS_DDL, effects, eventually, record_effect, spec_for, stored, submission
-
 from lanes_common.bus import LanesClient, connect_nats
 from lanes_common.consumer import (
     DEAD_CONSUMER,
@@ -191,7 +190,7 @@ async def test_an_invariant_violation_is_dead_lettered_at_once(
     await eventually(lambda: _dead(consumer), what="dead letter")
     await _stop(stop, task)
     assert await effects(pool, event.id) == 0  # the transaction was rolled back
-    (headers, _), = await _dead_letters(lanes, spec.durable)
+    ((headers, _),) = await _dead_letters(lanes, spec.durable)
     assert "forbids this" in headers[DEAD_REASON]
     assert headers["Lanes-Dead-Deliveries"] == "1"
 
@@ -239,7 +238,7 @@ async def test_a_message_that_always_fails_is_dead_lettered_after_max_deliver(
     await eventually(lambda: _dead(consumer), what="dead letter after max deliveries")
     await _stop(stop, task)
     assert consumer.outcomes[Outcome.RETRY] == 2
-    (headers, _), = await _dead_letters(lanes, spec.durable)
+    ((headers, _),) = await _dead_letters(lanes, spec.durable)
     assert "gave up after 3 deliveries" in headers[DEAD_REASON]
     assert "dependency keeps failing" in headers[DEAD_REASON]
 
@@ -271,7 +270,7 @@ async def test_the_max_deliveries_advisory_dead_letters_an_abandoned_message(
     stop, task = await _running(consumer)  # listens for the advisory
     await eventually(lambda: _has_dead_letter(lanes, spec.durable), what="dead letter from the advisory")
     await _stop(stop, task)
-    (headers, _), = await _dead_letters(lanes, spec.durable)
+    ((headers, _),) = await _dead_letters(lanes, spec.durable)
     assert "max deliveries reached without a decision" in headers[DEAD_REASON]
     assert headers[DEAD_SEQUENCE] == str(abandoned.metadata.sequence.stream)
 

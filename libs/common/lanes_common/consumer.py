@@ -170,8 +170,9 @@ class EventConsumer:
         except DecodeError as exc:
             return await self._give_up(msg, str(exc))
         try:
-            fresh = await self._apply(event, meta.sequence.stream, meta.num_delivered)
-            await self._flush_outbox(event.id)
+            fresh, outputs = await self._apply(event, meta.sequence.stream, meta.num_delivered)
+            if outputs or not fresh:  # a duplicate may have left outputs unpublished when its process died
+                await self._flush_outbox(event.id)
         except ProcessingError as exc:
             if not exc.retryable:
                 return await self._give_up(msg, f"{type(exc).__name__}: {exc}")
@@ -209,8 +210,12 @@ class EventConsumer:
         await _settle(msg.term())
         return Outcome.DEAD_LETTERED
 
-    async def _apply(self, event: Event, stream_seq: int, deliveries: int) -> bool:
-        """Run the handler and record the event in one transaction; False if it was already recorded."""
+    async def _apply(self, event: Event, stream_seq: int, deliveries: int) -> tuple[bool, int]:
+        """Run the handler and record the event in one transaction.
+
+        Returns whether the event was new (False: already recorded, handler skipped) and how many output
+        events were stored in the outbox.
+        """
         async with self._pool.acquire() as conn, conn.transaction():
             recorded = await conn.fetchval(
                 """INSERT INTO lanes_processed (consumer, event_id, stream, stream_seq) VALUES ($1, $2, $3, $4)
@@ -221,10 +226,12 @@ class EventConsumer:
                 stream_seq,
             )
             if not recorded:
-                return False
+                return False, 0
             with structlog.contextvars.bound_contextvars(event_id=event.id, job_id=event.jobid):
                 outputs = await self._handler(event, HandlerContext(conn, stream_seq, deliveries))
             rows = [(output, encode(output)) for output in outputs]
+            if not rows:
+                return True, 0
             await conn.executemany(
                 """INSERT INTO lanes_outbox (consumer, cause_id, subject, stream, headers, payload)
                    VALUES ($1, $2, $3, $4, $5, $6)""",
@@ -240,7 +247,7 @@ class EventConsumer:
                     for output, encoded in rows
                 ],
             )
-            return True
+            return True, len(rows)
 
     async def _flush_outbox(self, cause_id: str) -> None:
         rows = await self._pool.fetch(
