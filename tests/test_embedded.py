@@ -278,7 +278,9 @@ async def test_stack_starts_all_three_and_cleans_up() -> None:
         reaper_pid = stack.reaper_pid
         directory = stack.directory
     assert reaper_pid is not None
-    _assert_cleaned(pids | {reaper_pid}, ports, [directory])
+    # The reaper is shared by every embedded server of this process (the session's test servers too),
+    # so it outlives this stack here; its own exit is covered by the child-process tests below.
+    _assert_cleaned(pids, ports, [directory])
     stack.stop()
 
 
