@@ -45,6 +45,7 @@ from lanes_common.events import (
     ResourcesReleasedData,
 )
 from lanes_common.jobs import JobSpec, JobState
+from pydantic import ValidationError
 
 TIME = datetime(2026, 12, 2, 10, 20, 11, 123456, tzinfo=UTC)
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -241,7 +242,8 @@ _tokens = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_\-]{0,20}", fullmatch=True)
 
 _waiting_events = st.builds(
     JobWaiting,
-    source=st.text(min_size=1, max_size=40),
+    # Header-bound text carries no control characters (they could inject headers), so none are generated.
+    source=st.text(st.characters(blacklist_categories=("Cc", "Cs")), min_size=1, max_size=40),
     jobid=_tokens,
     attempt=st.none() | st.integers(min_value=1, max_value=10**6),
     time=st.datetimes(
@@ -750,3 +752,12 @@ def test_an_unmutated_message_decodes():
     # Guards the mutation property: its starting points are valid messages.
     for encoded in ENCODED.values():
         assert _decodes_or_rejects(encoded.subject, encoded.headers, encoded.payload) is not None
+
+
+def test_header_text_with_a_line_break_is_refused_at_construction() -> None:
+    with pytest.raises(ValidationError, match="source"):
+        JobSubmitted(
+            source="agent\r\nNats-Msg-Id: forged",
+            jobid="j1",
+            data=JobSubmittedData(spec=JobSpec(name="x", workers=1)),
+        )

@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Annotated, Any, ClassVar, Literal, TypeVar, get_args
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from lanes_common.ids import derived_event_id, new_event_id
 from lanes_common.jobs import JobSpec, JobState, Token
@@ -42,6 +42,8 @@ def utc_now() -> datetime:
 
 
 _TRACEPARENT = r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$"
+HeaderText = Annotated[str, StringConstraints(pattern=r"^[^\x00-\x1f\x7f]*$")]
+"""Text that travels in a NATS header: no control characters, so no CR/LF can inject another header."""
 
 
 class Event(BaseModel):
@@ -53,18 +55,18 @@ class Event(BaseModel):
     name: ClassVar[str]
     """The last subject token, e.g. `submitted` in `lanes.job.<job>.submitted`."""
 
-    id: str = Field(default_factory=new_event_id, min_length=1, max_length=128)
-    source: str = Field(min_length=1, max_length=256)
+    id: HeaderText = Field(default_factory=new_event_id, min_length=1, max_length=128)
+    source: HeaderText = Field(min_length=1, max_length=256)
     type: str
     time: AwareDatetime = Field(default_factory=utc_now)
-    subject: str | None = Field(default=None, max_length=512)
+    subject: HeaderText | None = Field(default=None, max_length=512)
     lane: Lane
     jobid: Token | None = None
     attempt: int | None = Field(default=None, ge=1)
     node: Token | None = None
     rank: int | None = Field(default=None, ge=0)
-    causationid: str | None = Field(default=None, max_length=128)
-    correlationid: str | None = Field(default=None, max_length=128)
+    causationid: HeaderText | None = Field(default=None, max_length=128)
+    correlationid: HeaderText | None = Field(default=None, max_length=128)
     traceparent: str | None = Field(default=None, pattern=_TRACEPARENT)
     data: Any
 

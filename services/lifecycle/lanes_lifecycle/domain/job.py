@@ -130,7 +130,8 @@ def _rank_exited(view: JobView, event: RankExited) -> tuple[JobView, Transition 
         return _replace_current(view, attempt), None  # later exits of a failed attempt are recorded only
     if not event.data.succeeded:
         how = f"signal {event.data.signal}" if event.data.signal else f"exit code {event.data.exit_code}"
-        reason = f"rank {rank} on {event.node} ended with {how}"
+        node = event.node or next((a.node for a in current.placement if a.rank == rank), "an unknown node")
+        reason = f"rank {rank} on {node} ended with {how}"
         return _move(view, attempt.model_copy(update={"ended_at": event.time}), JobState.FAILED, reason)
     if len(attempt.succeeded_ranks) == view.spec.workers:
         done = attempt.model_copy(update={"ended_at": event.time})
