@@ -28,6 +28,7 @@ from lanes_common.events import Event, JobSubmitted
 from lanes_common.settings import ServerUrls
 from lanes_common.store import apply_migrations, create_pool, migrations_of
 from lanes_common.streams import DEAD, JOBS, provision_streams
+from nats.js.errors import APIError
 
 pytestmark = pytest.mark.real_servers
 
@@ -290,3 +291,15 @@ async def test_the_producer_api_in_three_lines(urls: ServerUrls, unique: str) ->
     assert msg.headers is not None
     assert msg.headers["ce-type"] == JobSubmitted.model_fields["type"].default
     assert json.loads(msg.data or b"{}")["spec"]["name"] == "t"
+
+
+async def test_two_writers_cannot_both_append_after_the_same_job_state(lanes: LanesClient, unique: str) -> None:
+    job_id = f"occ-{unique}"
+    job_subjects = f"lanes.job.{job_id}.>"
+    first = await lanes.publish(submission(job_id), expected_last_subject_seq=0, expected_subject=job_subjects)
+    # Both writers read the job at `first`; the first append wins, the second is refused by the server.
+    winner = await lanes.publish(submission(job_id), expected_last_subject_seq=first, expected_subject=job_subjects)
+    with pytest.raises(APIError, match="wrong last sequence"):
+        await lanes.publish(submission(job_id), expected_last_subject_seq=first, expected_subject=job_subjects)
+    assert winner > first
+    assert await stored(lanes.js, JOBS.name, f"lanes.job.{job_id}.submitted") == 2

@@ -135,10 +135,19 @@ class LanesClient:
         """Connect to a NATS server that Lanes supports; `source` becomes the `ce-source` of your events."""
         return cls(await connect_nats(url, name=source), source)
 
-    async def publish(self, event: Event, *, expected_last_subject_seq: int | None = None) -> int:
+    async def publish(
+        self,
+        event: Event,
+        *,
+        expected_last_subject_seq: int | None = None,
+        expected_subject: str | None = None,
+    ) -> int:
         """Publish an event and return its stream sequence (the earlier one if it was a re-send).
 
-        Raises InvalidEventError before anything is sent when the event is not valid.
+        Raises InvalidEventError before anything is sent when the event is not valid. With
+        `expected_last_subject_seq`, JetStream stores the event only if the last message on
+        `expected_subject` (default: the event's own subject; wildcards such as `lanes.job.<id>.>` allowed)
+        has that sequence, so two writers cannot both append after the same state of a job.
         """
         encoded = encode(event)
         published = await publish_encoded(
@@ -146,6 +155,7 @@ class LanesClient:
             encoded,
             stream=STREAM_OF_FAMILY[event.family].name,
             expected_last_subject_seq=expected_last_subject_seq,
+            expected_subject=expected_subject,
         )
         return published.seq
 
