@@ -34,12 +34,7 @@ def test_import_contracts_are_kept() -> None:
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
 
 
-def test_no_lock_file_or_registry_address_is_tracked() -> None:
+def test_no_lock_file_is_tracked() -> None:
+    # Lock files record download addresses; versions are pinned in pyproject.toml instead.
     tracked = _run("git", "ls-files").stdout.split()
-    assert "uv.lock" not in tracked
-    for name in tracked:
-        path = ROOT / name
-        if path.suffix in {".toml", ".cfg", ".txt", ".yml", ".yaml"} and path.is_file():
-            text = path.read_text(errors="replace")
-            assert "index-url" not in text, name
-            assert "/simple/" not in text, name
+    assert not {"uv.lock", "poetry.lock", "pdm.lock"} & set(tracked)
