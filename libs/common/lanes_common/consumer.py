@@ -31,6 +31,7 @@ import asyncpg
 import structlog
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from lanes_common.bus import publish_encoded
@@ -142,6 +143,11 @@ class EventConsumer:
                 try:
                     msgs = await sub.fetch(self.spec.batch, timeout=0.5)
                 except TimeoutError:  # nats-py raises its own subclass or the builtin, depending on the path
+                    continue
+                except NatsError as exc:
+                    # Disconnected or reconnecting: nothing was taken, so nothing is lost; try again shortly.
+                    self._log.warning("fetch failed; retrying", error=str(exc) or type(exc).__name__)
+                    await asyncio.sleep(1.0)
                     continue
                 await self.process_batch(msgs)
         finally:
