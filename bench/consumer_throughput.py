@@ -17,6 +17,9 @@ import statistics
 import time
 import uuid
 
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
 from lanes_common.bus import publish_encoded
 from lanes_common.codec import encode
 from lanes_common.consumer import ConsumerSpec, EventConsumer, Outcome, record_only
@@ -27,8 +30,6 @@ from lanes_common.settings import ServerUrls, Settings
 from lanes_common.streams import JOBS
 from lanes_ops.bootstrap import connected
 from lanes_ops.stack import servers
-from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 
 async def _publish(js: JetStreamContext, job_id: str, count: int) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import asyncpg
 import pytest
+
 from lanes_common.bus import connect_nats
 from lanes_common.cache import connect_redis
 from lanes_common.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedRedis

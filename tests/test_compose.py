@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
+
 from lanes_common.settings import ENV_VARS
 from lanes_ops.bootstrap import SERVICES
 

@@ -30,6 +30,7 @@ import asyncpg
 import nats
 import pytest
 import redis.asyncio as aioredis
+
 from lanes_common import embedded
 from lanes_common.embedded import (
     EmbeddedNats,

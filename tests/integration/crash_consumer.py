@@ -16,11 +16,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import lanes_common.consumer as consumer_module
 from contract_support import EFFECTS_DDL, record_effect, spec_for
+from nats.aio.msg import Msg
+
+import lanes_common.consumer as consumer_module
 from lanes_common.bus import connect_nats
 from lanes_common.store import apply_migrations, create_pool, migrations_of
-from nats.aio.msg import Msg
 
 
 def die(*_args: Any, **_kwargs: Any) -> Any:

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import asyncpg
 import pytest
-from lanes_common.settings import ServerUrls
 from test_servers_and_streams import _server_announcing
+
+from lanes_common.settings import ServerUrls
 
 pytestmark = pytest.mark.real_servers
 LANES = str(Path(sys.executable).parent / "lanes")

@@ -12,6 +12,8 @@ from pathlib import Path
 import asyncpg
 import pytest
 from contract_support import EFFECTS_DDL, effects, eventually, record_effect, spec_for, stored, submission
+from nats.js.errors import APIError
+
 from lanes_common.bus import LanesClient, connect_nats
 from lanes_common.consumer import (
     DEAD_CONSUMER,
@@ -28,7 +30,6 @@ from lanes_common.events import Event, JobSubmitted
 from lanes_common.settings import ServerUrls
 from lanes_common.store import apply_migrations, create_pool, migrations_of
 from lanes_common.streams import DEAD, JOBS, provision_streams
-from nats.js.errors import APIError
 
 pytestmark = pytest.mark.real_servers
 

@@ -13,11 +13,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from nats.js.api import RetentionPolicy
+
 from lanes_common.bus import MIN_NATS_VERSION, connect_nats
 from lanes_common.errors import ServerUnavailableError, StreamConflictError, UnsupportedServerError
 from lanes_common.settings import ServerUrls
 from lanes_common.streams import StreamSpec, provision_streams
-from nats.js.api import RetentionPolicy
 
 pytestmark = pytest.mark.real_servers
 

@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
+
 from lanes_common import codec
 from lanes_common.codec import (
     MSG_ID_HEADER,
@@ -45,7 +47,6 @@ from lanes_common.events import (
     ResourcesReleasedData,
 )
 from lanes_common.jobs import JobSpec, JobState
-from pydantic import ValidationError
 
 TIME = datetime(2026, 12, 2, 10, 20, 11, 123456, tzinfo=UTC)
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"

@@ -9,11 +9,12 @@ from types import SimpleNamespace
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
+
 from lanes_common import ids
 from lanes_common.events import JobPlaced, JobStateChanged, JobStateChangedData, JobSubmitted, JobSubmittedData, derive
 from lanes_common.ids import derived_event_id, is_valid_token, new_event_id, validate_token
 from lanes_common.jobs import JobSpec, JobState
-from pydantic import ValidationError
 
 
 def _unix_ms(event_id: str) -> int:

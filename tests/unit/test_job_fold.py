@@ -6,6 +6,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+
 from lanes_common.errors import PoisonEventError
 from lanes_common.events import (
     Event,

@@ -7,6 +7,7 @@ import itertools
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from lanes_common.events import RankAssignment
 from lanes_scheduler.domain.placement import Blocked, GangRequest, NodeCapacity, WaitReason, place_first_fit
 

@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from nats.js.api import RetentionPolicy, StorageType, StreamConfig
+
 from lanes_common.errors import StreamConflictError
 from lanes_common.streams import ALL_STREAMS, JOBS, NODES, TELEMETRY, strengthened
-from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 
 _DAY = 86_400.0
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import asyncpg
 import redis.asyncio as aioredis
 import structlog
+from nats.aio.client import Client as NatsClient
+
 from lanes_common.bus import connect_nats
 from lanes_common.cache import connect_redis
 from lanes_common.consumer import EventConsumer
@@ -22,7 +24,6 @@ from lanes_recovery.entrypoints.service import SERVICE as RECOVERY
 from lanes_router.entrypoints.service import SERVICE as ROUTER
 from lanes_scheduler.entrypoints.service import SERVICE as SCHEDULER
 from lanes_telemetry.entrypoints.service import SERVICE as TELEMETRY
-from nats.aio.client import Client as NatsClient
 
 SERVICES: dict[str, ServiceDefinition] = {s.name: s for s in (SCHEDULER, LIFECYCLE, TELEMETRY, RECOVERY, ROUTER)}
 log = structlog.get_logger(__name__)

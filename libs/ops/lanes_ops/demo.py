@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 from typing import Any
 
+from nats.aio.msg import Msg
+
 from lanes_common.bus import LanesClient
 from lanes_common.codec import decode
 from lanes_common.errors import DecodeError
@@ -14,8 +16,6 @@ from lanes_common.ids import new_event_id
 from lanes_common.jobs import JobSpec, JobState, WorkloadClass
 from lanes_common.settings import ServerUrls
 from lanes_lifecycle.adapters import repository as lifecycle_jobs
-from nats.aio.msg import Msg
-
 from lanes_ops.bootstrap import SERVICES, Connections, connected, prepare_services, run_consumers
 from lanes_ops.launcher import LocalLauncher
 from lanes_ops.timeline import TimelineEntry, job_timeline

@@ -13,6 +13,11 @@ import os
 import sys
 
 import structlog
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import APIError
+
 from lanes_common.bus import publish_encoded
 from lanes_common.codec import decode, encode
 from lanes_common.errors import DecodeError
@@ -28,10 +33,6 @@ from lanes_common.events import (
 )
 from lanes_common.jobs import JobSpec
 from lanes_common.streams import JOBS
-from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import APIError
 
 # What a rank runs when the spec names no command: a little real CPU work, then a clean exit.
 DEFAULT_RANK_PROGRAM = (

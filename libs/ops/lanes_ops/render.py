@@ -9,6 +9,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from rich.console import Console
+from rich.markup import escape
+
 from lanes_common.events import (
     Event,
     JobPlaced,
@@ -20,9 +23,6 @@ from lanes_common.events import (
     RankStarted,
     ResourcesReleased,
 )
-from rich.console import Console
-from rich.markup import escape
-
 from lanes_ops.timeline import TimelineEntry
 
 

@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import Iterator
 
 import structlog
+
 from lanes_common.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedRedis
 from lanes_common.settings import ServerUrls, Settings
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from lanes_common.store import Db
-
 from lanes_lifecycle.domain.job import JobView
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from datetime import datetime
 
+from pydantic import BaseModel, ConfigDict
+
 from lanes_common.errors import PoisonEventError
 from lanes_common.events import (
     Event,
@@ -21,7 +23,6 @@ from lanes_common.events import (
     ResourcesReleased,
 )
 from lanes_common.jobs import JobSpec, JobState
-from pydantic import BaseModel, ConfigDict
 
 
 class IllegalTransitionError(PoisonEventError):

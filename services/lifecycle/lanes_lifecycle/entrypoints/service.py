@@ -6,7 +6,6 @@ from lanes_common.consumer import ConsumerSpec
 from lanes_common.service import ServiceDefinition
 from lanes_common.store import migrations_of
 from lanes_common.streams import JOBS
-
 from lanes_lifecycle.service_layer.handlers import handle_job_event
 
 JOB_EVENTS = ConsumerSpec(

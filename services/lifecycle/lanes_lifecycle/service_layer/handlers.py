@@ -6,7 +6,6 @@ from collections.abc import Sequence
 
 from lanes_common.consumer import HandlerContext
 from lanes_common.events import Event, JobStateChanged, JobStateChangedData, derive
-
 from lanes_lifecycle.adapters import repository
 from lanes_lifecycle.domain.job import evolve
 

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 from lanes_common.events import NodeRegisteredData, RankAssignment
 from lanes_common.store import Db
-
 from lanes_scheduler.domain.placement import GangRequest, NodeCapacity
 
 # Scheduling decisions read capacity and then write allocations; one advisory lock per transaction keeps

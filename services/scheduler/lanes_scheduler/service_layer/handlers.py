@@ -20,7 +20,6 @@ from lanes_common.events import (
     derive,
 )
 from lanes_common.jobs import JobState
-
 from lanes_scheduler.adapters import repository
 from lanes_scheduler.domain.placement import Blocked, GangRequest, place_first_fit
 
