@@ -1,0 +1,155 @@
+"""Reading streams back: ordered, read-only, resumable, leaving no durable consumer behind.
+
+`iter_stream` is the one reader: an ephemeral pull consumer with no acknowledgements, stored in memory on
+the server and removed when the read ends (or, if this process dies, after it has been idle for a while).
+`lanes replay`, `lanes timeline` and the demo all read through it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import datetime
+
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
+
+from lanes_common.ids import validate_token
+from lanes_common.streams import JOBS, NODES, TELEMETRY
+
+FETCH_BATCH = 1000
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which part of which stream to read: a subject filter and optional sequence and time bounds."""
+
+    stream: str
+    subject: str
+    from_seq: int | None = None
+    to_seq: int | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+
+    def consumer_config(self) -> ConsumerConfig:
+        """An ephemeral, unacknowledged, in-memory consumer positioned at the selection's start."""
+        config = ConsumerConfig(
+            ack_policy=AckPolicy.NONE,
+            filter_subject=self.subject,
+            inactive_threshold=30.0,  # the server removes it even if this process dies mid-read
+            mem_storage=True,
+            deliver_policy=DeliverPolicy.ALL,
+        )
+        if self.from_seq is not None:
+            config.deliver_policy, config.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, self.from_seq
+        elif self.since is not None:
+            config.deliver_policy = DeliverPolicy.BY_START_TIME
+            config.opt_start_time = self.since
+        return config
+
+
+def selections(*, job: str | None, node: str | None, subject: str | None, stream: str | None) -> list[Selection]:
+    """Turn the replay options into stream selections (a node's events live in two streams)."""
+    chosen = [name for name, value in (("--job", job), ("--node", node), ("--subject", subject)) if value]
+    if len(chosen) > 1:
+        msg = f"choose one of --job, --node, --subject (got {', '.join(chosen)})"
+        raise ValueError(msg)
+    if job:
+        return [Selection(JOBS.name, f"lanes.job.{validate_token(job)}.>")]
+    if node:
+        token = validate_token(node)
+        return [Selection(NODES.name, f"lanes.node.{token}.>"), Selection(TELEMETRY.name, f"lanes.tel.{token}.>")]
+    if subject:
+        if not re.fullmatch(r"[A-Za-z0-9_\-*>]+(\.[A-Za-z0-9_\-*>]+)*", subject):
+            msg = f"{subject!r} is not a subject filter"
+            raise ValueError(msg)
+        return [Selection(stream or _stream_of(subject), subject)]
+    return [Selection(stream or JOBS.name, ">")]
+
+
+def _stream_of(subject: str) -> str:
+    for prefix, spec in (("lanes.job.", JOBS), ("lanes.node.", NODES), ("lanes.tel.", TELEMETRY)):
+        if subject.startswith(prefix):
+            return spec.name
+    msg = f"say which stream holds {subject!r} with --stream"
+    raise ValueError(msg)
+
+
+async def count(js: JetStreamContext, selection: Selection) -> int:
+    """How many stored messages match the selection's subject (ignoring its bounds); 0 if no stream."""
+    try:
+        info = await js.stream_info(selection.stream, subjects_filter=selection.subject)
+    except NotFoundError:
+        return 0
+    return sum((info.state.subjects or {}).values())
+
+
+async def iter_stream(js: JetStreamContext, selection: Selection, *, batch: int = FETCH_BATCH) -> AsyncIterator[Msg]:
+    """Yield the selected messages in stream order, then stop; read-only."""
+    if await count(js, selection) == 0:
+        return
+    sub = await js.pull_subscribe(selection.subject, stream=selection.stream, config=selection.consumer_config())
+    try:
+        while True:
+            try:
+                msgs = await sub.fetch(batch, timeout=1.0)
+            except TimeoutError:  # nothing (more) at or after the start position
+                return
+            for msg in msgs:
+                meta = msg.metadata
+                if selection.to_seq is not None and meta.sequence.stream > selection.to_seq:
+                    return
+                if selection.until is not None and meta.timestamp > selection.until:
+                    return
+                yield msg
+                if meta.num_pending == 0:
+                    return
+    finally:
+        with contextlib.suppress(Exception):
+            consumer = (await sub.consumer_info()).name
+            await asyncio.shield(js.delete_consumer(selection.stream, consumer))
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+
+
+class Pace:
+    """How fast to replay: as fast as possible, at the original spacing of the events, or N times faster."""
+
+    def __init__(self, spec: str) -> None:
+        if spec == "instant":
+            self.speed: float | None = None
+        elif spec == "original":
+            self.speed = 1.0
+        elif (match := re.fullmatch(r"x(\d+(?:\.\d+)?)", spec)) and float(match.group(1)) > 0:
+            self.speed = float(match.group(1))
+        else:
+            msg = f"--pace must be instant, original or xN (e.g. x10), not {spec!r}"
+            raise ValueError(msg)
+        self._previous: datetime | None = None
+
+    async def wait_for(self, stored_at: datetime) -> None:
+        """Sleep for the gap since the previous event, scaled by the speed."""
+        if self.speed is not None and self._previous is not None:
+            gap = (stored_at - self._previous).total_seconds() / self.speed
+            if gap > 0:
+                await asyncio.sleep(gap)
+        self._previous = stored_at
+
+
+async def merged(js: JetStreamContext, chosen: list[Selection]) -> AsyncIterator[Msg]:
+    """The messages of several selections merged by the time they were stored (one selection: as is)."""
+    readers = [aiter(iter_stream(js, selection)) for selection in chosen]
+    heads = {i: msg for i, reader in enumerate(readers) if (msg := await anext(reader, None)) is not None}
+    while heads:
+        index = min(heads, key=lambda i: heads[i].metadata.timestamp)
+        yield heads[index]
+        following = await anext(readers[index], None)
+        if following is None:
+            del heads[index]
+        else:
+            heads[index] = following
