@@ -112,6 +112,10 @@ def structured_line(headers: Mapping[str, str] | None, payload: bytes, extra: Ma
         return json.dumps({**body, **extra}, separators=(",", ":"), ensure_ascii=False).encode()
     attributes: dict[str, str | int] = {"specversion": lowered["ce-specversion"], "datacontenttype": JSON}
     attributes.update({_ATTRIBUTE_OF[key]: value for key, value in lowered.items() if key in _ATTRIBUTE_OF})
+    for number in ("attempt", "rank"):  # integers in the model, strings only because headers are text
+        value = attributes.get(number)
+        if isinstance(value, str) and value.isdigit():
+            attributes[number] = int(value)
     attributes.update(extra)
     head = json.dumps(attributes, separators=(",", ":"), ensure_ascii=False).encode()
     return head[:-1] + b',"data":' + (payload or b"null") + b"}"

@@ -7,6 +7,7 @@ import os
 import re
 import time
 import uuid
+from datetime import datetime
 
 # A token becomes one NATS subject token, so it must never contain `.`, `*`, `>` or whitespace.
 # The character set is deliberately narrow: ids are also used as PostgreSQL keys and file names.
@@ -43,14 +44,16 @@ def new_event_id() -> str:
     return _uuid7_from(time.time_ns() // 1_000_000, os.urandom(10))
 
 
-def derived_event_id(causation_id: str, event_type: str, key: str = "") -> str:
+def derived_event_id(causation_id: str, event_type: str, key: str = "", *, at: datetime | None = None) -> str:
     """A deterministic id for an event derived from another one.
 
     A handler that runs twice for the same cause (after a crash) produces the same ids, so JetStream's
-    duplicate window drops the second publish. The timestamp part is taken from the cause when it is a
-    UUIDv7, which keeps derived ids sortable next to their cause.
+    duplicate window drops the second publish. The timestamp part is `at` (the cause's time) when given,
+    else taken from the cause id when it is a UUIDv7, which keeps derived ids sortable next to their cause.
     """
     digest = hashlib.sha256(f"{causation_id}\x1f{event_type}\x1f{key}".encode()).digest()
+    if at is not None:
+        return _uuid7_from(int(at.timestamp() * 1000), digest)
     try:
         cause = uuid.UUID(causation_id)
         unix_ms = cause.int >> 80 if cause.version == 7 else 0  # noqa: PLR2004 - UUID version number

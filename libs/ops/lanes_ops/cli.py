@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import signal
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -36,6 +38,7 @@ from lanes_ops.console import (
 from lanes_ops.demo import local_nodes, register_nodes, run_demo
 from lanes_ops.launcher import LocalLauncher
 from lanes_ops.render import render_job
+from lanes_ops.replay import Pace, count, merged, selections, write_ndjson
 from lanes_ops.stack import servers
 from lanes_ops.timeline import job_timeline
 
@@ -224,6 +227,55 @@ def timeline(
         out.print_json(json.dumps({"job_id": job_id, "timeline": [e.as_json() for e in entries]}))
         return
     render_job(out, {"job_id": job_id}, entries)
+
+
+@app.command()
+def replay(  # noqa: PLR0917 - typer maps each option to a parameter
+    job: Annotated[str | None, typer.Option(help="One job's timeline (lanes.job.<id>.>).")] = None,
+    node: Annotated[str | None, typer.Option(help="One node's events and telemetry, merged by time.")] = None,
+    subject: Annotated[str | None, typer.Option(help="Any subject filter, e.g. 'lanes.job.*.rank_exited'.")] = None,
+    stream: Annotated[str | None, typer.Option(help="The stream to read (default: from the selection).")] = None,
+    from_seq: Annotated[int | None, typer.Option("--from-seq", min=1, help="Start at this stream sequence.")] = None,
+    to_seq: Annotated[int | None, typer.Option("--to-seq", min=1, help="Stop after this stream sequence.")] = None,
+    since: Annotated[datetime | None, typer.Option(help="Start at this time (RFC 3339).")] = None,
+    until: Annotated[datetime | None, typer.Option(help="Stop after this time (RFC 3339).")] = None,
+    pace: Annotated[str, typer.Option(help="instant, original, or xN (N times faster than original).")] = "instant",
+    validate: Annotated[bool, typer.Option(help="Decode every event fully; report the invalid ones.")] = False,
+) -> None:
+    """Replay stored events as NDJSON structured CloudEvents on stdout; progress on stderr.
+
+    Read-only: no durable consumer is left behind. Each line carries the CloudEvents `sequence` extension
+    (the stream sequence), so an interrupted replay resumes with --from-seq.
+    """
+    settings = load_settings(quiet=True)
+    nats_url = require(settings.nats_url, "NATS_URL")
+    try:
+        chosen = selections(job=job, node=node, subject=subject, stream=stream)
+        pacing = Pace(pace)
+    except ValueError as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
+    chosen = [
+        dataclasses.replace(selection, from_seq=from_seq, to_seq=to_seq, since=_utc(since), until=_utc(until))
+        for selection in chosen
+    ]
+
+    async def run() -> int:
+        nc = await connect_nats(nats_url, name="lanes-replay")
+        try:
+            js = nc.jetstream()
+            total = sum([await count(js, selection) for selection in chosen])
+            return await write_ndjson(merged(js, chosen), sys.stdout.buffer, pacing, total, validate=validate)
+        finally:
+            await nc.close()
+
+    written = run_async(run)
+    if written == 0 and job:
+        fail(f"unknown job {job!r}: no events on lanes.job.{job}.>", EXIT_NOT_FOUND)
+
+
+def _utc(moment: datetime | None) -> datetime | None:
+    # A time given without an offset means UTC, as everywhere on the timeline.
+    return moment if moment is None or moment.tzinfo else moment.replace(tzinfo=UTC)
 
 
 def main() -> None:
