@@ -106,12 +106,18 @@ def structured_line(headers: Mapping[str, str] | None, payload: bytes, extra: Ma
     stored in structured mode is passed through with `extra` merged in. `extra` carries replay-only
     attributes such as the CloudEvents `sequence` extension.
     """
-    lowered = {key.lower(): value for key, value in (headers or {}).items()}
-    if "ce-specversion" not in lowered:
+    attributes: dict[str, str | int] = {}
+    for key, value in (headers or {}).items():
+        # Lanes writes its headers in lower case; other producers may not, hence the second lookup.
+        name = _ATTRIBUTE_OF.get(key) or _ATTRIBUTE_OF.get(key.lower())
+        if name is not None:
+            attributes[name] = value
+        elif key.lower() == "ce-specversion":
+            attributes["specversion"] = value
+    if "specversion" not in attributes:
         body = json.loads(payload)
         return json.dumps({**body, **extra}, separators=(",", ":"), ensure_ascii=False).encode()
-    attributes: dict[str, str | int] = {"specversion": lowered["ce-specversion"], "datacontenttype": JSON}
-    attributes.update({_ATTRIBUTE_OF[key]: value for key, value in lowered.items() if key in _ATTRIBUTE_OF})
+    attributes["datacontenttype"] = JSON
     for number in ("attempt", "rank"):  # integers in the model, strings only because headers are text
         value = attributes.get(number)
         if isinstance(value, str) and value.isdigit():
