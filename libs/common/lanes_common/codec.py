@@ -119,9 +119,9 @@ def structured_line(headers: Mapping[str, str] | None, payload: bytes, extra: Ma
         return json.dumps({**body, **extra}, separators=(",", ":"), ensure_ascii=False).encode()
     attributes["datacontenttype"] = JSON
     for number in ("attempt", "rank"):  # integers in the model, strings only because headers are text
-        value = attributes.get(number)
-        if isinstance(value, str) and value.isdigit():
-            attributes[number] = int(value)
+        text = attributes.get(number)
+        if isinstance(text, str) and text.isdigit():
+            attributes[number] = int(text)
     attributes.update(extra)
     head = json.dumps(attributes, separators=(",", ":"), ensure_ascii=False).encode()
     return head[:-1] + b',"data":' + (payload or b"null") + b"}"

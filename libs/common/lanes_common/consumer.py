@@ -32,6 +32,7 @@ import structlog
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from lanes_common.bus import publish_encoded
@@ -63,6 +64,8 @@ class ConsumerSpec:
     ack_wait_s: float = 30.0
     redelivery_delays_s: tuple[float, ...] = (0.2, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
     batch: int = 64
+    max_ack_pending: int | None = None
+    """None: a few batches. 1: strict stream order even across a crash (a fold that depends on order)."""
 
     def config(self) -> ConsumerConfig:
         """The JetStream configuration of this consumer."""
@@ -73,7 +76,7 @@ class ConsumerSpec:
             ack_wait=self.ack_wait_s,
             max_deliver=self.max_deliver,
             filter_subjects=list(self.subjects),
-            max_ack_pending=max(self.batch * 4, 256),
+            max_ack_pending=self.max_ack_pending or max(self.batch * 4, 256),
         )
 
     def delay_after(self, deliveries: int) -> float:
@@ -88,6 +91,9 @@ class HandlerContext:
     conn: Db
     stream_seq: int
     deliveries: int
+    js: JetStreamContext | None = None
+    """For a handler whose output must be conditionally published inside the transaction (lifecycle's
+    per-job optimistic concurrency); everything else goes through the outbox."""
 
 
 Handler = Callable[[Event, HandlerContext], Awaitable[Sequence[Event]]]
@@ -120,6 +126,11 @@ class EventConsumer:
         self._handler = handler
         self.outcomes: Counter[Outcome] = Counter()
         self._log = log.bind(consumer=spec.durable)
+
+    @property
+    def name(self) -> str:
+        """The durable consumer name."""
+        return self.spec.durable
 
     async def provision(self) -> None:
         """Create the durable consumer, or bring an existing one to this spec (idempotent).
@@ -234,7 +245,7 @@ class EventConsumer:
             if not recorded:
                 return False, 0
             with structlog.contextvars.bound_contextvars(event_id=event.id, job_id=event.jobid):
-                outputs = await self._handler(event, HandlerContext(conn, stream_seq, deliveries))
+                outputs = await self._handler(event, HandlerContext(conn, stream_seq, deliveries, self._js))
             rows = [(output, encode(output)) for output in outputs]
             if not rows:
                 return True, 0

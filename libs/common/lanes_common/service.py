@@ -2,16 +2,47 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.resources.abc import Traversable
+from typing import Protocol
+
+import asyncpg
+from nats.aio.client import Client as NatsClient
 
 from lanes_common.consumer import ConsumerSpec, Handler
 
 
+class Runner(Protocol):
+    """A long-running reader of the log that the composition root provisions and runs next to consumers."""
+
+    @property
+    def name(self) -> str:
+        """The durable consumer (or role) name, for logs."""
+        ...
+
+    async def provision(self) -> None:
+        """Create what it needs on the servers (idempotent)."""
+        ...
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Work until `stop` is set."""
+        ...
+
+
+RunnerFactory = Callable[[NatsClient, asyncpg.Pool], Runner]
+
+
 @dataclass(frozen=True)
 class ServiceDefinition:
-    """A service's name, its SQL migrations (or None) and the consumers it runs."""
+    """A service's name, its SQL migrations (or None), its consumers, and any runners of its own.
+
+    Consumers follow the event consumer contract; a runner is for a reader that must see the raw log,
+    such as the audit recorder, which copies even the messages no service can decode.
+    """
 
     name: str
     migrations: Traversable | None
     consumers: tuple[tuple[ConsumerSpec, Handler], ...]
+    runners: tuple[RunnerFactory, ...] = ()

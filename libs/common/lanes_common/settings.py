@@ -10,6 +10,8 @@ ENV_VARS = {
     "DATABASE_URL": "PostgreSQL (>= 15), e.g. postgresql://postgres@127.0.0.1:5432/lanes",
     "REDIS_URL": "Redis (>= 6.2), e.g. redis://127.0.0.1:6379/0",
     "LANES_STREAM_REPLICAS": "JetStream replicas for the timeline streams (1 embedded, 3 on a cluster)",
+    "LANES_AUDIT_KEY": "audit service: Ed25519 seed (64 hex digits) that signs chain checkpoints",
+    "LANES_AUDIT_KEY_FILE": "audit service: a file holding that seed, instead of LANES_AUDIT_KEY",
     "LANES_LOG_LEVEL": "debug | info | warning | error (default info)",
     "LANES_LOG_FORMAT": "json | console (default: console on a terminal, json otherwise)",
 }

@@ -104,7 +104,16 @@ DEAD = StreamSpec(
     duplicate_window_s=10 * _MINUTE,
     deny_delete=True,
 )
-ALL_STREAMS = (JOBS, NODES, TELEMETRY, REQUESTS, DEAD)
+AUDIT = StreamSpec(
+    name="LANES_AUDIT",
+    subjects=("lanes.audit.>",),
+    description="Signed checkpoints of the audit hash chain.",
+    max_age_s=0,  # kept for good: a checkpoint is evidence about the whole history before it
+    duplicate_window_s=10 * _MINUTE,
+    deny_delete=True,
+    deny_purge=True,
+)
+ALL_STREAMS = (JOBS, NODES, TELEMETRY, REQUESTS, DEAD, AUDIT)
 STREAM_OF_FAMILY = {Family.JOB: JOBS, Family.NODE: NODES, Family.TELEMETRY: TELEMETRY, Family.REQUEST: REQUESTS}
 
 

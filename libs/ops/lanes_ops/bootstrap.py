@@ -12,10 +12,11 @@ import redis.asyncio as aioredis
 import structlog
 from nats.aio.client import Client as NatsClient
 
+from lanes_audit.entrypoints.service import SERVICE as AUDIT
 from lanes_common.bus import connect_nats
 from lanes_common.cache import connect_redis
 from lanes_common.consumer import EventConsumer
-from lanes_common.service import ServiceDefinition
+from lanes_common.service import Runner, ServiceDefinition
 from lanes_common.settings import ServerUrls
 from lanes_common.store import apply_migrations, create_pool, migrations_of
 from lanes_common.streams import provision_streams
@@ -25,7 +26,7 @@ from lanes_router.entrypoints.service import SERVICE as ROUTER
 from lanes_scheduler.entrypoints.service import SERVICE as SCHEDULER
 from lanes_telemetry.entrypoints.service import SERVICE as TELEMETRY
 
-SERVICES: dict[str, ServiceDefinition] = {s.name: s for s in (SCHEDULER, LIFECYCLE, TELEMETRY, RECOVERY, ROUTER)}
+SERVICES: dict[str, ServiceDefinition] = {s.name: s for s in (SCHEDULER, LIFECYCLE, TELEMETRY, RECOVERY, ROUTER, AUDIT)}
 log = structlog.get_logger(__name__)
 
 
@@ -61,9 +62,9 @@ async def connected(urls: ServerUrls, *, name: str, stream_replicas: int = 1) ->
             await nc.close()
 
 
-async def prepare_services(conns: Connections, names: Iterable[str]) -> list[EventConsumer]:
+async def prepare_services(conns: Connections, names: Iterable[str]) -> list[Runner]:
     """Apply each service's migrations and provision its consumers; return the consumers, not yet running."""
-    consumers: list[EventConsumer] = []
+    consumers: list[Runner] = []
     for name in names:
         service = SERVICES[name]
         if service.migrations is not None:
@@ -72,12 +73,16 @@ async def prepare_services(conns: Connections, names: Iterable[str]) -> list[Eve
             consumer = EventConsumer(conns.nc, conns.pool, spec, handler)
             await consumer.provision()
             consumers.append(consumer)
+        for make in service.runners:
+            runner = make(conns.nc, conns.pool)
+            await runner.provision()
+            consumers.append(runner)
     return consumers
 
 
-async def run_consumers(consumers: Iterable[EventConsumer], stop: asyncio.Event) -> None:
+async def run_consumers(consumers: Iterable[Runner], stop: asyncio.Event) -> None:
     """Run consumers until `stop` is set; if one fails, the others are cancelled and the error raised."""
-    log.info("consumers running", consumers=[c.spec.durable for c in consumers])
+    log.info("consumers running", consumers=[c.name for c in consumers])
     async with asyncio.TaskGroup() as group:
         for consumer in consumers:
-            group.create_task(consumer.run(stop), name=consumer.spec.durable)
+            group.create_task(consumer.run(stop), name=consumer.name)

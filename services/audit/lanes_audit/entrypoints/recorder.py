@@ -1,0 +1,141 @@
+"""The audit recorder: copies every message of the jobs stream, in order, into the hash-chained table.
+
+It does not use the event consumer contract on purpose: an audit copy must hold every stored message,
+including those no service could decode (which the contract dead-letters), byte for byte. It keeps the
+contract's guarantees its own way: a durable pull consumer with explicit acks; a fetched batch is appended
+in one transaction and acknowledged only after commit; a redelivered message at or below the chain head is
+already recorded and is acknowledged without a second link; on any error the whole batch is sent back, so
+the chain never skips or reorders. There is no max_deliver: the copy may stall, loudly, but never skip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+import asyncpg
+import structlog
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from lanes_audit.adapters import repository
+from lanes_audit.adapters.signing import Signer
+from lanes_audit.domain.chain import Link, canonical_bytes, link_hash
+from lanes_common.streams import AUDIT, JOBS
+
+log = structlog.get_logger(__name__)
+RETRY_DELAY_S = 1.0
+
+
+class AuditRecorder:
+    """Appends the jobs stream to the audit chain and signs a checkpoint every `checkpoint_every` links."""
+
+    def __init__(
+        self,
+        nc: NatsClient,
+        pool: asyncpg.Pool,
+        *,
+        signer: Signer | None = None,
+        checkpoint_every: int = 1000,
+        durable: str = "audit",
+    ) -> None:
+        self.name = durable
+        self._nc = nc
+        self._js = nc.jetstream()
+        self._pool = pool
+        self._signer = signer or Signer.from_env()
+        self._checkpoint_every = checkpoint_every
+        self.recorded = 0
+
+    def config(self) -> ConsumerConfig:
+        """Every message of the jobs stream, from the first, acknowledged one by one."""
+        return ConsumerConfig(
+            durable_name=self.name,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=60.0,
+            max_deliver=-1,
+            filter_subject=f"{JOBS.subjects[0]}",
+            max_ack_pending=2000,
+        )
+
+    async def provision(self) -> None:
+        """Create or update the durable consumer (idempotent)."""
+        await self._js.add_consumer(JOBS.name, config=self.config())
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Record batches until `stop` is set."""
+        await self.provision()
+        sub = await self._js.pull_subscribe_bind(self.name, stream=JOBS.name)
+        try:
+            while not stop.is_set():
+                try:
+                    msgs = await sub.fetch(500, timeout=0.5)
+                except TimeoutError:
+                    continue
+                except NatsError as exc:
+                    log.warning("audit fetch failed; retrying", error=str(exc) or type(exc).__name__)
+                    await asyncio.sleep(RETRY_DELAY_S)
+                    continue
+                await self.record(msgs)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def record(self, msgs: list[Msg]) -> None:
+        """Append a batch in one transaction, then acknowledge it; on failure send it all back."""
+        try:
+            checkpoints = await self._append(sorted(msgs, key=lambda m: m.metadata.sequence.stream))
+            for checkpoint in checkpoints:
+                await self._publish_checkpoint(*checkpoint)
+        except Exception as exc:  # noqa: BLE001 - whatever failed, nothing was committed: redeliver in order
+            log.warning("audit batch failed; redelivering", error=str(exc) or type(exc).__name__, size=len(msgs))
+            for msg in msgs:
+                with contextlib.suppress(Exception):
+                    await msg.nak(delay=RETRY_DELAY_S)
+            return
+        for msg in msgs:
+            with contextlib.suppress(Exception):  # a lost ack means a redelivery, which is recognised
+                await msg.ack()
+
+    async def _append(self, msgs: list[Msg]) -> list[tuple[int, bytes, bytes]]:
+        """Append the new messages after the chain head; return the checkpoints signed on the way."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            await repository.lock_chain(conn)
+            position, last_seq, previous = await repository.head(conn)
+            links: list[Link] = []
+            for msg in msgs:
+                seq = msg.metadata.sequence.stream
+                if seq <= last_seq:
+                    continue  # recorded before a lost ack or a crash
+                canonical = canonical_bytes(JOBS.name, seq, msg.subject, msg.headers, msg.data)
+                position += 1
+                links.append(Link(position, seq, canonical, previous, link_hash(previous, canonical)))
+                previous, last_seq = links[-1].hash, seq
+            if not links:
+                return []
+            await repository.append(conn, JOBS.name, links)
+            self.recorded += len(links)
+            signed = []
+            for mark in (link for link in links if link.position % self._checkpoint_every == 0):
+                signature = self._signer.sign(mark.position, mark.hash)
+                await repository.add_checkpoint(conn, mark.position, mark.hash, self._signer.public_key, signature)
+                signed.append((mark.position, mark.hash, signature))
+            return signed
+
+    async def _publish_checkpoint(self, position: int, chain_hash: bytes, signature: bytes) -> None:
+        body = {
+            "position": position,
+            "hash": chain_hash.hex(),
+            "public_key": self._signer.public_key.hex(),
+            "signature": signature.hex(),
+        }
+        await self._js.publish(
+            "lanes.audit.checkpoint",
+            json.dumps(body).encode(),
+            stream=AUDIT.name,
+            headers={"Nats-Msg-Id": f"audit-checkpoint-{position}"},
+        )
