@@ -12,6 +12,7 @@ import contextlib
 import json
 import re
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -29,7 +30,9 @@ from lanes_common.errors import DecodeError
 from lanes_common.ids import validate_token
 from lanes_common.streams import JOBS, NODES, TELEMETRY
 
-FETCH_BATCH = 1000
+_BUFFER_LIMIT = 10_000
+_QUIET_S = 2.0
+"""How long a read waits for a first or next message before deciding there is none."""
 
 
 @dataclass(frozen=True)
@@ -44,14 +47,8 @@ class Selection:
     until: datetime | None = None
 
     def consumer_config(self) -> ConsumerConfig:
-        """An ephemeral, unacknowledged, in-memory consumer positioned at the selection's start."""
-        config = ConsumerConfig(
-            ack_policy=AckPolicy.NONE,
-            filter_subject=self.subject,
-            inactive_threshold=30.0,  # the server removes it even if this process dies mid-read
-            mem_storage=True,
-            deliver_policy=DeliverPolicy.ALL,
-        )
+        """An ordered, unacknowledged, in-memory consumer positioned at the selection's start."""
+        config = ConsumerConfig(ack_policy=AckPolicy.NONE, mem_storage=True, deliver_policy=DeliverPolicy.ALL)
         if self.from_seq is not None:
             config.deliver_policy, config.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, self.from_seq
         elif self.since is not None:
@@ -96,18 +93,43 @@ async def count(js: JetStreamContext, selection: Selection) -> int:
     return sum((info.state.subjects or {}).values())
 
 
-async def iter_stream(js: JetStreamContext, selection: Selection, *, batch: int = FETCH_BATCH) -> AsyncIterator[Msg]:
-    """Yield the selected messages in stream order, then stop; read-only."""
+async def iter_stream(js: JetStreamContext, selection: Selection) -> AsyncIterator[Msg]:
+    """Yield the selected messages in stream order, then stop; read-only.
+
+    An ordered push consumer (flow-controlled by the server, recreated by the client on a gap) fills a
+    local buffer from its callback, and this generator drains the buffer in runs: no per-message task or
+    round trip. The buffer is bounded; a full buffer pauses the callback, and so the delivery.
+    """
     if await count(js, selection) == 0:
         return
-    sub = await js.pull_subscribe(selection.subject, stream=selection.stream, config=selection.consumer_config())
+    buffer: deque[Msg] = deque()
+    arrived, drained = asyncio.Event(), asyncio.Event()
+
+    async def on_message(msg: Msg) -> None:
+        buffer.append(msg)
+        arrived.set()
+        if len(buffer) >= _BUFFER_LIMIT:
+            drained.clear()
+            await drained.wait()
+
+    sub = await js.subscribe(
+        selection.subject,
+        stream=selection.stream,
+        ordered_consumer=True,
+        config=selection.consumer_config(),
+        cb=on_message,
+    )
     try:
         while True:
-            try:
-                msgs = await sub.fetch(batch, timeout=1.0)
-            except TimeoutError:  # nothing (more) at or after the start position
-                return
-            for msg in msgs:
+            if not buffer:
+                arrived.clear()
+                drained.set()
+                try:
+                    await asyncio.wait_for(arrived.wait(), timeout=_QUIET_S)
+                except TimeoutError:  # nothing (more) at or after the start position
+                    return
+            while buffer:
+                msg = buffer.popleft()
                 meta = msg.metadata
                 if selection.to_seq is not None and meta.sequence.stream > selection.to_seq:
                     return
@@ -116,12 +138,15 @@ async def iter_stream(js: JetStreamContext, selection: Selection, *, batch: int 
                 yield msg
                 if meta.num_pending == 0:
                     return
+            drained.set()
     finally:
+        drained.set()
+        # Ordered consumers are ephemeral but outlive an unsubscribe until they go idle: remove it now.
         with contextlib.suppress(Exception):
-            consumer = (await sub.consumer_info()).name
-            await asyncio.shield(js.delete_consumer(selection.stream, consumer))
+            name = (await sub.consumer_info()).name
+            await asyncio.shield(js.delete_consumer(selection.stream, name))
         with contextlib.suppress(Exception):
-            await sub.unsubscribe()
+            await asyncio.shield(sub.unsubscribe())
 
 
 class Pace:

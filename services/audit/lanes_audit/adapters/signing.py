@@ -47,7 +47,7 @@ class Signer:
             except ValueError as exc:
                 msg = "the audit key must be 64 hex digits (a 32-byte Ed25519 seed)"
                 raise ValueError(msg) from exc
-        log.warning("no LANES_AUDIT_KEY: checkpoints are signed with a key that lives only in this process")
+        log.info("no LANES_AUDIT_KEY: checkpoints are signed with a key that lives only in this process")
         return cls(Ed25519PrivateKey.generate())
 
 
