@@ -1,0 +1,63 @@
+"""The HTML timeline of a real demo run, rendered by headless Chromium: bands, marks, a screenshot."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lanes_ops.html import LANE_ORDER, render_page
+
+LANES = str(Path(sys.executable).parent / "lanes")
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+# CI installs Chromium and sets this, so there the test can only pass or fail; elsewhere it says what is missing.
+REQUIRED = os.environ.get("LANES_REQUIRE_BROWSER") == "1"
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None and not REQUIRED, reason="needs Chromium (Debian: apt-get install chromium)"
+)
+
+
+def _chromium(*args: str, profile: Path) -> subprocess.CompletedProcess[str]:
+    assert CHROMIUM is not None, "Chromium is required here (LANES_REQUIRE_BROWSER=1) but not installed"
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={profile}",
+    ]
+    return subprocess.run([CHROMIUM, *flags, *args], capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_the_demo_timeline_page_renders_its_bands_and_marks(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in {"NATS_URL", "DATABASE_URL", "REDIS_URL"}}
+    demo = subprocess.run([LANES, "demo", "--json"], env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert demo.returncode == 0, demo.stderr[-2000:]
+    (job,) = json.loads(demo.stdout)["jobs"]
+    page = tmp_path / "timeline.html"
+    page.write_text(render_page(job))
+    assert "<script src" not in page.read_text()  # self-contained: no external assets
+    assert "<link" not in page.read_text()
+
+    dom = _chromium("--dump-dom", page.as_uri(), profile=tmp_path / "profile-dom").stdout
+    assert 'data-ready="true"' in dom  # the page's script ran to the end
+    bands = re.findall(r'<rect [^>]*class="band[^"]*"[^>]*data-lane="(\w+)"', dom)
+    assert bands == list(LANE_ORDER)
+    marks = re.findall(r'<circle [^>]*class="mark[^"]*"[^>]*data-seq="(\d+)"', dom)
+    assert sorted(map(int, marks)) == sorted(row["seq"] for row in job["timeline"])
+    assert f"Job {job['job_id']}" in dom
+
+    shot = tmp_path / "timeline.png"
+    _chromium("--window-size=1200,560", f"--screenshot={shot}", page.as_uri(), profile=tmp_path / "profile-shot")
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert shot.stat().st_size > 10_000  # a drawn page, not a blank one
