@@ -1,0 +1,185 @@
+"""`lanes poc`: the platform scorecard, computed from the log, never typed by hand.
+
+For each capability of the playbook Lanes grows from, the verdict is **passed**, **pending evidence**
+(naming the exact missing link) or **not applicable** (the events show the workload never exercised it).
+There is no total score. The input is the timeline rows of `lanes timeline --json` (any set of jobs or
+a time window); the same rows always give the same verdicts.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+Row = dict[str, Any]
+TERMINAL = {"succeeded", "failed", "cancelled"}
+
+
+class Verdict(StrEnum):
+    """The three outcomes of a capability."""
+
+    PASSED = "passed"
+    PENDING_EVIDENCE = "pending evidence"
+    NOT_APPLICABLE = "not applicable"
+
+
+@dataclass(frozen=True)
+class CapabilityResult:
+    """One capability's verdict and why."""
+
+    capability: str
+    verdict: Verdict
+    reason: str
+
+    def as_json(self) -> dict[str, str]:
+        """The row of `lanes poc --json`."""
+        return {"capability": self.capability, "verdict": self.verdict.value, "reason": self.reason}
+
+
+def _kind(row: Row) -> str:
+    """`placed` for `io.lanes.job.placed.v1`."""
+    parts = str(row.get("type") or "").split(".")
+    return parts[-2] if len(parts) >= 2 else ""  # noqa: PLR2004 - <name>.v<N> at the end
+
+
+def _by_job(rows: Iterable[Row]) -> dict[str, list[Row]]:
+    jobs: dict[str, list[Row]] = defaultdict(list)
+    for row in rows:
+        if row.get("job_id"):
+            jobs[str(row["job_id"])].append(row)
+    return dict(jobs)
+
+
+def _failed_jobs(jobs: dict[str, list[Row]]) -> list[str]:
+    failed = []
+    for job_id, rows in sorted(jobs.items()):
+        for row in rows:
+            data = row.get("data") or {}
+            ended_badly = _kind(row) == "rank_exited" and (data.get("exit_code") not in (0, None) or data.get("signal"))
+            if ended_badly or (_kind(row) == "state_changed" and data.get("to_state") == "failed"):
+                failed.append(job_id)
+                break
+    return failed
+
+
+def topology_awareness(jobs: dict[str, list[Row]]) -> CapabilityResult:
+    """Placements that say which topology domain they chose, and waits that say why."""
+    name = "topology awareness"
+    placements = [row for rows in jobs.values() for row in rows if _kind(row) == "placed"]
+    if not placements:
+        return CapabilityResult(name, Verdict.NOT_APPLICABLE, "no job was placed")
+    for row in placements:
+        data = row.get("data") or {}
+        if not any(key in data for key in ("domain", "level", "topology")):
+            return CapabilityResult(
+                name,
+                Verdict.PENDING_EVIDENCE,
+                f"placement #{row['seq']} of job {row['job_id']} names no topology domain",
+            )
+    return CapabilityResult(name, Verdict.PASSED, f"{len(placements)} placements name their topology domain")
+
+
+def job_lifecycle(jobs: dict[str, list[Row]]) -> CapabilityResult:
+    """Every job's transitions carry a cause, and every ended attempt had its resources released."""
+    name = "job orchestration and lifecycle"
+    if not jobs:
+        return CapabilityResult(name, Verdict.NOT_APPLICABLE, "no job on the timeline")
+    for job_id, rows in sorted(jobs.items()):
+        changes = [row for row in rows if _kind(row) == "state_changed"]
+        if not changes:
+            return CapabilityResult(name, Verdict.PENDING_EVIDENCE, f"job {job_id} has no state change on the timeline")
+        for row in changes:
+            if not (row.get("data") or {}).get("reason"):
+                return CapabilityResult(
+                    name, Verdict.PENDING_EVIDENCE, f"transition #{row['seq']} of {job_id} has no cause"
+                )
+        states = [(row.get("data") or {}).get("to_state") for row in changes]
+        if any(state in TERMINAL for state in states) and "released" not in states:
+            return CapabilityResult(
+                name, Verdict.PENDING_EVIDENCE, f"job {job_id} ended but its resources were never released"
+            )
+    return CapabilityResult(name, Verdict.PASSED, f"{len(jobs)} jobs with caused transitions and released resources")
+
+
+def communication_observability(jobs: dict[str, list[Row]]) -> CapabilityResult:
+    """Every failed job has a finding that names its first error."""
+    name = "communication observability"
+    failed = _failed_jobs(jobs)
+    if not failed:
+        return CapabilityResult(name, Verdict.NOT_APPLICABLE, "no job failed, so there was no first error to find")
+    for job_id in failed:
+        findings = [
+            row for row in jobs[job_id] if _kind(row) == "finding" and (row.get("data") or {}).get("first_error")
+        ]
+        if not findings:
+            return CapabilityResult(
+                name, Verdict.PENDING_EVIDENCE, f"job {job_id} failed and no finding names its first error"
+            )
+    return CapabilityResult(name, Verdict.PASSED, f"first error found for {len(failed)} failed jobs")
+
+
+def recovery(jobs: dict[str, list[Row]]) -> CapabilityResult:
+    """Every failed job has a recovery decision (retry, manual path, cancel and rebuild) on its timeline."""
+    name = "recovery"
+    failed = _failed_jobs(jobs)
+    if not failed:
+        return CapabilityResult(name, Verdict.NOT_APPLICABLE, "no job failed, so nothing needed recovering")
+    for job_id in failed:
+        if not any("recovery" in str(row.get("type")) for row in jobs[job_id]):
+            return CapabilityResult(
+                name, Verdict.PENDING_EVIDENCE, f"job {job_id} failed and no recovery decision is recorded"
+            )
+    return CapabilityResult(name, Verdict.PASSED, f"a recovery decision for each of {len(failed)} failed jobs")
+
+
+def inference_protection(jobs: dict[str, list[Row]], requests: list[Row]) -> CapabilityResult:
+    """Inference jobs have per-request provenance (replica, version, attempts) on the log."""
+    name = "inference protection"
+    inference = [
+        job_id
+        for job_id, rows in jobs.items()
+        if any(((row.get("data") or {}).get("spec") or {}).get("workload_class") == "inference" for row in rows)
+    ]
+    if not inference and not requests:
+        return CapabilityResult(name, Verdict.NOT_APPLICABLE, "no inference job and no routed request")
+    if not requests:
+        return CapabilityResult(
+            name, Verdict.PENDING_EVIDENCE, f"inference job {min(inference)} has no request provenance"
+        )
+    return CapabilityResult(name, Verdict.PASSED, f"{len(requests)} requests with provenance")
+
+
+def joinability(rows: list[Row]) -> CapabilityResult:
+    """Every event joins by job, attempt, node and time: the keys each team's evidence needs."""
+    name = "cross-team joinability"
+    if not rows:
+        return CapabilityResult(name, Verdict.NOT_APPLICABLE, "no events")
+    for row in rows:
+        missing = [key for key in ("time", "job_id", "attempt") if row.get(key) in (None, "")]
+        if row.get("lane") in {"host", "network"} and not row.get("node"):
+            missing.append("node")
+        if missing:
+            what = f"#{row.get('seq')} {row.get('type')} ({row.get('lane')} lane)"
+            return CapabilityResult(name, Verdict.PENDING_EVIDENCE, f"{what} lacks {', '.join(missing)}")
+    return CapabilityResult(name, Verdict.PASSED, f"all {len(rows)} events carry job, attempt, node and time")
+
+
+CAPABILITIES: tuple[Callable[[dict[str, list[Row]]], CapabilityResult], ...] = (
+    topology_awareness,
+    job_lifecycle,
+    communication_observability,
+    recovery,
+)
+
+
+def scorecard(rows: list[Row], requests: list[Row] | None = None) -> list[CapabilityResult]:
+    """The verdict of every capability for these timeline rows (and router request rows, if any)."""
+    jobs = _by_job(rows)
+    return [
+        *(capability(jobs) for capability in CAPABILITIES),
+        inference_protection(jobs, requests or []),
+        joinability(rows),
+    ]

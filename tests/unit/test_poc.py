@@ -1,0 +1,111 @@
+"""The scorecard: verdicts computed from timeline rows, deterministic, naming the missing link."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from lanes_ops.poc import Verdict, scorecard
+
+Row = dict[str, Any]
+
+
+def _row(seq: int, kind: str, lane: str = "platform", **fields: Any) -> Row:
+    data = fields.pop("data", {})
+    return {
+        "seq": seq,
+        "time": f"2026-12-02T10:00:{seq:02d}.000000Z",
+        "type": f"io.lanes.job.{kind}.v1",
+        "lane": lane,
+        "job_id": "j1",
+        "attempt": 1,
+        "node": None,
+        "rank": None,
+        "source": "tests",
+        "data": data,
+    } | fields
+
+
+def _change(seq: int, to_state: str, reason: str = "because") -> Row:
+    return _row(seq, "state_changed", data={"to_state": to_state, "reason": reason})
+
+
+def failing_drill() -> list[Row]:
+    return [
+        _row(1, "submitted", data={"spec": {"workload_class": "training"}}),
+        _change(2, "queued"),
+        _row(3, "placed", data={"assignments": [], "domain": "leaf-1", "level": "leaf"}),
+        _change(4, "admitted"),
+        _row(5, "rank_exited", lane="host", node="n1", rank=0, data={"exit_code": None, "signal": 9}),
+        _row(6, "finding", lane="host", node="n1", data={"first_error": {"rank": 0, "node": "n1", "lane": "host"}}),
+        _change(7, "failed"),
+        _row(8, "recovery_decided", data={"action": "retry"}),
+        _change(9, "released"),
+    ]
+
+
+def verdicts(rows: list[Row], requests: list[Row] | None = None) -> dict[str, Verdict]:
+    return {result.capability: result.verdict for result in scorecard(rows, requests)}
+
+
+def test_a_complete_drill_passes_and_unexercised_capabilities_are_not_applicable() -> None:
+    assert verdicts(failing_drill()) == {
+        "topology awareness": Verdict.PASSED,
+        "job orchestration and lifecycle": Verdict.PASSED,
+        "communication observability": Verdict.PASSED,
+        "recovery": Verdict.PASSED,
+        "inference protection": Verdict.NOT_APPLICABLE,
+        "cross-team joinability": Verdict.PASSED,
+    }
+
+
+def test_the_same_rows_give_the_same_verdicts() -> None:
+    rows = failing_drill()
+    assert scorecard(rows) == scorecard(copy.deepcopy(rows))
+
+
+def test_removing_the_host_teams_evidence_turns_observability_into_pending_naming_the_gap() -> None:
+    rows = [row for row in failing_drill() if row["type"] != "io.lanes.job.finding.v1"]
+    result = {r.capability: r for r in scorecard(rows)}["communication observability"]
+    assert result.verdict is Verdict.PENDING_EVIDENCE
+    assert "job j1 failed" in result.reason
+    assert "first error" in result.reason
+
+
+def test_an_event_without_its_node_breaks_joinability_and_says_which() -> None:
+    rows = failing_drill()
+    rows[4] = rows[4] | {"node": None}
+    result = {r.capability: r for r in scorecard(rows)}["cross-team joinability"]
+    assert result.verdict is Verdict.PENDING_EVIDENCE
+    assert "#5" in result.reason
+    assert "node" in result.reason
+
+
+def test_a_successful_job_needs_no_recovery_or_first_error() -> None:
+    rows = [
+        _row(1, "submitted"),
+        _change(2, "queued"),
+        _row(3, "placed", data={"domain": "nvlink-0"}),
+        _row(4, "rank_exited", lane="host", node="n1", rank=0, data={"exit_code": 0}),
+        _change(5, "succeeded"),
+        _change(6, "released"),
+    ]
+    result = verdicts(rows)
+    assert result["communication observability"] is Verdict.NOT_APPLICABLE
+    assert result["recovery"] is Verdict.NOT_APPLICABLE
+    assert result["job orchestration and lifecycle"] is Verdict.PASSED
+
+
+def test_missing_release_missing_domain_and_missing_provenance_are_named() -> None:
+    rows = [
+        _row(1, "submitted", data={"spec": {"workload_class": "inference"}}),
+        _row(2, "placed", data={"assignments": []}),
+        _change(3, "succeeded"),
+    ]
+    results = {r.capability: r for r in scorecard(rows)}
+    assert results["topology awareness"].verdict is Verdict.PENDING_EVIDENCE
+    assert "#2" in results["topology awareness"].reason
+    assert results["job orchestration and lifecycle"].verdict is Verdict.PENDING_EVIDENCE
+    assert "never released" in results["job orchestration and lifecycle"].reason
+    assert results["inference protection"].verdict is Verdict.PENDING_EVIDENCE
+    assert verdicts(rows, [{"seq": 1}])["inference protection"] is Verdict.PASSED
