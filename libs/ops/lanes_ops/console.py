@@ -10,6 +10,7 @@ import asyncio
 import os
 import signal
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from typing import NoReturn, TypeVar
 
 import typer
@@ -66,3 +67,8 @@ def require(value: str | None, name: str) -> str:
             EXIT_BAD_INPUT,
         )
     return value
+
+
+def as_utc(moment: datetime | None) -> datetime | None:
+    """A time given without an offset means UTC, as everywhere on the timeline."""
+    return moment if moment is None or moment.tzinfo else moment.replace(tzinfo=UTC)

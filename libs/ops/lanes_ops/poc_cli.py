@@ -1,0 +1,75 @@
+"""`lanes poc`: the scorecard of a drill or any time window, read from the log."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from datetime import datetime
+from typing import Annotated
+
+import typer
+from nats.js import JetStreamContext
+
+from lanes_common.bus import connect_nats
+from lanes_common.codec import decode
+from lanes_common.errors import DecodeError
+from lanes_common.streams import JOBS, REQUESTS
+from lanes_ops.console import as_utc, load_settings, out, require, run_async
+from lanes_ops.poc import CapabilityResult, Row, Verdict, scorecard
+from lanes_ops.replay import Selection, iter_stream
+from lanes_ops.timeline import TimelineEntry
+
+_STYLE = {Verdict.PASSED: "green", Verdict.PENDING_EVIDENCE: "yellow", Verdict.NOT_APPLICABLE: "dim"}
+
+
+async def rows_of(js: JetStreamContext, selection: Selection) -> list[Row]:
+    """The timeline rows of a selection (undecodable messages keep their place with an error)."""
+    rows = []
+    async for msg in iter_stream(js, selection):
+        seq = msg.metadata.sequence.stream
+        try:
+            entry = TimelineEntry(seq, msg.subject, decode(msg.subject, msg.headers, msg.data))
+        except DecodeError as exc:
+            entry = TimelineEntry(seq, msg.subject, None, str(exc))
+        rows.append(entry.as_json())
+    return rows
+
+
+async def compute(
+    nats_url: str, job: str | None, since: datetime | None, until: datetime | None
+) -> list[CapabilityResult]:
+    """The scorecard of one job, or of every job in the time window."""
+    nc = await connect_nats(nats_url, name="lanes-poc")
+    try:
+        js = nc.jetstream()
+        subject = f"lanes.job.{job}.>" if job else "lanes.job.>"
+        jobs = dataclasses.replace(Selection(JOBS.name, subject), since=since, until=until)
+        requests = dataclasses.replace(Selection(REQUESTS.name, "lanes.req.>"), since=since, until=until)
+        return scorecard(await rows_of(js, jobs), await rows_of(js, requests))
+    finally:
+        await nc.close()
+
+
+def print_scorecard(results: list[CapabilityResult]) -> None:
+    """One line per capability, coloured by verdict."""
+    for result in results:
+        style = _STYLE[result.verdict]
+        out.print(
+            f"[{style}]{result.verdict.value:<17}[/{style}] {result.capability}: {result.reason}", highlight=False
+        )
+
+
+def poc(
+    job: Annotated[str | None, typer.Option(help="Only this job's timeline.")] = None,
+    since: Annotated[datetime | None, typer.Option(help="Window start (RFC 3339, UTC if no offset).")] = None,
+    until: Annotated[datetime | None, typer.Option(help="Window end (RFC 3339, UTC if no offset).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """The scorecard: passed, pending evidence (naming the gap) or not applicable, per capability."""
+    settings = load_settings(quiet=True)
+    nats_url = require(settings.nats_url, "NATS_URL")
+    results = run_async(lambda: compute(nats_url, job, as_utc(since), as_utc(until)))
+    if as_json:
+        out.print_json(json.dumps({"capabilities": [r.as_json() for r in results]}))
+    else:
+        print_scorecard(results)
