@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from lanes_ops.timeline import is_failure, row_kind
+
 Row = dict[str, Any]
 TERMINAL = {"succeeded", "failed", "cancelled"}
 
@@ -39,12 +41,6 @@ class CapabilityResult:
         return {"capability": self.capability, "verdict": self.verdict.value, "reason": self.reason}
 
 
-def _kind(row: Row) -> str:
-    """`placed` for `io.lanes.job.placed.v1`."""
-    parts = str(row.get("type") or "").split(".")
-    return parts[-2] if len(parts) >= 2 else ""  # noqa: PLR2004 - <name>.v<N> at the end
-
-
 def _by_job(rows: Iterable[Row]) -> dict[str, list[Row]]:
     jobs: dict[str, list[Row]] = defaultdict(list)
     for row in rows:
@@ -54,21 +50,13 @@ def _by_job(rows: Iterable[Row]) -> dict[str, list[Row]]:
 
 
 def _failed_jobs(jobs: dict[str, list[Row]]) -> list[str]:
-    failed = []
-    for job_id, rows in sorted(jobs.items()):
-        for row in rows:
-            data = row.get("data") or {}
-            ended_badly = _kind(row) == "rank_exited" and (data.get("exit_code") not in (0, None) or data.get("signal"))
-            if ended_badly or (_kind(row) == "state_changed" and data.get("to_state") == "failed"):
-                failed.append(job_id)
-                break
-    return failed
+    return [job_id for job_id, rows in sorted(jobs.items()) if any(is_failure(row) for row in rows)]
 
 
 def topology_awareness(jobs: dict[str, list[Row]]) -> CapabilityResult:
     """Placements that say which topology domain they chose, and waits that say why."""
     name = "topology awareness"
-    placements = [row for rows in jobs.values() for row in rows if _kind(row) == "placed"]
+    placements = [row for rows in jobs.values() for row in rows if row_kind(row) == "placed"]
     if not placements:
         return CapabilityResult(name, Verdict.NOT_APPLICABLE, "no job was placed")
     for row in placements:
@@ -88,7 +76,7 @@ def job_lifecycle(jobs: dict[str, list[Row]]) -> CapabilityResult:
     if not jobs:
         return CapabilityResult(name, Verdict.NOT_APPLICABLE, "no job on the timeline")
     for job_id, rows in sorted(jobs.items()):
-        changes = [row for row in rows if _kind(row) == "state_changed"]
+        changes = [row for row in rows if row_kind(row) == "state_changed"]
         if not changes:
             return CapabilityResult(name, Verdict.PENDING_EVIDENCE, f"job {job_id} has no state change on the timeline")
         for row in changes:
@@ -112,7 +100,7 @@ def communication_observability(jobs: dict[str, list[Row]]) -> CapabilityResult:
         return CapabilityResult(name, Verdict.NOT_APPLICABLE, "no job failed, so there was no first error to find")
     for job_id in failed:
         findings = [
-            row for row in jobs[job_id] if _kind(row) == "finding" and (row.get("data") or {}).get("first_error")
+            row for row in jobs[job_id] if row_kind(row) == "finding" and (row.get("data") or {}).get("first_error")
         ]
         if not findings:
             return CapabilityResult(

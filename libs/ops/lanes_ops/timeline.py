@@ -14,6 +14,20 @@ from lanes_common.streams import JOBS
 from lanes_ops.replay import Selection, iter_stream
 
 
+def row_kind(row: dict[str, Any]) -> str:
+    """The event name of a timeline row: `placed` for `io.lanes.job.placed.v1`."""
+    parts = str(row.get("type") or "").split(".")
+    return parts[-2] if len(parts) >= 2 else ""  # noqa: PLR2004 - <name>.v<N> ends every type
+
+
+def is_failure(row: dict[str, Any]) -> bool:
+    """Whether a timeline row reports a failure: a rank that did not exit 0, or a job moved to a failed state."""
+    data = row.get("data") or {}
+    if row_kind(row) == "rank_exited":
+        return data.get("exit_code") not in (0, None) or bool(data.get("signal"))
+    return row_kind(row) == "state_changed" and data.get("to_state") in {"failed", "partially_failed"}
+
+
 @dataclass(frozen=True)
 class TimelineEntry:
     """One stored event and its stream sequence, or the reason it could not be decoded."""

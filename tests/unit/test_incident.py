@@ -1,0 +1,80 @@
+"""The incident bundle from timeline rows: first error, evidence per lane, timings, files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from lanes_ops.incident import bundle, write_bundle
+
+
+def _row(seq: int, kind: str, lane: str = "platform", second: int | None = None, **fields: Any) -> dict[str, Any]:
+    return {
+        "seq": seq,
+        "time": f"2026-12-02T10:00:{second if second is not None else seq:02d}.000000Z",
+        "type": f"io.lanes.job.{kind}.v1",
+        "lane": lane,
+        "job_id": "j1",
+        "attempt": 1,
+        "node": fields.pop("node", None),
+        "rank": fields.pop("rank", None),
+        "source": "tests",
+        "data": fields.pop("data", {}),
+    }
+
+
+JOB: dict[str, Any] = {
+    "job_id": "j1",
+    "state": "released",
+    "timeline": [
+        _row(1, "submitted", second=0),
+        _row(2, "rank_started", "host", second=2, node="n1", rank=0, data={"pid": 10}),
+        _row(3, "rank_exited", "host", second=10, node="n1", rank=0, data={"exit_code": None, "signal": 9}),
+        _row(
+            4,
+            "finding",
+            "host",
+            second=12,
+            node="n1",
+            data={
+                "first_error": {"rank": 0, "node": "n1", "lane": "host", "category": "oom_kill"},
+                "missing_evidence": {"network": ["n2"]},
+                "owner": "host team",
+            },
+        ),
+        _row(5, "recovery_decided", second=13, data={"action": "retry"}),
+        _row(6, "state_changed", second=20, data={"to_state": "running", "reason": "attempt 2 running"}),
+    ],
+}
+
+
+def test_the_bundle_names_the_first_error_its_lane_owner_and_the_timings() -> None:
+    summary = bundle(JOB)
+    assert summary["summary"]["first_error"]["category"] == "oom_kill"
+    assert summary["summary"]["lane"] == "host"
+    assert summary["summary"]["owner"] == "host team"
+    assert summary["missing_evidence"] == {"network": ["n2"]}
+    assert summary["evidence"]["host"] == [2, 3, 4]
+    assert summary["recovery"][0]["seq"] == 5
+    assert summary["durations_s"] == {"to_detect": 10.0, "to_localize": 2.0, "to_decide": 3.0, "to_recover": 10.0}
+
+
+def test_a_job_without_failure_has_no_first_error_and_no_timings() -> None:
+    quiet = {
+        "job_id": "j2",
+        "timeline": [_row(1, "submitted"), _row(2, "state_changed", data={"to_state": "released"})],
+    }
+    summary = bundle(quiet)
+    assert summary["summary"]["failed"] is False
+    assert summary["summary"]["first_error"] is None
+    assert summary["durations_s"]["to_detect"] is None
+
+
+def test_the_bundle_is_written_as_json_html_and_replayable_ndjson(tmp_path: Path) -> None:
+    lines = [json.dumps({"sequence": str(row["seq"]), "type": row["type"]}).encode() for row in JOB["timeline"]]
+    paths = write_bundle(JOB, lines, tmp_path / "bundle")
+    assert [p.name for p in paths] == ["incident.json", "timeline.html", "events.ndjson"]
+    assert json.loads(paths[0].read_text())["job_id"] == "j1"
+    assert "lanes-data" in paths[1].read_text()
+    assert len(paths[2].read_text().splitlines()) == len(JOB["timeline"])
