@@ -129,7 +129,19 @@ def structured_line(headers: Mapping[str, str] | None, payload: bytes, extra: Ma
 
 def decode(subject: str, headers: Mapping[str, str] | None, payload: bytes) -> Event:
     """Decode a message from the log, in binary or structured mode; raise DecodeError if it is not valid."""
-    fields = _fields_of(headers or {}, payload)
+    event = _validated(_fields_of(headers or {}, payload))
+    if event.nats_subject() != subject:
+        msg = f"subject {subject!r} does not match the event's join keys (expected {event.nats_subject()!r})"
+        raise DecodeError(msg)
+    return event
+
+
+def decode_structured(body: bytes) -> Event:
+    """Decode one structured-mode CloudEvent that comes without a subject (a file line, an HTTP body)."""
+    return _validated(_fields_of({"content-type": STRUCTURED_JSON}, body))
+
+
+def _validated(fields: dict[str, Any]) -> Event:
     fields = _upcast(fields)
     event_type = fields.get("type")
     cls = EVENT_TYPES.get(event_type) if isinstance(event_type, str) else None
@@ -137,13 +149,9 @@ def decode(subject: str, headers: Mapping[str, str] | None, payload: bytes) -> E
         msg = f"unknown event type {event_type!r}"
         raise DecodeError(msg)
     try:
-        event = cls.model_validate(fields)
+        return cls.model_validate(fields)
     except ValidationError as exc:
         raise DecodeError(_summarize(str(event_type), exc)) from exc
-    if event.nats_subject() != subject:
-        msg = f"subject {subject!r} does not match the event's join keys (expected {event.nats_subject()!r})"
-        raise DecodeError(msg)
-    return event
 
 
 def _fields_of(headers: Mapping[str, str], payload: bytes) -> dict[str, Any]:
