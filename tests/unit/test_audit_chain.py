@@ -47,7 +47,7 @@ def test_canonical_bytes_do_not_depend_on_header_order() -> None:
 
 
 def test_an_altered_byte_is_found_at_its_sequence() -> None:
-    links, stream = _chain(PAYLOADS)
+    links, _ = _chain(PAYLOADS)
     links[4] = dataclasses.replace(links[4], canonical=links[4].canonical.replace(b'"n":4', b'"n":5'))
     problem = verify_chain(links)
     assert problem is not None

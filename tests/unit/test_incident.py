@@ -38,8 +38,9 @@ JOB: dict[str, Any] = {
             second=12,
             node="n1",
             data={
-                "first_error": {"rank": 0, "node": "n1", "lane": "host", "category": "oom_kill"},
-                "missing_evidence": {"network": ["n2"]},
+                "version": 1,
+                "first_error": {"rank": 0, "node": "n1", "lane": "host", "category": "oom_kill", "summary": "OOM"},
+                "missing_evidence": [{"lane": "network", "what": "link counters", "node": "n2", "rank": None}],
                 "owner": "host team",
             },
         ),
@@ -54,7 +55,7 @@ def test_the_bundle_names_the_first_error_its_lane_owner_and_the_timings() -> No
     assert summary["summary"]["first_error"]["category"] == "oom_kill"
     assert summary["summary"]["lane"] == "host"
     assert summary["summary"]["owner"] == "host team"
-    assert summary["missing_evidence"] == {"network": ["n2"]}
+    assert summary["missing_evidence"] == {"network": ["link counters (node n2)"]}
     assert summary["evidence"]["host"] == [2, 3, 4]
     assert summary["recovery"][0]["seq"] == 5
     assert summary["durations_s"] == {"to_detect": 10.0, "to_localize": 2.0, "to_decide": 3.0, "to_recover": 10.0}

@@ -17,10 +17,22 @@ LANE_ORDER = ("algorithm", "platform", "host", "network")
 
 def first_error(job: dict[str, Any]) -> dict[str, Any] | None:
     """The first error of the job: a telemetry finding's when there is one, else the first failed rank exit."""
-    for row in job.get("timeline", []):
-        data = row.get("data") or {}
-        if "finding" in str(row.get("type")) and isinstance(data.get("first_error"), dict):
-            return {"seq": row["seq"], **data["first_error"], "missing_evidence": data.get("missing_evidence")}
+    findings = [
+        row
+        for row in job.get("timeline", [])
+        if str(row.get("type")).endswith(".finding.v1") and isinstance((row.get("data") or {}).get("first_error"), dict)
+    ]
+    if findings:  # a later version of the finding supersedes an earlier one
+        latest = max(findings, key=lambda row: (row["data"].get("version", 0), row["seq"]))
+        data = latest["data"]
+        cause = data["first_error"]
+        return {
+            "seq": latest["seq"],
+            **cause,
+            "detail": cause.get("summary") or cause.get("category"),
+            "owner": data.get("owner"),
+            "missing_evidence": missing_by_lane(data.get("missing_evidence") or []),
+        }
     for row in job.get("timeline", []):
         data = row.get("data") or {}
         if str(row.get("type", "")).endswith("rank_exited.v1") and (data.get("exit_code") or data.get("signal")):
@@ -34,6 +46,15 @@ def first_error(job: dict[str, Any]) -> dict[str, Any] | None:
                 "detail": f"rank {row.get('rank')} ended with {how}",
             }
     return None
+
+
+def missing_by_lane(missing: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """A finding's missing evidence grouped by lane, each item saying what and where."""
+    grouped: dict[str, list[str]] = {}
+    for item in missing:
+        where = ", ".join(f"{key} {item[key]}" for key in ("node", "rank") if item.get(key) is not None)
+        grouped.setdefault(str(item.get("lane")), []).append(f"{item.get('what')}" + (f" ({where})" if where else ""))
+    return grouped
 
 
 def render_page(job: dict[str, Any]) -> str:

@@ -36,15 +36,14 @@ def bundle(job: dict[str, Any]) -> dict[str, Any]:
     rows: list[Row] = list(job.get("timeline", []))
     error = first_error(job)
     detected = _first(rows, is_failure)
-    localized = _first(rows, lambda r: row_kind(r) == "finding")
+    localized = _first(rows, lambda r: row_kind(r) == "finding")  # the first version: time to localize
     decided = _first(rows, lambda r: "recovery" in str(r.get("type")))
     after = [r for r in rows if detected is not None and r["seq"] > detected["seq"]]
     recovered = _first(
         after,
         lambda r: row_kind(r) == "state_changed" and (r.get("data") or {}).get("to_state") in {"running", "released"},
     )
-    finding = (localized or {}).get("data") or {}
-    missing = finding.get("missing_evidence") or {}
+    missing = (error or {}).get("missing_evidence") or {}
     return {
         "job_id": job.get("job_id"),
         "state": job.get("state"),
@@ -52,7 +51,7 @@ def bundle(job: dict[str, Any]) -> dict[str, Any]:
             "failed": detected is not None,
             "first_error": error,
             "lane": (error or {}).get("lane"),
-            "owner": finding.get("owner") or (error or {}).get("owner"),
+            "owner": (error or {}).get("owner"),
             "detected_at": None if detected is None else detected["time"],
         },
         "evidence": {lane: [r["seq"] for r in rows if r.get("lane") == lane] for lane in LANE_ORDER},
