@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import asyncpg
@@ -32,54 +34,76 @@ def _lanes(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.
     return subprocess.run([LANES, *args], env=env, capture_output=True, text=True, timeout=timeout, check=False)
 
 
-def _our_temp_dirs() -> set[str]:
-    return {p.name for p in Path(tempfile.gettempdir()).glob("lanes-*")}
+@pytest.fixture
+def private_tmp() -> Iterator[Path]:
+    """A TMPDIR of the run's own, so servers and dirs of other processes on the machine are never counted."""
+    root = Path(tempfile.mkdtemp(prefix="lanes-cli-test-"))
+    root.chmod(0o755)  # the unprivileged PostgreSQL user must be able to pass through
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
 
 
-def _server_pids() -> set[int]:
+def _servers_using(root: Path) -> set[int]:
     pids = set()
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             try:
                 name = (proc / "comm").read_text().strip()
+                cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
             except OSError:
                 continue
-            if name in SERVER_NAMES:
+            if name in SERVER_NAMES and str(root) in cmdline:
                 pids.add(int(proc.name))
     return pids
 
 
-def _gone(before_dirs: set[str], before_pids: set[int], timeout_s: float = 20) -> None:
+def _gone(root: Path, timeout_s: float = 20) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
-        extra_dirs, extra_pids = _our_temp_dirs() - before_dirs, _server_pids() - before_pids
-        if not extra_dirs and not extra_pids:
+        dirs, pids = sorted(p.name for p in root.iterdir()), _servers_using(root)
+        if not dirs and not pids:
             return
-        assert time.monotonic() < deadline, f"left behind: dirs {extra_dirs}, server pids {extra_pids}"
+        assert time.monotonic() < deadline, f"left behind: dirs {dirs}, server pids {pids}"
         time.sleep(0.1)
 
 
-def test_demo_json_on_embedded_servers_runs_the_job_to_the_end() -> None:
-    dirs, pids = _our_temp_dirs(), _server_pids()
-    result = _lanes("demo", "--json", env=_env())
+def test_demo_json_on_embedded_servers_runs_the_job_to_the_end(private_tmp: Path) -> None:
+    result = _lanes("demo", "--json", env=_env(TMPDIR=str(private_tmp)))
     assert result.returncode == 0, result.stderr[-3000:]
-    (job,) = json.loads(result.stdout)["jobs"]
+    job = json.loads(result.stdout)["jobs"][0]  # the training job that succeeds
     assert job["state"] == "released"
     (attempt,) = job["attempts"]
     assert attempt["state"] == "released"
-    assert {a["node"] for a in attempt["placement"]} == {"node-1", "node-2"}
+    assert len({a["node"] for a in attempt["placement"]}) == 2  # 2 workers x 4 GPUs: two whole nodes
+    assert {a["node"] for a in attempt["placement"]} <= {"node-1", "node-2", "node-3", "node-4"}
     timeline = job["timeline"]
     assert [e["seq"] for e in timeline] == sorted(e["seq"] for e in timeline)
     for entry in timeline:
-        assert set(entry) == {"seq", "time", "type", "lane", "job_id", "attempt", "node", "rank", "source", "data"}
+        assert set(entry) == {
+            "seq",
+            "id",
+            "time",
+            "type",
+            "lane",
+            "job_id",
+            "attempt",
+            "node",
+            "rank",
+            "source",
+            "data",
+        }
         assert entry["job_id"] == job["job_id"]
         assert entry["attempt"] == 1
     states = [e["data"]["to_state"] for e in timeline if e["type"] == "io.lanes.job.state_changed.v1"]
-    assert states == ["queued", "admitted", "running", "succeeded", "released"]
+    assert states == ["queued", "admitted", "starting", "running", "succeeded", "released"]
     exits = [e for e in timeline if e["type"] == "io.lanes.job.rank_exited.v1"]
-    assert sorted((e["rank"], e["node"], e["data"]["exit_code"]) for e in exits) == [(0, "node-1", 0), (1, "node-2", 0)]
+    placed = {a["rank"]: a["node"] for a in attempt["placement"]}
+    assert sorted((e["rank"], e["node"], e["data"]["exit_code"]) for e in exits) == [
+        (0, placed[0], 0),
+        (1, placed[1], 0),
+    ]
     assert {e["lane"] for e in exits} == {"host"}
-    _gone(dirs, pids)
+    _gone(private_tmp)
 
 
 def test_demo_prints_the_timeline_grouped_by_lane() -> None:
@@ -90,9 +114,12 @@ def test_demo_prints_the_timeline_grouped_by_lane() -> None:
     job_id = out.split()[1]
     event_lines = [line for line in out.splitlines() if line.strip().startswith("#")]
     assert len(event_lines) >= 12
+    assert any(f"job={job_id}" in line for line in event_lines)
+    assert "finding for demo-oom-" in out
+    assert "POC scorecard" in out
     for line in event_lines:
-        assert f"job={job_id}" in line
-        assert "attempt=1" in line
+        assert "job=demo-" in line
+        assert "attempt=" in line  # a user command names no attempt: "attempt=-"
         assert "node=" in line
         assert "job." in line  # the event type
 
@@ -101,7 +128,7 @@ async def test_demo_uses_the_servers_the_environment_names(servers: ServerUrls, 
     env = _env(DATABASE_URL=database_url, REDIS_URL=servers.redis_url)
     result = await asyncio.to_thread(_lanes, "demo", "--json", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    (job,) = json.loads(result.stdout)["jobs"]
+    job = json.loads(result.stdout)["jobs"][0]  # the training job that succeeds
     conn = await asyncpg.connect(database_url)
     try:
         state = await conn.fetchval("SELECT state FROM lifecycle_jobs WHERE job_id = $1", job["job_id"])
@@ -110,9 +137,10 @@ async def test_demo_uses_the_servers_the_environment_names(servers: ServerUrls, 
     assert state == "released"
 
 
-def test_up_serves_submit_job_and_timeline_then_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
-    dirs, pids = _our_temp_dirs(), _server_pids()
-    up = subprocess.Popen([LANES, "up"], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+def test_up_serves_submit_job_and_timeline_then_stops_cleanly_on_ctrl_c(tmp_path: Path, private_tmp: Path) -> None:
+    up = subprocess.Popen(
+        [LANES, "up"], env=_env(TMPDIR=str(private_tmp)), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     try:
         assert up.stdout is not None
         exports: dict[str, str] = {}
@@ -147,7 +175,7 @@ def test_up_serves_submit_job_and_timeline_then_stops_cleanly_on_ctrl_c(tmp_path
         up.send_signal(signal.SIGINT)
         up.wait(timeout=30)
     assert up.returncode == 0
-    _gone(dirs, pids)
+    _gone(private_tmp)
 
 
 def test_bad_input_gets_a_one_line_error_and_a_meaningful_exit_code(tmp_path: Path, servers: ServerUrls) -> None:

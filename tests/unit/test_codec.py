@@ -142,8 +142,113 @@ def _samples() -> dict[str, Event]:
                 gpu_model="H100", gpus=8, gpu_memory_gib=80, labels={"rack": "r1", "site": "Zürich"}
             ),
         ),
+        *_lifecycle_samples(),
+        *_telemetry_samples(),
+        *_scheduler_samples(),
     ]
     return {event.type: event for event in events}
+
+
+def _scheduler_samples() -> list[Event]:
+    from lanes_common import events as ev  # noqa: PLC0415 - keeps the scheduler's samples in one place
+    from lanes_common.topology import ClusterPolicy, NodeState, Pool, Tenant  # noqa: PLC0415
+
+    policy = ClusterPolicy(
+        pools=(Pool(name="reserved", reserved_for=("research",)),),
+        tenants=(Tenant(name="research", gpu_quota={"training": 64}),),
+    )
+    return [
+        ev.JobRejected(
+            source="lanes/scheduler",
+            data=ev.JobRejectedData(reason="spec_mismatch", detail="no node has 8 GPUs of B200", figures={"n": 1}),
+            **_JOB_KEYS,
+        ),
+        ev.NodeStateChanged(
+            source="agent/node-1",
+            node="node-1",
+            lane=ev.Lane.HOST,
+            data=ev.NodeStateChangedData(state=NodeState.UNHEALTHY, reason="GPU Xid 79"),
+        ),
+        ev.ClusterPolicySet(source="lanes/topology", data=ev.ClusterPolicySetData(policy=policy)),
+    ]
+
+
+def _lifecycle_samples() -> list[Event]:
+    from lanes_common import events as ev  # noqa: PLC0415 - keeps the lifecycle's samples in one place
+
+    rank_keys = _JOB_KEYS | {"source": "agent/node-1", "node": "node-1", "rank": 0}
+    digest = "sha256:" + "ab" * 32
+    command = ev.CommandData(reason="r", requested_by="alice")
+    samples: list[Event] = [
+        ev.RendezvousDone(data=ev.RendezvousDoneData(world_size=2), **rank_keys),
+        ev.CommunicatorReady(data=ev.CommunicatorReadyData(backend="nccl"), **rank_keys),
+        ev.CheckpointStarted(data=ev.CheckpointStartedData(step=100), **rank_keys),
+        ev.CheckpointSaved(data=ev.CheckpointSavedData(step=100, path="s3://c/100", digest=digest), **rank_keys),
+        ev.ArtifactProduced(data=ev.ArtifactProducedData(artifact="model", path="s3://m", digest=digest), **rank_keys),
+        ev.Heartbeat(data=ev.HeartbeatData(step=101), **rank_keys),
+        ev.CancelRequested(source="lanes/cli", data=command, **_JOB_KEYS),
+        ev.RetryRequested(source="lanes/cli", data=command, **_JOB_KEYS),
+        ev.HoldRequested(source="lanes/cli", data=ev.HoldRequestedData(owner="bob", deadline=TIME), **_JOB_KEYS),
+        ev.ResumeRequested(source="lanes/cli", data=command, **_JOB_KEYS),
+        ev.AttemptRequested(
+            source="lanes/lifecycle", data=ev.AttemptRequestedData(reason="r", resume_step=100), **_JOB_KEYS
+        ),
+        ev.TransitionRejected(
+            source="lanes/lifecycle",
+            data=ev.TransitionRejectedData(event_type="x", event_id="y", state=JobState.RUNNING, reason="z"),
+            **_JOB_KEYS,
+        ),
+    ]
+    return samples
+
+
+def _telemetry_samples() -> list[Event]:
+    from lanes_common import events as ev  # noqa: PLC0415 - keeps the telemetry's samples in one place
+
+    tel_keys: dict[str, Any] = {"time": TIME, "source": "agent/node-1", "node": "node-1", "traceparent": TRACEPARENT}
+    timeout = ev.EvidenceData(
+        category=ev.EvidenceCategory.COLLECTIVE_TIMEOUT,
+        summary="rank 3 timed out in ALLREDUCE SeqNum=1580",
+        lines=("[rank3]:[E1202 10:20:11.123456 77 ProcessGroupNCCL.cpp:632] [Rank 3] Watchdog caught ...",),
+        origin="rank3.log",
+        op_type="ALLREDUCE",
+        seq_num=1580,
+        timeout_ms=600000,
+        last_enqueued=1580,
+        last_completed=1579,
+    )
+    xid = ev.EvidenceData(category=ev.EvidenceCategory.GPU_XID, xid=79, gpu="0000:3b:00", lines=("NVRM: Xid ...",))
+    cause = ev.FindingCause(
+        category="oom_kill", lane=Lane.HOST, node="node-1", rank=3, time=TIME, summary="oom", evidence=("x",)
+    )
+    finding = ev.JobFindingData(
+        version=2,
+        first_error=cause,
+        consequences=(ev.ConsequenceGroup(category="collective_timeout", summary="s", count=2, ranks=(1, 2)),),
+        stage="steady_state",
+        missing_evidence=(ev.MissingEvidence(lane=Lane.HOST, what="kernel log", node="node-2"),),
+        confidence=0.9,
+        owner="host on-call",
+        evidence_count=4,
+    )
+    return [
+        ev.CommunicationEvidence(rank=3, jobid="job-1", attempt=1, data=timeout, **tel_keys),
+        ev.ProcessEvidence(data=ev.EvidenceData(category=ev.EvidenceCategory.PROCESS_EXITED, signal=9), **tel_keys),
+        ev.HostEvidence(data=xid, **tel_keys),
+        ev.NetworkEvidence(
+            data=ev.EvidenceData(category=ev.EvidenceCategory.LINK_DOWN, interface="ibp94s0"), **tel_keys
+        ),
+        ev.PlatformEvidence(data=ev.EvidenceData(category=ev.EvidenceCategory.PREEMPTION), **tel_keys),
+        ev.RawEvidence(data=ev.EvidenceData(category=ev.EvidenceCategory.RAW, lines=("??",)), **tel_keys),
+        ev.JobEvidence(
+            source="lanes/telemetry",
+            node="node-1",
+            rank=3,
+            data=ev.JobEvidenceData(evidence_id="e1", evidence=timeout),
+            **_JOB_KEYS,
+        ),
+        ev.JobFinding(source="lanes/telemetry", data=finding, **_JOB_KEYS),
+    ]
 
 
 SAMPLES = _samples()
@@ -321,6 +426,9 @@ def test_payload_is_compact_utf8_json_of_the_data():
         "reason": "capacity_short",
         "detail": "needs 8 GPUs; 4 are free",
         "queue_position": 3,
+        "owner_lane": None,
+        "blocking": [],
+        "figures": {},
     }
     node_payload = ENCODED["io.lanes.node.registered.v1"].payload
     assert "Zürich".encode() in node_payload

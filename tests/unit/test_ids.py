@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from datetime import UTC, datetime
 from types import SimpleNamespace
 
 import pytest
@@ -163,7 +164,7 @@ def test_derive_builds_the_same_follow_up_twice():
     data = JobStateChangedData(from_state=JobState.SUBMITTED, to_state=JobState.QUEUED, cause_type=cause.type)
     first = derive(JobStateChanged, cause, source="lanes/lifecycle", data=data)
     again = derive(JobStateChanged, cause, source="lanes/lifecycle", data=data)
-    assert first.id == again.id == derived_event_id(CAUSE, "io.lanes.job.state_changed.v1")
+    assert first.id == again.id == derived_event_id(CAUSE, "io.lanes.job.state_changed.v1", at=cause.time)
     assert first.causationid == CAUSE
     assert first.correlationid == CAUSE  # the cause started the story
     assert (first.jobid, first.attempt, first.traceparent) == (cause.jobid, cause.attempt, cause.traceparent)
@@ -239,3 +240,10 @@ def test_token_validation_applies_to_event_join_keys():
         JobSpec(name="my job", workers=1)
     with pytest.raises(ValidationError, match="not a valid id"):
         JobSubmitted(source="lanes/api", jobid="job.1", data=JobSubmittedData(spec=JobSpec(name="train", workers=1)))
+
+
+def test_a_derived_id_carries_the_time_it_is_given():
+    at = datetime(2026, 12, 2, 10, 0, 0, 123000, tzinfo=UTC)
+    derived = uuid.UUID(derived_event_id("not-a-uuid", "t", at=at))
+    assert derived.version == 7
+    assert derived.int >> 80 == int(at.timestamp() * 1000)

@@ -12,6 +12,7 @@ from lanes_ops.incident import bundle, write_bundle
 def _row(seq: int, kind: str, lane: str = "platform", second: int | None = None, **fields: Any) -> dict[str, Any]:
     return {
         "seq": seq,
+        "id": f"event-{seq}",
         "time": f"2026-12-02T10:00:{second if second is not None else seq:02d}.000000Z",
         "type": f"io.lanes.job.{kind}.v1",
         "lane": lane,
@@ -56,8 +57,8 @@ def test_the_bundle_names_the_first_error_its_lane_owner_and_the_timings() -> No
     assert summary["summary"]["lane"] == "host"
     assert summary["summary"]["owner"] == "host team"
     assert summary["missing_evidence"] == {"network": ["link counters (node n2)"]}
-    assert summary["evidence"]["host"] == [2, 3, 4]
-    assert summary["recovery"][0]["seq"] == 5
+    assert summary["evidence"]["host"] == ["event-2", "event-3", "event-4"]
+    assert summary["recovery"][0]["id"] == "event-5"
     assert summary["durations_s"] == {"to_detect": 10.0, "to_localize": 2.0, "to_decide": 3.0, "to_recover": 10.0}
 
 

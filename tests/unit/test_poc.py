@@ -14,6 +14,7 @@ def _row(seq: int, kind: str, lane: str = "platform", **fields: Any) -> Row:
     data = fields.pop("data", {})
     return {
         "seq": seq,
+        "id": f"event-{seq}",
         "time": f"2026-12-02T10:00:{seq:02d}.000000Z",
         "type": f"io.lanes.job.{kind}.v1",
         "lane": lane,
@@ -77,7 +78,7 @@ def test_an_event_without_its_node_breaks_joinability_and_says_which() -> None:
     rows[4] = rows[4] | {"node": None}
     result = {r.capability: r for r in scorecard(rows)}["cross-team joinability"]
     assert result.verdict is Verdict.PENDING_EVIDENCE
-    assert "#5" in result.reason
+    assert "event-5" in result.reason
     assert "node" in result.reason
 
 
@@ -104,7 +105,7 @@ def test_missing_release_missing_domain_and_missing_provenance_are_named() -> No
     ]
     results = {r.capability: r for r in scorecard(rows)}
     assert results["topology awareness"].verdict is Verdict.PENDING_EVIDENCE
-    assert "#2" in results["topology awareness"].reason
+    assert "event-2" in results["topology awareness"].reason
     assert results["job orchestration and lifecycle"].verdict is Verdict.PENDING_EVIDENCE
     assert "never released" in results["job orchestration and lifecycle"].reason
     assert results["inference protection"].verdict is Verdict.PENDING_EVIDENCE

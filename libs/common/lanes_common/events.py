@@ -15,7 +15,8 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar, get_args
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from lanes_common.ids import derived_event_id, new_event_id
-from lanes_common.jobs import JobSpec, JobState, Token
+from lanes_common.jobs import Digest, FailureCause, JobSpec, JobState, Token
+from lanes_common.topology import ClusterPolicy, NodeState
 
 
 class Lane(StrEnum):
@@ -120,7 +121,7 @@ def derive(cls: type[_E], cause: Event, *, key: str = "", **fields: Any) -> _E:
         "traceparent": cause.traceparent,
     }
     return cls(
-        id=derived_event_id(cause.id, event_type, key),
+        id=derived_event_id(cause.id, event_type, key, at=cause.time),
         causationid=cause.id,
         **(defaults | fields),
     )
@@ -155,6 +156,10 @@ class JobWaitingData(_Data):
     reason: str = Field(min_length=1, description="Why the job cannot be placed yet, e.g. capacity_short.")
     detail: str = ""
     queue_position: int | None = Field(default=None, ge=1)
+    # --- scheduler: the structured reason (defaults keep older events readable) ---
+    owner_lane: Lane | None = Field(default=None, description="The lane that can unblock the job.")
+    blocking: tuple[BlockingResource, ...] = Field(default=(), description="What blocks it, and who holds it.")
+    figures: dict[str, int] = Field(default_factory=dict, description="The numbers behind the reason.")
 
 
 class JobWaiting(Event):
@@ -241,6 +246,9 @@ class JobStateChangedData(_Data):
     to_state: JobState
     cause_type: str = Field(description="The `type` of the event that caused the transition.")
     reason: str = ""
+    # --- lifecycle: why an attempt ended, and which transition of the job this is (defaults: older events) ---
+    cause: FailureCause | None = Field(default=None, description="Set when the transition ends an attempt.")
+    sequence: int | None = Field(default=None, ge=1, description="1 for the job's first transition, then 2, 3...")
 
 
 class JobStateChanged(Event):
@@ -280,6 +288,12 @@ class NodeRegisteredData(_Data):
     gpus: int = Field(ge=0, le=64)
     gpu_memory_gib: int = Field(ge=0)
     labels: dict[str, str] = Field(default_factory=dict)
+    # --- scheduler: where the node sits (defaults: alone in every domain, default pool) ---
+    nvlink_domain: Token | None = None
+    leaf: Token | None = None
+    spine: Token | None = None
+    rack: Token | None = None
+    pool: Token = "default"
 
 
 class NodeRegistered(Event):
@@ -292,6 +306,457 @@ class NodeRegistered(Event):
     data: NodeRegisteredData
 
 
+# --- scheduler ---
+
+
+class BlockingResource(_Data):
+    """One thing that keeps a job waiting: a node, a topology domain, a quota, a pool or a reservation."""
+
+    kind: Literal["node", "domain", "quota", "pool", "reservation", "capacity"]
+    id: str = Field(min_length=1)
+    holders: tuple[str, ...] = Field(default=(), description="Jobs holding GPUs of this resource.")
+    free_gpus: int | None = None
+    state: str | None = Field(default=None, description="For a node: cordoned, draining or unhealthy.")
+    reason: str = ""
+    owner_lane: Lane | None = None
+
+
+JobWaitingData.model_rebuild()
+
+
+class JobRejectedData(_Data):
+    """Why the job can never be placed."""
+
+    reason: str = Field(min_length=1)
+    detail: str = ""
+    owner_lane: Lane | None = None
+    figures: dict[str, int] = Field(default_factory=dict)
+
+
+class JobRejected(Event):
+    """The scheduler will never place this job (e.g. no node can ever satisfy its GPU spec)."""
+
+    family = Family.JOB
+    name = "rejected"
+    type: Literal["io.lanes.job.rejected.v1"] = "io.lanes.job.rejected.v1"
+    lane: Lane = Lane.PLATFORM
+    data: JobRejectedData
+
+
+class NodeStateChangedData(_Data):
+    """A node's new state; the event's `lane` is the lane that owns the change (who to ask)."""
+
+    state: NodeState
+    reason: str = ""
+
+
+class NodeStateChanged(Event):
+    """A node was cordoned, drained, marked unhealthy, or made ready again."""
+
+    family = Family.NODE
+    name = "state_changed"
+    type: Literal["io.lanes.node.state_changed.v1"] = "io.lanes.node.state_changed.v1"
+    lane: Lane = Lane.PLATFORM
+    data: NodeStateChangedData
+
+
+CLUSTER_POLICY_NODE = "cluster-policy"
+"""The node token under which cluster-wide policy travels: `lanes.node.cluster-policy.policy_set`."""
+
+
+class ClusterPolicySetData(_Data):
+    """The pools and tenant quotas that now apply (replaces the previous policy)."""
+
+    policy: ClusterPolicy
+
+
+class ClusterPolicySet(Event):
+    """Pools and tenant GPU quotas were set."""
+
+    family = Family.NODE
+    name = "policy_set"
+    type: Literal["io.lanes.node.policy_set.v1"] = "io.lanes.node.policy_set.v1"
+    lane: Lane = Lane.PLATFORM
+    node: Token | None = CLUSTER_POLICY_NODE
+    data: ClusterPolicySetData
+
+
+# --- lifecycle ---
+
+
+class RendezvousDoneData(_Data):
+    """The rank found its peers: the world size it joined."""
+
+    world_size: int = Field(ge=1)
+
+
+class RendezvousDone(Event):
+    """A rank completed rendezvous (it knows its peers); part of `starting`."""
+
+    family = Family.JOB
+    name = "rendezvous_done"
+    type: Literal["io.lanes.job.rendezvous_done.v1"] = "io.lanes.job.rendezvous_done.v1"
+    lane: Lane = Lane.PLATFORM
+    data: RendezvousDoneData
+
+
+class CommunicatorReadyData(_Data):
+    """The collective communicator a rank initialised."""
+
+    backend: str = ""
+
+
+class CommunicatorReady(Event):
+    """A rank's communicator (NCCL, gloo...) is initialised; when every rank is, the job is running."""
+
+    family = Family.JOB
+    name = "communicator_ready"
+    type: Literal["io.lanes.job.communicator_ready.v1"] = "io.lanes.job.communicator_ready.v1"
+    lane: Lane = Lane.NETWORK
+    data: CommunicatorReadyData
+
+
+class CheckpointStartedData(_Data):
+    """The training step being checkpointed."""
+
+    step: int = Field(ge=0)
+
+
+class CheckpointStarted(Event):
+    """A rank began writing a checkpoint; the job carries the `checkpointing` flag until it is saved."""
+
+    family = Family.JOB
+    name = "checkpoint_started"
+    type: Literal["io.lanes.job.checkpoint_started.v1"] = "io.lanes.job.checkpoint_started.v1"
+    lane: Lane = Lane.ALGORITHM
+    data: CheckpointStartedData
+
+
+class CheckpointSavedData(_Data):
+    """A written checkpoint: its step, where it is and its content digest (what makes it verifiable)."""
+
+    step: int = Field(ge=0)
+    path: str = Field(min_length=1)
+    digest: Digest
+
+
+class CheckpointSaved(Event):
+    """A checkpoint was written and its digest recorded: the attempt's last verified checkpoint."""
+
+    family = Family.JOB
+    name = "checkpoint_saved"
+    type: Literal["io.lanes.job.checkpoint_saved.v1"] = "io.lanes.job.checkpoint_saved.v1"
+    lane: Lane = Lane.ALGORITHM
+    data: CheckpointSavedData
+
+
+class ArtifactProducedData(_Data):
+    """An output of the job, named as the spec's success criteria name it."""
+
+    artifact: Token
+    path: str = Field(min_length=1)
+    digest: Digest | None = None
+
+
+class ArtifactProduced(Event):
+    """A rank produced an artifact (a model export, an eval report...)."""
+
+    family = Family.JOB
+    name = "artifact_produced"
+    type: Literal["io.lanes.job.artifact_produced.v1"] = "io.lanes.job.artifact_produced.v1"
+    lane: Lane = Lane.ALGORITHM
+    data: ArtifactProducedData
+
+
+class HeartbeatData(_Data):
+    """Progress of a rank: the step it reached."""
+
+    step: int = Field(ge=0)
+
+
+class Heartbeat(Event):
+    """A rank is alive at a step; the steps past the last verified checkpoint are what a failure loses."""
+
+    family = Family.JOB
+    name = "heartbeat"
+    type: Literal["io.lanes.job.heartbeat.v1"] = "io.lanes.job.heartbeat.v1"
+    lane: Lane = Lane.ALGORITHM
+    data: HeartbeatData
+
+
+class CommandData(_Data):
+    """Who asked, and why."""
+
+    reason: str = ""
+    requested_by: str = ""
+
+
+class CancelRequested(Event):
+    """A user asked to cancel the job (its current attempt)."""
+
+    family = Family.JOB
+    name = "cancel_requested"
+    type: Literal["io.lanes.job.cancel_requested.v1"] = "io.lanes.job.cancel_requested.v1"
+    lane: Lane = Lane.ALGORITHM
+    data: CommandData
+
+
+class RetryRequested(Event):
+    """A user asked for a new attempt; `attempt` names the attempt being retried (a stale one is rejected)."""
+
+    family = Family.JOB
+    name = "retry_requested"
+    type: Literal["io.lanes.job.retry_requested.v1"] = "io.lanes.job.retry_requested.v1"
+    lane: Lane = Lane.ALGORITHM
+    data: CommandData
+
+
+class HoldRequestedData(CommandData):
+    """Who owns the manual decision, and by when."""
+
+    owner: str = ""
+    deadline: AwareDatetime | None = None
+
+
+class HoldRequested(Event):
+    """Put a finished-but-not-succeeded job on the manual path: no retry until an owner resumes it."""
+
+    family = Family.JOB
+    name = "hold_requested"
+    type: Literal["io.lanes.job.hold_requested.v1"] = "io.lanes.job.hold_requested.v1"
+    lane: Lane = Lane.PLATFORM
+    data: HoldRequestedData
+
+
+class ResumeRequested(Event):
+    """The owner of a held job decided: start a new attempt."""
+
+    family = Family.JOB
+    name = "resume_requested"
+    type: Literal["io.lanes.job.resume_requested.v1"] = "io.lanes.job.resume_requested.v1"
+    lane: Lane = Lane.PLATFORM
+    data: CommandData
+
+
+class AttemptRequestedData(_Data):
+    """Why a new attempt is wanted, and the step to resume from (the last verified checkpoint)."""
+
+    reason: str
+    resume_step: int | None = None
+
+
+class AttemptRequested(Event):
+    """The lifecycle created attempt `attempt` of the job; the scheduler queues it for placement."""
+
+    family = Family.JOB
+    name = "attempt_requested"
+    type: Literal["io.lanes.job.attempt_requested.v1"] = "io.lanes.job.attempt_requested.v1"
+    lane: Lane = Lane.PLATFORM
+    data: AttemptRequestedData
+
+
+class TransitionRejectedData(_Data):
+    """An event the job's state did not allow, kept on the timeline instead of silently dropped."""
+
+    event_type: str
+    event_id: str
+    state: JobState | None
+    reason: str
+
+
+class TransitionRejected(Event):
+    """The lifecycle refused an event for this job; the projection was left as it was."""
+
+    family = Family.JOB
+    name = "transition_rejected"
+    type: Literal["io.lanes.job.transition_rejected.v1"] = "io.lanes.job.transition_rejected.v1"
+    lane: Lane = Lane.PLATFORM
+    data: TransitionRejectedData
+
+
+# --- telemetry ---
+
+
+class EvidenceCategory(StrEnum):
+    """What one piece of evidence says happened; the election separates causes from consequences by it."""
+
+    # communication (lanes.tel.<node>.comm)
+    COLLECTIVE_TIMEOUT = "collective_timeout"
+    COMM_INIT_FAILURE = "comm_init_failure"
+    PEER_CLOSED = "peer_closed"
+    COMM_ERROR = "comm_error"
+    # process (lanes.tel.<node>.process)
+    PROCESS_STARTED = "process_started"
+    PROCESS_EXITED = "process_exited"
+    PYTHON_EXCEPTION = "python_exception"
+    CUDA_OOM = "cuda_oom"
+    CUDA_ERROR = "cuda_error"
+    # host (lanes.tel.<node>.host)
+    OOM_KILL = "oom_kill"
+    GPU_XID = "gpu_xid"
+    ECC_ERROR = "ecc_error"
+    DISK_FULL = "disk_full"
+    CLOCK_OFFSET = "clock_offset"
+    # network (lanes.tel.<node>.network)
+    LINK_DOWN = "link_down"
+    LINK_UP = "link_up"
+    LINK_FLAP = "link_flap"
+    PORT_ERRORS = "port_errors"
+    RETRY_EXCEEDED = "retry_exceeded"
+    # platform (lanes.tel.<node>.platform)
+    PREEMPTION = "preemption"
+    CONFIG_MISMATCH = "config_mismatch"
+    # anything a parser did not recognise (lanes.tel.<node>.raw)
+    RAW = "raw"
+
+
+class EvidenceData(_Data):
+    """One piece of evidence: its category, the raw line(s) it came from and the fields parsed out of them."""
+
+    category: EvidenceCategory
+    summary: str = Field(default="", max_length=1024)
+    lines: tuple[str, ...] = Field(default=(), description="The raw log line or lines, as written by the producer.")
+    origin: str = Field(default="", max_length=256, description="Where the lines came from: a file, a log stream.")
+    op_type: str | None = Field(default=None, description="Collective operation, e.g. ALLREDUCE.")
+    seq_num: int | None = Field(default=None, ge=0, description="Collective sequence number (SeqNum).")
+    timeout_ms: int | None = Field(default=None, ge=0)
+    last_enqueued: int | None = Field(default=None, ge=0, description="Last enqueued collective SeqNum.")
+    last_completed: int | None = Field(default=None, ge=0, description="Last completed collective SeqNum.")
+    peer: str | None = Field(default=None, description="The peer named by a socket or IB error (host or address).")
+    interface: str | None = Field(default=None, description="NIC or port, e.g. ibp94s0 or mlx5_0:1.")
+    pid: int | None = Field(default=None, ge=0)
+    exit_code: int | None = None
+    signal: int | None = Field(default=None, ge=1)
+    xid: int | None = Field(default=None, ge=0)
+    gpu: str | None = Field(default=None, description="GPU index or PCI address.")
+    offset_ms: float | None = Field(default=None, description="Clock offset of the node against the reference.")
+    error_type: str | None = Field(default=None, description="Exception class, e.g. torch.OutOfMemoryError.")
+
+
+class _Evidence(Event):
+    family = Family.TELEMETRY
+    data: EvidenceData
+
+
+class CommunicationEvidence(_Evidence):
+    """Collective timeouts, communicator init failures, socket or IB errors naming a peer."""
+
+    name = "comm"
+    type: Literal["io.lanes.tel.comm.v1"] = "io.lanes.tel.comm.v1"
+    lane: Lane = Lane.NETWORK
+
+
+class ProcessEvidence(_Evidence):
+    """A rank's process started, exited (code or signal), or raised (traceback summary, CUDA error)."""
+
+    name = "process"
+    type: Literal["io.lanes.tel.process.v1"] = "io.lanes.tel.process.v1"
+    lane: Lane = Lane.ALGORITHM
+
+
+class HostEvidence(_Evidence):
+    """OOM kill, GPU Xid, ECC, disk full, clock offset."""
+
+    name = "host"
+    type: Literal["io.lanes.tel.host.v1"] = "io.lanes.tel.host.v1"
+    lane: Lane = Lane.HOST
+
+
+class NetworkEvidence(_Evidence):
+    """Link down / up / flap, port error counters, retry exceeded."""
+
+    name = "network"
+    type: Literal["io.lanes.tel.network.v1"] = "io.lanes.tel.network.v1"
+    lane: Lane = Lane.NETWORK
+
+
+class PlatformEvidence(_Evidence):
+    """Preemption, configuration or version mismatch."""
+
+    name = "platform"
+    type: Literal["io.lanes.tel.platform.v1"] = "io.lanes.tel.platform.v1"
+    lane: Lane = Lane.PLATFORM
+
+
+class RawEvidence(_Evidence):
+    """A line no parser recognised, kept so nothing a producer sent is lost."""
+
+    name = "raw"
+    type: Literal["io.lanes.tel.raw.v1"] = "io.lanes.tel.raw.v1"
+    lane: Lane = Lane.PLATFORM
+
+
+class JobEvidenceData(_Data):
+    """A compact copy of telemetry evidence, correlated to the job: the job timeline holds every team's evidence."""
+
+    evidence_id: str = Field(min_length=1, max_length=128)
+    evidence: EvidenceData
+
+
+class JobEvidence(Event):
+    """Telemetry evidence correlated (by node and time) to the job, attempt and rank placed there."""
+
+    family = Family.JOB
+    name = "evidence"
+    type: Literal["io.lanes.job.evidence.v1"] = "io.lanes.job.evidence.v1"
+    lane: Lane = Lane.HOST
+    data: JobEvidenceData
+
+
+class FindingCause(_Data):
+    """The elected first error: where, when, which lane, and the evidence chain that shows it."""
+
+    category: str = Field(min_length=1)
+    lane: Lane
+    node: str | None = None
+    rank: int | None = Field(default=None, ge=0)
+    time: AwareDatetime | None = None
+    summary: str = ""
+    evidence: tuple[str, ...] = Field(default=(), description="The raw line or lines, first error first.")
+
+
+class ConsequenceGroup(_Data):
+    """Many ranks reporting the same consequence, e.g. 255 ranks timed out in ALLREDUCE SeqNum=1580."""
+
+    category: str
+    summary: str
+    count: int = Field(ge=1)
+    ranks: tuple[int, ...] = ()
+    nodes: tuple[str, ...] = ()
+
+
+class MissingEvidence(_Data):
+    """Evidence a lane still has to provide ("pending evidence")."""
+
+    lane: Lane
+    what: str
+    node: str | None = None
+    rank: int | None = None
+
+
+class JobFindingData(_Data):
+    """The result of the first-error election for one attempt; a later version supersedes an earlier one."""
+
+    version: int = Field(ge=1)
+    first_error: FindingCause | None
+    consequences: tuple[ConsequenceGroup, ...] = ()
+    stage: str
+    missing_evidence: tuple[MissingEvidence, ...] = ()
+    confidence: float = Field(ge=0.0, le=1.0)
+    owner: str = Field(default="", description="Who to call next.")
+    evidence_count: int = Field(default=0, ge=0)
+
+
+class JobFinding(Event):
+    """Telemetry's first-error finding for the job (its attempt); `lane` is the lane of the first error."""
+
+    family = Family.JOB
+    name = "finding"
+    type: Literal["io.lanes.job.finding.v1"] = "io.lanes.job.finding.v1"
+    lane: Lane = Lane.PLATFORM
+    data: JobFindingData
+
+
 AnyEvent = Annotated[
     JobSubmitted
     | JobWaiting
@@ -300,7 +765,30 @@ AnyEvent = Annotated[
     | RankExited
     | JobStateChanged
     | ResourcesReleased
-    | NodeRegistered,
+    | NodeRegistered
+    | JobRejected
+    | NodeStateChanged
+    | ClusterPolicySet
+    | RendezvousDone
+    | CommunicatorReady
+    | CheckpointStarted
+    | CheckpointSaved
+    | ArtifactProduced
+    | Heartbeat
+    | CancelRequested
+    | RetryRequested
+    | HoldRequested
+    | ResumeRequested
+    | AttemptRequested
+    | TransitionRejected
+    | CommunicationEvidence
+    | ProcessEvidence
+    | HostEvidence
+    | NetworkEvidence
+    | PlatformEvidence
+    | RawEvidence
+    | JobEvidence
+    | JobFinding,
     Field(discriminator="type"),
 ]
 """Every event type Lanes knows, discriminated by `type`."""

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import signal
 import sys
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -23,11 +23,13 @@ from lanes_common.jobs import JobSpec
 from lanes_common.settings import ENV_VARS, ServerUrls
 from lanes_common.store import create_pool
 from lanes_lifecycle.adapters import repository as lifecycle_jobs
+from lanes_ops import analyze_cli, audit_cli, import_cli, incident_cli, jobs_cli, poc_cli
 from lanes_ops.bootstrap import SERVICES, connected, prepare_services, run_consumers
 from lanes_ops.console import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     EXIT_NOT_FOUND,
+    as_utc,
     err,
     fail,
     load_settings,
@@ -36,11 +38,15 @@ from lanes_ops.console import (
     run_async,
 )
 from lanes_ops.demo import local_nodes, register_nodes, run_demo
+from lanes_ops.html import render_page
+from lanes_ops.job_api import JobApi
 from lanes_ops.launcher import LocalLauncher
-from lanes_ops.render import render_job
+from lanes_ops.render import render_demo, render_job
 from lanes_ops.replay import Pace, count, merged, selections, write_ndjson
+from lanes_ops.scheduling import scheduling_view
 from lanes_ops.stack import servers
 from lanes_ops.timeline import job_timeline
+from lanes_ops.topology_cli import app as topology_app
 
 _ENV_HELP = "\n".join(f"  {name}: {meaning}" for name, meaning in ENV_VARS.items())
 
@@ -50,24 +56,27 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+app.add_typer(topology_app, name="topology")
+jobs_cli.register(app)
+analyze_cli.register(app)
 
 
 @app.command()
 def demo(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the swimlanes.")] = False,
 ) -> None:
-    """Start embedded servers and all five services, run a 2-node x 4-GPU job to the end, print its timeline."""
+    """Start embedded servers and every service, run the scripted multi-node scenario, print what happened."""
     settings = load_settings(quiet=True)
     try:
         with servers(settings) as urls:
-            report, entries = run_async(lambda: run_demo(urls))
+            run = run_async(lambda: run_demo(urls))
     except KeyboardInterrupt:
         fail("interrupted; embedded servers stopped", 130)
     if as_json:
-        out.print_json(json.dumps({"jobs": [report]}))
-        return
-    render_job(out, report, entries)
-    if report["state"] != "released":
+        out.print_json(json.dumps(run.as_json()))
+    else:
+        render_demo(out, run)
+    if any(job["state"] != "released" for job in run.jobs):
         raise typer.Exit(EXIT_FAILED)
 
 
@@ -93,7 +102,8 @@ def up(
             out.print(f"[dim]{len(fleet)} local nodes x {gpus} GPUs; Ctrl-C to stop[/dim]")
             consumers = await prepare_services(conns, SERVICES)
             launcher = LocalLauncher(conns.nc, frozenset(fleet))
-            await asyncio.gather(run_consumers(consumers, stop), launcher.run(stop))
+            api = JobApi(conns.nc, conns.pool)
+            await asyncio.gather(run_consumers(consumers, stop), launcher.run(stop), api.run(stop))
 
     try:
         with servers(settings) as urls:
@@ -116,7 +126,13 @@ def serve(service: Annotated[str, typer.Argument(help=f"One of: {', '.join(SERVI
 
     async def serve_one() -> None:
         async with connected(urls, name=f"lanes-{service}", stream_replicas=settings.stream_replicas) as conns:
-            await run_consumers(await prepare_services(conns, [service]), _stop_on_signals())
+            stop = _stop_on_signals()
+            consumers = await prepare_services(conns, [service])
+            if service != "lifecycle":
+                await run_consumers(consumers, stop)
+                return
+            # The lifecycle process also answers the job API (lanes.api.job.*).
+            await asyncio.gather(run_consumers(consumers, stop), JobApi(conns.nc, conns.pool).run(stop))
 
     try:
         run_async(serve_one)
@@ -186,11 +202,12 @@ def job(
         try:
             async with pool.acquire() as conn:
                 view = await lifecycle_jobs.load(conn, job_id)
+                scheduling = await scheduling_view(conn, job_id)
         except asyncpg.UndefinedTableError:
             fail("DATABASE_URL holds no Lanes projection yet: no lifecycle service has run against it", EXIT_NOT_FOUND)
         finally:
             await pool.close()
-        return None if view is None else view.model_dump(mode="json")
+        return None if view is None else jobs_cli.job_json(view) | {"scheduling": scheduling}
 
     view = run_async(load)
     if view is None:
@@ -198,18 +215,16 @@ def job(
     if as_json:
         out.print_json(json.dumps(view))
         return
-    spec = view["spec"]
-    out.print(f"[bold]{view['job_id']}[/bold] {view['state']}  ({spec['workers']}x{spec['gpus_per_worker']} GPUs)")
-    for attempt in view["attempts"]:
-        out.print(f"  attempt {attempt['number']}: {attempt['state']}  {attempt.get('cause') or ''}")
+    jobs_cli.render_job_view(view)
 
 
 @app.command()
 def timeline(
     job_id: str,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    html_file: Annotated[Path | None, typer.Option("--html", help="Write a self-contained HTML page here.")] = None,
 ) -> None:
-    """Read a job's timeline back from JetStream and show it grouped by lane."""
+    """Read a job's timeline back from JetStream and show it grouped by lane (or as an HTML page)."""
     settings = load_settings(quiet=True)
     nats_url = require(settings.nats_url, "NATS_URL")
 
@@ -223,10 +238,14 @@ def timeline(
     entries = run_async(read)
     if not entries:
         fail(f"unknown job {job_id!r}: no events on lanes.job.{job_id}.>", EXIT_NOT_FOUND)
+    report = {"job_id": job_id, "timeline": [e.as_json() for e in entries]}
+    if html_file is not None:
+        html_file.write_text(render_page(report))
+        err.print(f"wrote {html_file}")
     if as_json:
-        out.print_json(json.dumps({"job_id": job_id, "timeline": [e.as_json() for e in entries]}))
-        return
-    render_job(out, {"job_id": job_id}, entries)
+        out.print_json(json.dumps(report))
+    elif html_file is None:
+        render_job(out, {"job_id": job_id}, entries)
 
 
 @app.command()
@@ -255,7 +274,7 @@ def replay(  # noqa: PLR0917 - typer maps each option to a parameter
     except ValueError as exc:
         fail(str(exc), EXIT_BAD_INPUT)
     chosen = [
-        dataclasses.replace(selection, from_seq=from_seq, to_seq=to_seq, since=_utc(since), until=_utc(until))
+        dataclasses.replace(selection, from_seq=from_seq, to_seq=to_seq, since=as_utc(since), until=as_utc(until))
         for selection in chosen
     ]
 
@@ -273,9 +292,10 @@ def replay(  # noqa: PLR0917 - typer maps each option to a parameter
         fail(f"unknown job {job!r}: no events on lanes.job.{job}.>", EXIT_NOT_FOUND)
 
 
-def _utc(moment: datetime | None) -> datetime | None:
-    # A time given without an offset means UTC, as everywhere on the timeline.
-    return moment if moment is None or moment.tzinfo else moment.replace(tzinfo=UTC)
+app.add_typer(audit_cli.app, name="audit")
+app.command()(poc_cli.poc)
+app.command()(incident_cli.incident)
+app.command("import")(import_cli.import_events)
 
 
 def main() -> None:

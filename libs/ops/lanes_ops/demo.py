@@ -1,10 +1,20 @@
-"""`lanes demo`: all five services on one event loop, a 2-node x 4-GPU job run to the end, read back."""
+"""`lanes demo`: every service on one event loop, a scripted multi-node scenario with faults, read back.
+
+The scenario, on four simulated nodes of 4 GPUs (each rank a real process): a 2-node x 4-GPU training job
+that succeeds; an evaluation cancelled while starting; a job whose one rank exits non-zero (partially
+failed, then failed); a 4-node job whose last rank is OOM-killed while the others time out in an
+all-reduce (telemetry elects the first error); and a gang that waits for topology until another job
+releases its leaf. Every job's timeline is read back from JetStream, followed by the finding, the wait
+history and the POC scorecard computed from those timelines.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from nats.aio.msg import Msg
 
@@ -17,16 +27,25 @@ from lanes_common.jobs import JobSpec, JobState, WorkloadClass
 from lanes_common.settings import ServerUrls
 from lanes_lifecycle.adapters import repository as lifecycle_jobs
 from lanes_ops.bootstrap import SERVICES, Connections, connected, prepare_services, run_consumers
+from lanes_ops.incident import bundle
 from lanes_ops.launcher import LocalLauncher
+from lanes_ops.poc import CapabilityResult, scorecard
+from lanes_ops.scenarios.lifecycle import cancelled_while_starting, one_rank_fails
+from lanes_ops.scenarios.telemetry import oom_killed_rank
+from lanes_ops.scenarios.topology import topology_wait_then_placed
+from lanes_ops.scheduling import scheduling_view
 from lanes_ops.timeline import TimelineEntry, job_timeline
 
-DEMO_NODES = {"node-1": 4, "node-2": 4}
 SOURCE = "lanes/demo"
+_T = TypeVar("_T")
 
 
 def local_nodes(count: int, gpus: int) -> dict[str, int]:
     """Names and GPU counts of simulated local nodes."""
     return {f"node-{i}": gpus for i in range(1, count + 1)}
+
+
+DEMO_NODES = local_nodes(4, 4)
 
 
 async def register_nodes(client: LanesClient, nodes: dict[str, int]) -> None:
@@ -59,20 +78,66 @@ async def wait_for_nodes(conns: Connections, count: int, timeout_s: float) -> No
 
 
 async def job_report(conns: Connections, job_id: str, entries: list[TimelineEntry]) -> dict[str, Any]:
-    """The job as `lanes demo --json` and `lanes job --json` print it."""
+    """The job as `lanes demo --json` prints it: lifecycle view, scheduling (wait history) and timeline."""
     async with conns.pool.acquire() as conn:
         view = await lifecycle_jobs.load(conn, job_id)
+        scheduling = await scheduling_view(conn, job_id)
     return {
         "job_id": job_id,
         "state": view.state.value if view else None,
         "attempts": [a.model_dump(mode="json") for a in view.attempts] if view else [],
+        "scheduling": scheduling,
         "timeline": [entry.as_json() for entry in entries],
     }
 
 
-async def run_demo(urls: ServerUrls, *, timeout_s: float = 120.0) -> tuple[dict[str, Any], list[TimelineEntry]]:
-    """Run the scripted scenario and return the job's report and its timeline read back from JetStream."""
+@dataclass(frozen=True)
+class DemoRun:
+    """What the demo shows: each job with its timeline, the OOM job's finding, the scorecard."""
+
+    jobs: list[dict[str, Any]]
+    entries: dict[str, list[TimelineEntry]]
+    oom_job_id: str
+    topology_job_id: str
+    scorecard: list[CapabilityResult]
+
+    def incident(self) -> dict[str, Any]:
+        """The fault bundle of the OOM-killed job."""
+        return bundle(next(job for job in self.jobs if job["job_id"] == self.oom_job_id))
+
+    def as_json(self) -> dict[str, Any]:
+        """`lanes demo --json`."""
+        return {
+            "jobs": self.jobs,
+            "incident": self.incident(),
+            "poc": [result.as_json() for result in self.scorecard],
+        }
+
+
+async def _run_job(conns: Connections, client: LanesClient, spec: JobSpec, timeout_s: float) -> str:
     job_id = f"demo-{new_event_id()[-12:]}"
+    released = await wait_for_state(conns, job_id, JobState.RELEASED)
+    await client.publish(JobSubmitted(source=SOURCE, jobid=job_id, attempt=1, data=JobSubmittedData(spec=spec)))
+    await asyncio.wait_for(released, timeout_s)
+    return job_id
+
+
+async def _guarded(work: Coroutine[Any, Any, _T], workers: list[asyncio.Task[None]], timeout_s: float) -> _T:
+    """Await `work`, but raise at once if a service or the launcher failed meanwhile."""
+    task = asyncio.ensure_future(work)
+    done, _ = await asyncio.wait([task, *workers], timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        return task.result()
+    task.cancel()
+    for worker in workers:
+        if worker in done:
+            worker.result()  # raises the service's error
+    msg = f"the demo scenario did not finish within {timeout_s:.0f}s"
+    raise TimeoutError(msg)
+
+
+async def run_demo(urls: ServerUrls, *, timeout_s: float = 120.0) -> DemoRun:
+    """Run the scripted scenario and return every job's report and timeline, read back from JetStream."""
     async with connected(urls, name="lanes-demo") as conns:
         stop = asyncio.Event()
         consumers = await prepare_services(conns, SERVICES)
@@ -81,23 +146,25 @@ async def run_demo(urls: ServerUrls, *, timeout_s: float = 120.0) -> tuple[dict[
             asyncio.create_task(LocalLauncher(conns.nc, frozenset(DEMO_NODES)).run(stop), name="launcher"),
         ]
         try:
-            released = await wait_for_state(conns, job_id, JobState.RELEASED)
             client = LanesClient(conns.nc, SOURCE)
             await register_nodes(client, DEMO_NODES)
             # Submit once the scheduler knows the nodes, so the scenario does not depend on which of its two
             # consumers runs first (a job submitted earlier would wait with spec_mismatch, then be placed).
-            await wait_for_nodes(conns, len(DEMO_NODES), timeout_s)
-            spec = JobSpec(name="demo-train", workload_class=WorkloadClass.TRAINING, workers=2, gpus_per_worker=4)
-            await client.publish(JobSubmitted(source=SOURCE, jobid=job_id, attempt=1, data=JobSubmittedData(spec=spec)))
-            done, _ = await asyncio.wait([released, *workers], timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-            if released not in done:
-                failed = [t for t in workers if t in done]
-                if failed:
-                    failed[0].result()  # raises the service's error
-                msg = f"job {job_id} did not finish within {timeout_s:.0f}s"
-                raise TimeoutError(msg)
+            await _guarded(wait_for_nodes(conns, len(DEMO_NODES), timeout_s), workers, timeout_s)
+            train = JobSpec(name="demo-train", workload_class=WorkloadClass.TRAINING, workers=2, gpus_per_worker=4)
+            job_ids = [
+                await _guarded(_run_job(conns, client, train, timeout_s), workers, timeout_s),
+                await _guarded(cancelled_while_starting(conns, timeout_s=timeout_s), workers, timeout_s),
+                await _guarded(one_rank_fails(conns, timeout_s=timeout_s), workers, timeout_s),
+                await _guarded(oom_killed_rank(conns, timeout_s=timeout_s), workers, timeout_s),
+            ]
+            topology = await _guarded(topology_wait_then_placed(conns, timeout_s=timeout_s), workers, timeout_s)
+            job_ids += [topology.blocker_job_id, topology.job_id]
         finally:
             stop.set()
             await asyncio.gather(*workers, return_exceptions=True)
-        entries = await job_timeline(conns.nc.jetstream(), job_id)
-        return await job_report(conns, job_id, entries), entries
+        js = conns.nc.jetstream()
+        entries = {job_id: await job_timeline(js, job_id) for job_id in job_ids}
+        jobs = [await job_report(conns, job_id, entries[job_id]) for job_id in job_ids]
+        rows = [row for job in jobs for row in job["timeline"]]
+        return DemoRun(jobs, entries, job_ids[3], topology.job_id, scorecard(rows))

@@ -28,6 +28,7 @@ def first_error(job: dict[str, Any]) -> dict[str, Any] | None:
         cause = data["first_error"]
         return {
             "seq": latest["seq"],
+            "id": latest.get("id"),
             **cause,
             "detail": cause.get("summary") or cause.get("category"),
             "owner": data.get("owner"),
@@ -39,6 +40,7 @@ def first_error(job: dict[str, Any]) -> dict[str, Any] | None:
             how = f"signal {data['signal']}" if data.get("signal") else f"exit code {data['exit_code']}"
             return {
                 "seq": row["seq"],
+                "id": row.get("id"),
                 "rank": row.get("rank"),
                 "node": row.get("node"),
                 "lane": row.get("lane"),

@@ -34,7 +34,9 @@ def _seconds(start: datetime | None, end: datetime | None) -> float | None:
 def bundle(job: dict[str, Any]) -> dict[str, Any]:
     """The incident summary of one job (`job` as `lanes job --json` plus its `timeline` rows)."""
     rows: list[Row] = list(job.get("timeline", []))
-    error = first_error(job)
+    found = first_error(job)
+    # Stream sequences differ from server to server; the event id names the first error everywhere.
+    error = None if found is None else {key: value for key, value in found.items() if key != "seq"}
     detected = _first(rows, is_failure)
     localized = _first(rows, lambda r: row_kind(r) == "finding")  # the first version: time to localize
     decided = _first(rows, lambda r: "recovery" in str(r.get("type")))
@@ -54,10 +56,11 @@ def bundle(job: dict[str, Any]) -> dict[str, Any]:
             "owner": (error or {}).get("owner"),
             "detected_at": None if detected is None else detected["time"],
         },
-        "evidence": {lane: [r["seq"] for r in rows if r.get("lane") == lane] for lane in LANE_ORDER},
+        # Events are named by id, not stream sequence, so the bundle reads the same on any server it is replayed to.
+        "evidence": {lane: [r["id"] for r in rows if r.get("lane") == lane] for lane in LANE_ORDER},
         "missing_evidence": missing,
         "recovery": [
-            {"seq": r["seq"], "type": r["type"], "data": r.get("data")} for r in rows if "recovery" in str(r["type"])
+            {"id": r["id"], "type": r["type"], "data": r.get("data")} for r in rows if "recovery" in str(r["type"])
         ],
         "attempts": sorted({int(r["attempt"]) for r in rows if r.get("attempt")}),
         "durations_s": {

@@ -3,7 +3,8 @@
 For each capability of the playbook Lanes grows from, the verdict is **passed**, **pending evidence**
 (naming the exact missing link) or **not applicable** (the events show the workload never exercised it).
 There is no total score. The input is the timeline rows of `lanes timeline --json` (any set of jobs or
-a time window); the same rows always give the same verdicts.
+a time window); the same rows always give the same verdicts. Reasons name events by id, not by stream
+sequence, so a drill re-played into another server gets the same verdicts, word for word.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from lanes_ops.timeline import is_failure, row_kind
 
 Row = dict[str, Any]
 TERMINAL = {"succeeded", "failed", "cancelled"}
+USER_COMMANDS = {"cancel_requested", "retry_requested", "hold_requested", "resume_requested"}
 
 
 class Verdict(StrEnum):
@@ -50,7 +52,12 @@ def _by_job(rows: Iterable[Row]) -> dict[str, list[Row]]:
 
 
 def _failed_jobs(jobs: dict[str, list[Row]]) -> list[str]:
-    return [job_id for job_id, rows in sorted(jobs.items()) if any(is_failure(row) for row in rows)]
+    # Judged by the job's state, not by rank exits: ranks terminated by a cancel are not a failure.
+    return [
+        job_id
+        for job_id, rows in sorted(jobs.items())
+        if any(row_kind(row) == "state_changed" and is_failure(row) for row in rows)
+    ]
 
 
 def topology_awareness(jobs: dict[str, list[Row]]) -> CapabilityResult:
@@ -65,7 +72,7 @@ def topology_awareness(jobs: dict[str, list[Row]]) -> CapabilityResult:
             return CapabilityResult(
                 name,
                 Verdict.PENDING_EVIDENCE,
-                f"placement #{row['seq']} of job {row['job_id']} names no topology domain",
+                f"placement {row['id']} of job {row['job_id']} names no topology domain",
             )
     return CapabilityResult(name, Verdict.PASSED, f"{len(placements)} placements name their topology domain")
 
@@ -82,7 +89,7 @@ def job_lifecycle(jobs: dict[str, list[Row]]) -> CapabilityResult:
         for row in changes:
             if not (row.get("data") or {}).get("reason"):
                 return CapabilityResult(
-                    name, Verdict.PENDING_EVIDENCE, f"transition #{row['seq']} of {job_id} has no cause"
+                    name, Verdict.PENDING_EVIDENCE, f"transition {row['id']} of {job_id} has no cause"
                 )
         states = [(row.get("data") or {}).get("to_state") for row in changes]
         if any(state in TERMINAL for state in states) and "released" not in states:
@@ -146,11 +153,13 @@ def joinability(rows: list[Row]) -> CapabilityResult:
     if not rows:
         return CapabilityResult(name, Verdict.NOT_APPLICABLE, "no events")
     for row in rows:
-        missing = [key for key in ("time", "job_id", "attempt") if row.get(key) in (None, "")]
+        # A user's command names the job only; the lifecycle resolves it against the current attempt.
+        keys = ("time", "job_id") if row_kind(row) in USER_COMMANDS else ("time", "job_id", "attempt")
+        missing = [key for key in keys if row.get(key) in (None, "")]
         if row.get("lane") in {"host", "network"} and not row.get("node"):
             missing.append("node")
         if missing:
-            what = f"#{row.get('seq')} {row.get('type')} ({row.get('lane')} lane)"
+            what = f"{row.get('type')} {row.get('id')} ({row.get('lane')} lane)"
             return CapabilityResult(name, Verdict.PENDING_EVIDENCE, f"{what} lacks {', '.join(missing)}")
     return CapabilityResult(name, Verdict.PASSED, f"all {len(rows)} events carry job, attempt, node and time")
 

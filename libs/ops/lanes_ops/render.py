@@ -7,7 +7,7 @@ ticket or grepped out of a log still says everything about its event.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -24,6 +24,9 @@ from lanes_common.events import (
     ResourcesReleased,
 )
 from lanes_ops.timeline import TimelineEntry
+
+if TYPE_CHECKING:
+    from lanes_ops.demo import DemoRun
 
 
 def summarize(event: Event) -> str:
@@ -73,3 +76,49 @@ def render_job(console: Console, job: dict[str, Any], entries: list[TimelineEntr
             console.print(
                 f"[red]#{entry.seq} on {escape(entry.subject)} could not be decoded: {escape(entry.error or '')}[/red]"
             )
+
+
+def render_demo(console: Console, run: DemoRun) -> None:
+    """Every job's swimlanes, then the OOM job's finding, the topology wait history and the scorecard."""
+    for job in run.jobs:
+        render_job(console, job, run.entries[job["job_id"]])
+        console.print()
+    incident = run.incident()
+    error = incident["summary"]["first_error"] or {}
+    console.print(f"[bold]finding for {run.oom_job_id}[/bold]")
+    console.print(
+        escape(
+            f"  first error: {error.get('detail')} - {error.get('lane')} lane, rank {error.get('rank')}"
+            f" on {error.get('node')}; call {incident['summary']['owner']}"
+        ),
+        highlight=False,
+        soft_wrap=True,
+    )
+    for line in error.get("evidence") or []:
+        console.print(escape(f"    {line}"), highlight=False, soft_wrap=True)
+    finding: dict[str, Any] = next(
+        (row["data"] for row in reversed(_rows(run, run.oom_job_id)) if row["type"].endswith(".finding.v1")), {}
+    )
+    for group in finding.get("consequences", []):
+        console.print(
+            escape(f"  consequence: {group['summary']} ({group['count']} reports)"), highlight=False, soft_wrap=True
+        )
+    for lane, items in incident["missing_evidence"].items():
+        console.print(escape(f"  pending evidence, {lane} lane: {'; '.join(items)}"), highlight=False, soft_wrap=True)
+    console.print(f"\n[bold]wait history of {run.topology_job_id}[/bold]")
+    topology_job = next(job for job in run.jobs if job["job_id"] == run.topology_job_id)
+    for wait in topology_job["scheduling"].get("wait_history", []):
+        console.print(
+            escape(f"  {wait['reason']} for {wait['seconds']:.3f}s: {wait['detail']}"), highlight=False, soft_wrap=True
+        )
+    console.print("\n[bold]POC scorecard[/bold]")
+    for result in run.scorecard:
+        console.print(
+            escape(f"  {result.verdict.value:<17} {result.capability}: {result.reason}"),
+            highlight=False,
+            soft_wrap=True,
+        )
+
+
+def _rows(run: DemoRun, job_id: str) -> list[dict[str, Any]]:
+    return next(job["timeline"] for job in run.jobs if job["job_id"] == job_id)

@@ -44,6 +44,7 @@ class TimelineEntry:
         e = self.event
         return {
             "seq": self.seq,
+            "id": e.id,
             "time": format_time(e.time),
             "type": e.type,
             "lane": e.lane.value,

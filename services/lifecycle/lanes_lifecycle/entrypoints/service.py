@@ -8,13 +8,36 @@ from lanes_common.store import migrations_of
 from lanes_common.streams import JOBS
 from lanes_lifecycle.service_layer.handlers import handle_job_event
 
+LIFECYCLE_INPUTS = (
+    "submitted",
+    "waiting",
+    "rejected",
+    "placed",
+    "rank_started",
+    "rendezvous_done",
+    "communicator_ready",
+    "heartbeat",
+    "checkpoint_started",
+    "checkpoint_saved",
+    "artifact_produced",
+    "rank_exited",
+    "cancel_requested",
+    "retry_requested",
+    "hold_requested",
+    "resume_requested",
+    "resources_released",
+    "finding",
+)
+"""The subject names (`lanes.job.*.<name>`) the lifecycle folds; a rebuild replays exactly these."""
+
 JOB_EVENTS = ConsumerSpec(
     durable="lifecycle-jobs",
     stream=JOBS,
-    subjects=tuple(
-        f"lanes.job.*.{name}"
-        for name in ("submitted", "waiting", "placed", "rank_started", "rank_exited", "resources_released")
-    ),
+    subjects=tuple(f"lanes.job.*.{name}" for name in LIFECYCLE_INPUTS),
+    # The fold depends on order (a rank cannot exit before its placement): one message in flight at a
+    # time, so a crashed replica's message is redelivered before anything after it.
+    batch=1,
+    max_ack_pending=1,
 )
 
 SERVICE = ServiceDefinition(

@@ -1,28 +1,73 @@
-"""Lifecycle handler: fold one job event into the job's view and publish the state change it causes."""
+"""Lifecycle handler: fold one job event into the job's view, publish the state change it causes.
+
+An event the job's state does not allow becomes a `transition_rejected` event on the job's timeline and
+leaves the projection untouched (it is not dead-lettered: it is a fact about the job, not a broken message).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import structlog
+
 from lanes_common.consumer import HandlerContext
-from lanes_common.events import Event, JobStateChanged, JobStateChangedData, derive
+from lanes_common.errors import TransientError
+from lanes_common.events import (
+    AttemptRequested,
+    AttemptRequestedData,
+    Event,
+    JobStateChanged,
+    JobStateChangedData,
+    TransitionRejected,
+    TransitionRejectedData,
+    derive,
+)
 from lanes_lifecycle.adapters import repository
-from lanes_lifecycle.domain.job import evolve
+from lanes_lifecycle.adapters.transitions import publish_transition
+from lanes_lifecycle.domain.job import IllegalTransitionError, JobView, Transition, evolve
 
 SOURCE = "lanes/lifecycle"
+log = structlog.get_logger(__name__)
 
 
-async def handle_job_event(event: Event, ctx: HandlerContext) -> Sequence[Event]:
-    """Apply the event to its job; an illegal event raises IllegalTransitionError and is dead-lettered."""
-    view = await repository.load(ctx.conn, event.job_key, for_update=True)
-    after, transition = evolve(view, event)
-    await repository.save(ctx.conn, after)
-    if transition is None:
-        return []
-    changed = JobStateChangedData(
+def state_changed(event: Event, after: JobView, transition: Transition) -> JobStateChanged:
+    """The state-change event of a transition (its id derives from the cause, so a re-run gives the same id)."""
+    data = JobStateChangedData(
         from_state=transition.from_state,
         to_state=transition.to_state,
         cause_type=event.type,
         reason=transition.reason,
+        cause=transition.cause,
+        sequence=transition.sequence,
     )
-    return [derive(JobStateChanged, event, source=SOURCE, attempt=after.current.number, data=changed)]
+    return derive(JobStateChanged, event, source=SOURCE, attempt=after.current.number, data=data)
+
+
+def rejected(event: Event, view: JobView | None, error: IllegalTransitionError) -> TransitionRejected:
+    """The visible record of an event the job's state did not allow."""
+    data = TransitionRejectedData(
+        event_type=event.type, event_id=event.id, state=view.state if view else None, reason=str(error)
+    )
+    return derive(TransitionRejected, event, source=SOURCE, data=data)
+
+
+async def handle_job_event(event: Event, ctx: HandlerContext) -> Sequence[Event]:
+    """Apply the event to its job; publish a transition under per-job optimistic concurrency."""
+    view, last_seq = await repository.load_with_seq(ctx.conn, event.job_key, for_update=True)
+    try:
+        after, transition = evolve(view, event)
+    except IllegalTransitionError as exc:
+        log.info("transition rejected", reason=str(exc), event_type=event.type)
+        return [rejected(event, view, exc)]
+    if transition is None:
+        await repository.save(ctx.conn, after)
+        return []
+    if ctx.js is None:
+        msg = "the lifecycle handler needs JetStream to publish its transitions"
+        raise TransientError(msg)
+    seq = await publish_transition(ctx.js, state_changed(event, after, transition), after_seq=last_seq)
+    await repository.save(ctx.conn, after, transition_seq=seq)
+    if transition.new_attempt is None:
+        return []
+    requested = AttemptRequestedData(reason=transition.reason, resume_step=transition.resume_step)
+    return [derive(AttemptRequested, event, source=SOURCE, attempt=transition.new_attempt, data=requested)]

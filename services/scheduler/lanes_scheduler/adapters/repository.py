@@ -1,16 +1,25 @@
-"""The scheduler's PostgreSQL projection: nodes, job attempts it knows, and GPU allocations."""
+"""The scheduler's PostgreSQL projection: nodes, policy, job attempts, GPU allocations and wait history."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import structlog
 
 from lanes_common.events import NodeRegisteredData, RankAssignment
+from lanes_common.jobs import JobSpec
 from lanes_common.store import Db
-from lanes_scheduler.domain.placement import GangRequest, NodeCapacity
+from lanes_common.topology import ClusterPolicy, Node, NodeState, NodeStatus
+from lanes_scheduler.domain.admission import Gang, Holding, Waiting
+
+log = structlog.get_logger(__name__)
 
 # Scheduling decisions read capacity and then write allocations; one advisory lock per transaction keeps
-# two consumers (or two replicas) from deciding on the same snapshot.
+# two consumers (or two replicas, or two scheduler processes) from deciding on the same snapshot. The
+# primary key on (node, gpu) of the allocations is the backstop: a double booking cannot commit.
 _SCHEDULING_LOCK = 0x5343484544  # "SCHED"
 
 
@@ -18,10 +27,10 @@ _SCHEDULING_LOCK = 0x5343484544  # "SCHED"
 class PendingJob:
     """A job attempt waiting for placement, with the reason it was last given."""
 
-    job_id: str
-    attempt: int
-    request: GangRequest
+    gang: Gang
     wait_reason: str | None
+    wait_detail: str | None = None
+    queue_position: int | None = None
 
 
 async def lock_scheduling(conn: Db) -> None:
@@ -29,103 +38,336 @@ async def lock_scheduling(conn: Db) -> None:
     await conn.execute("SELECT pg_advisory_xact_lock($1)", _SCHEDULING_LOCK)
 
 
+async def state_token(conn: Db) -> str:
+    """The token of the last committed change of capacity (read under the scheduling lock)."""
+    return str(await conn.fetchval("SELECT token FROM scheduler_state WHERE id = 1"))
+
+
+async def set_state_token(conn: Db, token: str) -> None:
+    """Mark a change of capacity in this transaction."""
+    await conn.execute("UPDATE scheduler_state SET token = $1 WHERE id = 1", token)
+
+
+# --- nodes and policy ------------------------------------------------------------------------------
+
+
 async def upsert_node(conn: Db, node_id: str, data: NodeRegisteredData) -> None:
-    """Record a node and its GPUs (a re-registration updates them)."""
+    """Record a node, its GPUs and where it sits (a re-registration updates them, not its state)."""
     await conn.execute(
-        """INSERT INTO scheduler_nodes (node_id, gpu_model, gpus, gpu_memory_gib, labels)
-           VALUES ($1, $2, $3, $4, $5::jsonb)
+        """INSERT INTO scheduler_nodes
+               (node_id, gpu_model, gpus, gpu_memory_gib, labels, nvlink_domain, leaf, spine, rack, pool)
+           VALUES ($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9, $10)
            ON CONFLICT (node_id) DO UPDATE SET gpu_model = EXCLUDED.gpu_model, gpus = EXCLUDED.gpus,
-               gpu_memory_gib = EXCLUDED.gpu_memory_gib, labels = EXCLUDED.labels""",
+               gpu_memory_gib = EXCLUDED.gpu_memory_gib, labels = EXCLUDED.labels,
+               nvlink_domain = EXCLUDED.nvlink_domain, leaf = EXCLUDED.leaf, spine = EXCLUDED.spine,
+               rack = EXCLUDED.rack, pool = EXCLUDED.pool""",
         node_id,
         data.gpu_model,
         data.gpus,
         data.gpu_memory_gib,
         json.dumps(data.labels),
+        data.nvlink_domain,
+        data.leaf,
+        data.spine,
+        data.rack,
+        data.pool,
     )
 
 
-async def add_pending_job(conn: Db, job_id: str, attempt: int, request: GangRequest, seq: int) -> None:
-    """Queue a job attempt for placement."""
+async def set_node_state(conn: Db, node_id: str, status: NodeStatus) -> bool:
+    """Change a known node's state; False when the node is unknown."""
+    updated = await conn.fetchval(
+        """UPDATE scheduler_nodes SET state = $2, state_reason = $3, state_owner = $4, state_since = $5
+           WHERE node_id = $1 RETURNING true""",
+        node_id,
+        status.state.value,
+        status.reason,
+        status.owner_lane,
+        status.since,
+    )
+    return bool(updated)
+
+
+async def set_policy(conn: Db, policy: ClusterPolicy) -> None:
+    """Replace the pools and tenant quotas."""
     await conn.execute(
-        """INSERT INTO scheduler_jobs (job_id, attempt, workers, gpus_per_worker, gpu_model, status, submitted_seq)
-           VALUES ($1, $2, $3, $4, $5, 'pending', $6)""",
-        job_id,
-        attempt,
-        request.workers,
-        request.gpus_per_worker,
-        request.gpu_model,
-        seq,
+        """INSERT INTO scheduler_policy (id, policy) VALUES (1, $1::jsonb)
+           ON CONFLICT (id) DO UPDATE SET policy = EXCLUDED.policy""",
+        policy.model_dump_json(),
     )
 
 
-async def capacity(conn: Db) -> tuple[tuple[NodeCapacity, ...], dict[str, int]]:
-    """Free GPUs per node, and each node's total GPU count."""
-    rows = await conn.fetch(
-        """SELECT n.node_id, n.gpu_model, n.gpu_memory_gib, n.gpus,
-                  coalesce(array_agg(a.gpu_index) FILTER (WHERE a.gpu_index IS NOT NULL), '{}') AS used
-           FROM scheduler_nodes n LEFT JOIN scheduler_allocations a USING (node_id)
-           GROUP BY n.node_id ORDER BY n.node_id"""
-    )
-    nodes = tuple(
-        NodeCapacity(
+async def policy(conn: Db) -> ClusterPolicy:
+    """The current pools and tenant quotas (none: every pool open, no quotas)."""
+    raw = await conn.fetchval("SELECT policy FROM scheduler_policy WHERE id = 1")
+    return ClusterPolicy() if raw is None else ClusterPolicy.model_validate_json(raw)
+
+
+async def nodes(conn: Db) -> list[Node]:
+    """Every known node with its topology and state."""
+    rows = await conn.fetch("SELECT * FROM scheduler_nodes ORDER BY node_id")
+    return [
+        Node(
             node_id=row["node_id"],
             gpu_model=row["gpu_model"],
+            gpus=row["gpus"],
             gpu_memory_gib=row["gpu_memory_gib"],
-            free_gpus=tuple(i for i in range(row["gpus"]) if i not in set(row["used"])),
-        )
-        for row in rows
-    )
-    return nodes, {row["node_id"]: row["gpus"] for row in rows}
-
-
-async def pending_jobs(conn: Db) -> list[PendingJob]:
-    """Job attempts waiting for placement, oldest submission first."""
-    rows = await conn.fetch(
-        """SELECT job_id, attempt, workers, gpus_per_worker, gpu_model, wait_reason
-           FROM scheduler_jobs WHERE status = 'pending' ORDER BY submitted_seq"""
-    )
-    return [
-        PendingJob(
-            job_id=row["job_id"],
-            attempt=row["attempt"],
-            request=GangRequest(row["workers"], row["gpus_per_worker"], row["gpu_model"]),
-            wait_reason=row["wait_reason"],
+            nvlink_domain=row["nvlink_domain"],
+            leaf=row["leaf"],
+            spine=row["spine"],
+            rack=row["rack"],
+            pool=row["pool"],
+            labels=json.loads(row["labels"]),
+            status=NodeStatus(
+                state=NodeState(row["state"]),
+                reason=row["state_reason"],
+                owner_lane=row["state_owner"],
+                since=row["state_since"],
+            ),
         )
         for row in rows
     ]
 
 
-async def set_wait_reason(conn: Db, job: PendingJob, reason: str) -> None:
-    """Remember the reason last published for a waiting job."""
-    await conn.execute(
-        "UPDATE scheduler_jobs SET wait_reason = $3 WHERE job_id = $1 AND attempt = $2", job.job_id, job.attempt, reason
+async def holdings(conn: Db) -> list[Holding]:
+    """GPUs held per job attempt and node, with the attempt's tenant and pool."""
+    rows = await conn.fetch(
+        """SELECT a.job_id, a.attempt, a.node_id, array_agg(a.gpu_index ORDER BY a.gpu_index) AS gpus,
+                  j.tenant, j.pool
+           FROM scheduler_allocations a JOIN scheduler_jobs j USING (job_id, attempt)
+           GROUP BY a.job_id, a.attempt, a.node_id, j.tenant, j.pool ORDER BY a.job_id, a.attempt, a.node_id"""
+    )
+    return [
+        Holding(f"{r['job_id']}/{r['attempt']}", r["tenant"], r["pool"], r["node_id"], tuple(r["gpus"])) for r in rows
+    ]
+
+
+# --- job attempts ----------------------------------------------------------------------------------
+
+
+def gang_of(job_id: str, attempt: int, spec: JobSpec, order: int) -> Gang:
+    """The placement request of one attempt of a job."""
+    return Gang(
+        job_id=job_id,
+        attempt=attempt,
+        workers=spec.workers,
+        gpus_per_worker=spec.gpus_per_worker,
+        gpu_model=spec.gpu_model,
+        gpu_memory_gib=spec.gpu_memory_gib,
+        tenant=spec.tenant,
+        pool=spec.pool,
+        priority=spec.priority,
+        order=order,
+        topology=spec.topology,
     )
 
 
-async def allocate(conn: Db, job: PendingJob, assignments: tuple[RankAssignment, ...]) -> None:
-    """Hold the GPUs of a placement and mark the job attempt placed."""
+async def add_pending_job(conn: Db, job_id: str, attempt: int, spec: JobSpec, seq: int) -> bool:
+    """Queue a job attempt for placement; False if that attempt is already known."""
+    added = await conn.fetchval(
+        """INSERT INTO scheduler_jobs (job_id, attempt, workers, gpus_per_worker, gpu_model, status, submitted_seq,
+                                       spec, tenant, pool, priority)
+           VALUES ($1, $2, $3, $4, $5, 'pending', $6, $7::jsonb, $8, $9, $10)
+           ON CONFLICT (job_id, attempt) DO NOTHING RETURNING true""",
+        job_id,
+        attempt,
+        spec.workers,
+        spec.gpus_per_worker,
+        spec.gpu_model,
+        seq,
+        spec.model_dump_json(),
+        spec.tenant,
+        spec.pool,
+        spec.priority,
+    )
+    return bool(added)
+
+
+async def original_spec(conn: Db, job_id: str) -> JobSpec | None:
+    """The spec of the job's first submitted attempt, as the scheduler stored it."""
+    raw = await conn.fetchval(
+        "SELECT spec FROM scheduler_jobs WHERE job_id = $1 AND spec IS NOT NULL ORDER BY attempt LIMIT 1", job_id
+    )
+    return None if raw is None else JobSpec.model_validate_json(raw)
+
+
+async def pending_jobs(conn: Db) -> list[PendingJob]:
+    """Job attempts waiting for placement (the order of the queue is the domain's business)."""
+    rows = await conn.fetch(
+        """SELECT j.job_id, j.attempt, j.spec, j.submitted_seq, w.reason AS wait_reason, w.detail AS wait_detail,
+                  w.queue_position
+           FROM scheduler_jobs j
+           LEFT JOIN scheduler_waits w ON w.job_id = j.job_id AND w.attempt = j.attempt AND w.ended_at IS NULL
+           WHERE j.status = 'pending' ORDER BY j.submitted_seq"""
+    )
+    return [
+        PendingJob(
+            gang=gang_of(r["job_id"], r["attempt"], JobSpec.model_validate_json(r["spec"]), r["submitted_seq"]),
+            wait_reason=r["wait_reason"],
+            wait_detail=r["wait_detail"],
+            queue_position=r["queue_position"],
+        )
+        for r in rows
+    ]
+
+
+async def allocate(conn: Db, gang: Gang, assignments: tuple[RankAssignment, ...]) -> None:
+    """Hold the GPUs of a placement and mark the attempt placed (the primary key refuses a double booking)."""
     await conn.executemany(
         "INSERT INTO scheduler_allocations (node_id, gpu_index, job_id, attempt, rank) VALUES ($1, $2, $3, $4, $5)",
-        [(a.node, gpu, job.job_id, job.attempt, a.rank) for a in assignments for gpu in a.gpus],
+        [(a.node, gpu, gang.job_id, gang.attempt, a.rank) for a in assignments for gpu in a.gpus],
     )
     await conn.execute(
         "UPDATE scheduler_jobs SET status = 'placed', wait_reason = NULL WHERE job_id = $1 AND attempt = $2",
-        job.job_id,
-        job.attempt,
+        gang.job_id,
+        gang.attempt,
     )
 
 
-async def release(conn: Db, job_id: str, attempt: int) -> tuple[tuple[str, ...], int] | None:
-    """Free the GPUs of a finished job attempt; return (nodes, gpu count), or None if the attempt is unknown."""
+async def reject(conn: Db, gang: Gang) -> None:
+    """Mark an attempt that can never be placed."""
+    await conn.execute(
+        "UPDATE scheduler_jobs SET status = 'rejected' WHERE job_id = $1 AND attempt = $2", gang.job_id, gang.attempt
+    )
+
+
+@dataclass(frozen=True)
+class Release:
+    """What a release request did: freed these nodes/GPUs, or was refused (double or unknown)."""
+
+    outcome: str
+    nodes: tuple[str, ...] = ()
+    gpus: int = 0
+
+
+async def release(conn: Db, job_id: str, attempt: int, cause_id: str, at: datetime) -> Release:
+    """Free the GPUs of a finished attempt exactly once; a second request is refused and logged."""
     status = await conn.fetchval(
-        "UPDATE scheduler_jobs SET status = 'done' WHERE job_id = $1 AND attempt = $2 RETURNING status",
+        """UPDATE scheduler_jobs SET status = 'done'
+           WHERE job_id = $1 AND attempt = $2 AND status <> 'done' RETURNING status""",
         job_id,
         attempt,
     )
     if status is None:
-        return None
+        known = await conn.fetchval(
+            "SELECT true FROM scheduler_jobs WHERE job_id = $1 AND attempt = $2", job_id, attempt
+        )
+        outcome = "double_release" if known else "unknown_attempt"
+        log.warning("release refused", outcome=outcome, job_id=job_id, attempt=attempt, cause_id=cause_id)
+        await _log_release(conn, job_id, attempt, cause_id, outcome, 0, at)
+        return Release(outcome)
     rows = await conn.fetch(
         "DELETE FROM scheduler_allocations WHERE job_id = $1 AND attempt = $2 RETURNING node_id", job_id, attempt
     )
-    nodes = tuple(dict.fromkeys(sorted(row["node_id"] for row in rows)))
-    return nodes, len(rows)
+    await close_wait(conn, job_id, attempt, at, "released")
+    await _log_release(conn, job_id, attempt, cause_id, "released", len(rows), at)
+    return Release("released", tuple(dict.fromkeys(sorted(row["node_id"] for row in rows))), len(rows))
+
+
+async def _log_release(  # noqa: PLR0917 - one row's columns, in table order
+    conn: Db, job_id: str, attempt: int, cause_id: str, outcome: str, gpus: int, at: datetime
+) -> None:
+    await conn.execute(
+        """INSERT INTO scheduler_releases (job_id, attempt, cause_id, outcome, gpus, at)
+           VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (cause_id) DO NOTHING""",
+        job_id,
+        attempt,
+        cause_id,
+        outcome,
+        gpus,
+        at,
+    )
+
+
+# --- wait history ----------------------------------------------------------------------------------
+
+
+async def close_wait(conn: Db, job_id: str, attempt: int, at: datetime, ended_by: str) -> None:
+    """End the attempt's current wait reason, if it has one."""
+    await conn.execute(
+        """UPDATE scheduler_waits SET ended_at = $3, ended_by = $4
+           WHERE job_id = $1 AND attempt = $2 AND ended_at IS NULL""",
+        job_id,
+        attempt,
+        at,
+        ended_by,
+    )
+
+
+async def record_wait(conn: Db, waiting: Waiting, seq: int, at: datetime, *, changed: bool) -> None:
+    """Open a new reason (when it changed) or refresh the details of the open one."""
+    gang = waiting.gang
+    blocking = json.dumps([b.model_dump(mode="json") for b in waiting.blocking])
+    figures = json.dumps(dict(waiting.figures))
+    if changed:
+        await close_wait(conn, gang.job_id, gang.attempt, at, str(waiting.reason))
+        await conn.execute(
+            """INSERT INTO scheduler_waits (job_id, attempt, started_seq, reason, detail, owner_lane, blocking, figures,
+                                            queue_position, started_at)
+               VALUES ($1, $2, $3, $4, $5, $6, $7::jsonb, $8::jsonb, $9, $10)""",
+            gang.job_id,
+            gang.attempt,
+            seq,
+            waiting.reason.value,
+            waiting.detail,
+            waiting.owner_lane.value,
+            blocking,
+            figures,
+            waiting.queue_position,
+            at,
+        )
+        return
+    await conn.execute(
+        """UPDATE scheduler_waits SET detail = $3, blocking = $4::jsonb, figures = $5::jsonb, queue_position = $6
+           WHERE job_id = $1 AND attempt = $2 AND ended_at IS NULL""",
+        gang.job_id,
+        gang.attempt,
+        waiting.detail,
+        blocking,
+        figures,
+        waiting.queue_position,
+    )
+
+
+async def wait_history(conn: Db, job_id: str) -> list[dict[str, Any]]:
+    """Every reason the job's attempts waited for, oldest first, with the time spent in each."""
+    rows = await conn.fetch(
+        """SELECT attempt, reason, detail, owner_lane, blocking, figures, queue_position, started_at, ended_at,
+                  ended_by, extract(epoch FROM coalesce(ended_at, now()) - started_at) AS seconds
+           FROM scheduler_waits WHERE job_id = $1 ORDER BY attempt, started_seq""",
+        job_id,
+    )
+    return [
+        {
+            "attempt": r["attempt"],
+            "reason": r["reason"],
+            "detail": r["detail"],
+            "owner_lane": r["owner_lane"],
+            "blocking": json.loads(r["blocking"]),
+            "figures": json.loads(r["figures"]),
+            "queue_position": r["queue_position"],
+            "since": r["started_at"].isoformat(),
+            "until": r["ended_at"].isoformat() if r["ended_at"] else None,
+            "ended_by": r["ended_by"],
+            "seconds": round(float(r["seconds"]), 6),
+        }
+        for r in rows
+    ]
+
+
+async def releases(conn: Db, job_id: str) -> list[dict[str, Any]]:
+    """The release requests of a job and their outcomes."""
+    rows = await conn.fetch(
+        "SELECT attempt, cause_id, outcome, gpus, at FROM scheduler_releases WHERE job_id = $1 ORDER BY at, cause_id",
+        job_id,
+    )
+    return [{**dict(r), "at": r["at"].isoformat()} for r in rows]
+
+
+async def allocations_of(conn: Db) -> list[dict[str, Any]]:
+    """Every held GPU with its job attempt and that attempt's status (for leak detection)."""
+    rows = await conn.fetch(
+        """SELECT a.node_id, a.gpu_index, a.job_id, a.attempt, j.status
+           FROM scheduler_allocations a JOIN scheduler_jobs j USING (job_id, attempt) ORDER BY a.node_id, a.gpu_index"""
+    )
+    return [dict(r) for r in rows]

@@ -11,9 +11,13 @@ from lanes_scheduler.service_layer.handlers import handle_job_event, handle_node
 JOB_EVENTS = ConsumerSpec(
     durable="scheduler-jobs",
     stream=JOBS,
-    subjects=("lanes.job.*.submitted", "lanes.job.*.state_changed"),
+    subjects=("lanes.job.*.submitted", "lanes.job.*.attempt_requested", "lanes.job.*.state_changed"),
 )
-NODE_EVENTS = ConsumerSpec(durable="scheduler-nodes", stream=NODES, subjects=("lanes.node.*.registered",))
+NODE_EVENTS = ConsumerSpec(
+    durable="scheduler-nodes",
+    stream=NODES,
+    subjects=("lanes.node.*.registered", "lanes.node.*.state_changed", "lanes.node.*.policy_set"),
+)
 
 SERVICE = ServiceDefinition(
     name="scheduler",

@@ -1,14 +1,26 @@
-"""The telemetry as the composition root sees it.
+"""The telemetry as the composition root sees it: its tables and its two consumers.
 
-Telemetry consumes node evidence; correlation and first-error election come with the telemetry issue.
+`telemetry` ingests evidence from LANES_TELEMETRY; `telemetry-placements` keeps telemetry's own copy of
+where each rank runs, read from the job stream (services never read each other's tables).
 """
 
 from __future__ import annotations
 
-from lanes_common.consumer import ConsumerSpec, record_only
+from lanes_common.consumer import ConsumerSpec
 from lanes_common.service import ServiceDefinition
-from lanes_common.streams import TELEMETRY
+from lanes_common.store import migrations_of
+from lanes_common.streams import JOBS, TELEMETRY
+from lanes_telemetry.service_layer.handlers import handle_evidence, handle_job_event
 
 EVENTS = ConsumerSpec(durable="telemetry", stream=TELEMETRY, subjects=("lanes.tel.>",))
+PLACEMENTS = ConsumerSpec(
+    durable="telemetry-placements",
+    stream=JOBS,
+    subjects=("lanes.job.*.placed", "lanes.job.*.resources_released"),
+)
 
-SERVICE = ServiceDefinition(name="telemetry", migrations=None, consumers=((EVENTS, record_only),))
+SERVICE = ServiceDefinition(
+    name="telemetry",
+    migrations=migrations_of("lanes_telemetry.adapters"),
+    consumers=((EVENTS, handle_evidence), (PLACEMENTS, handle_job_event)),
+)

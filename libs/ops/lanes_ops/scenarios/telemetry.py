@@ -1,0 +1,148 @@
+"""Telemetry scenario for `lanes demo`: one rank is OOM-killed, the others time out in an all-reduce.
+
+Every rank is a real process. The last rank allocates and is then killed with SIGKILL, standing in for the
+kernel's OOM killer (which the demo cannot trigger safely on a shared machine); the scenario then plays
+that node's kernel log, publishing the `Out of memory: Killed process <pid>` line a node agent would read
+from dmesg. The other ranks notice their peer is gone and print PyTorch's NCCL watchdog timeout for the
+all-reduce they were in, exactly as a real job would minutes later, and exit 1. The launcher parses their
+output into evidence; telemetry correlates it and elects the first error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import sys
+import tempfile
+from datetime import UTC
+from pathlib import Path
+
+from nats.aio.msg import Msg
+
+from lanes_common.bus import LanesClient, publish_encoded
+from lanes_common.codec import decode, encode
+from lanes_common.errors import DecodeError
+from lanes_common.events import (
+    EvidenceCategory,
+    JobFinding,
+    JobStateChanged,
+    JobSubmitted,
+    JobSubmittedData,
+    RankExited,
+    RankStarted,
+)
+from lanes_common.ids import derived_event_id, new_event_id
+from lanes_common.jobs import JobSpec, JobState, Owners, WorkloadClass
+from lanes_common.streams import TELEMETRY
+from lanes_ops.bootstrap import Connections
+from lanes_telemetry.domain.evidence import evidence_event
+from lanes_telemetry.domain.parsers import SourceContext, parse_lines
+
+SOURCE = "lanes/demo"
+RENDEZVOUS_DIR = "lanes-demo-rendezvous-"
+
+# Each rank writes its pid where its peers can see it. The last rank is the victim; the others spin in
+# "the all-reduce" until the victim's process is gone, then the NCCL watchdog reports the timeout.
+_RANK_PROGRAM = """
+import os, signal, sys, time
+from datetime import datetime, timezone
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+where = os.path.join(sys.argv[1], os.environ["LANES_JOB_ID"])
+os.makedirs(where, exist_ok=True)
+with open(os.path.join(where, f"rank{rank}.pid"), "w") as out:
+    out.write(str(os.getpid()))
+print("lanes: communicator ready", flush=True)
+victim = world - 1
+if rank == victim:
+    time.sleep(1.0)
+    ballast = bytearray(256 * 1024 * 1024)  # the allocation that tips the node over
+    os.kill(os.getpid(), signal.SIGKILL)
+pid_file = os.path.join(where, f"rank{victim}.pid")
+while True:
+    try:
+        os.kill(int(open(pid_file).read()), 0)
+    except (FileNotFoundError, ValueError):
+        pass
+    except ProcessLookupError:
+        break
+    time.sleep(0.005)
+now = datetime.now(timezone.utc)
+print(
+    f"[rank{rank}]:[E{now:%m%d %H:%M:%S.%f} {os.getpid()} torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:616]"
+    f" [Rank {rank}] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1580, OpType=ALLREDUCE,"
+    f" NumelIn=262144000, NumelOut=262144000, Timeout(ms)=600000) ran for 600047 milliseconds before timing out.",
+    file=sys.stderr, flush=True,
+)
+sys.exit(1)
+"""
+
+
+class _Watch:
+    """What the scenario needs to see on the job's timeline: pids, the victim's exit, findings, states."""
+
+    def __init__(self) -> None:
+        self.pids: dict[int, tuple[str, int]] = {}
+        self.killed: asyncio.Future[RankExited] = asyncio.get_running_loop().create_future()
+        self.finding: JobFinding | None = None
+        self.oom_elected = asyncio.Event()
+        self.released = asyncio.Event()
+
+    async def on_message(self, msg: Msg) -> None:
+        with contextlib.suppress(DecodeError):
+            event = decode(msg.subject, msg.headers, msg.data)
+            if isinstance(event, RankStarted) and event.rank is not None and event.node:
+                self.pids[event.rank] = (event.node, event.data.pid)
+            elif isinstance(event, RankExited) and event.data.signal == 9 and not self.killed.done():  # noqa: PLR2004
+                self.killed.set_result(event)
+            elif isinstance(event, JobFinding) and event.data.first_error is not None:
+                if self.finding is None or event.data.version > self.finding.data.version:
+                    self.finding = event
+                if event.data.first_error.category == EvidenceCategory.OOM_KILL:
+                    self.oom_elected.set()
+            elif isinstance(event, JobStateChanged) and event.data.to_state is JobState.RELEASED:
+                self.released.set()
+
+
+async def oom_killed_rank(conns: Connections, *, workers: int = 4, timeout_s: float = 90.0) -> str:
+    """A `workers`-rank training job, one rank per node, whose last rank is OOM-killed; returns its job id."""
+    job_id = f"demo-oom-{new_event_id()[-12:]}"
+    scratch = Path(tempfile.mkdtemp(prefix=RENDEZVOUS_DIR))
+    watch = _Watch()
+    sub = await conns.nc.subscribe(f"lanes.job.{job_id}.>", cb=watch.on_message)
+    try:
+        spec = JobSpec(
+            name="demo-oom",
+            workload_class=WorkloadClass.TRAINING,
+            workers=workers,
+            gpus_per_worker=4,
+            command=(sys.executable, "-c", _RANK_PROGRAM, str(scratch)),
+            owners=Owners(algorithm="ml-oncall", host="node-oncall"),
+        )
+        client = LanesClient(conns.nc, SOURCE)
+        await client.publish(JobSubmitted(source=SOURCE, jobid=job_id, attempt=1, data=JobSubmittedData(spec=spec)))
+        async with asyncio.timeout(timeout_s):
+            killed = await watch.killed
+            await _kernel_reports_the_oom_kill(conns, watch, killed)
+            await watch.released.wait()
+            await watch.oom_elected.wait()  # findings are re-elected as late evidence arrives
+    finally:
+        await sub.unsubscribe()
+        shutil.rmtree(scratch, ignore_errors=True)
+    return job_id
+
+
+async def _kernel_reports_the_oom_kill(conns: Connections, watch: _Watch, killed: RankExited) -> None:
+    """Publish the kernel log line of the OOM kill, as the victim node's agent would read it from dmesg."""
+    node, pid = watch.pids[killed.rank or 0]
+    at = killed.time.astimezone(UTC)
+    line = (
+        f"{at:%b} {at.day:2d} {at:%H:%M:%S} {node} kernel: [{at.timestamp() % 1e6:.6f}] Out of memory: Killed process"
+        f" {pid} (python3) total-vm:245638812kB, anon-rss:262144kB, file-rss:0kB, shmem-rss:0kB, UID:0"
+        " pgtables:3964kB oom_score_adj:0"
+    )
+    context = SourceContext(origin=f"{node}/kern.log", node=node, rank=killed.rank, year=at.year)
+    for number, evidence in enumerate(parse_lines([line], context)):
+        event = evidence_event(evidence, source=f"agent/{node}", node=node, time=at)
+        event = event.model_copy(update={"id": derived_event_id(killed.id, event.type, str(number))})
+        await publish_encoded(conns.nc.jetstream(), encode(event), stream=TELEMETRY.name)

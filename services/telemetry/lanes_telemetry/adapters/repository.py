@@ -1,0 +1,242 @@
+"""Telemetry's tables: placements (its own copy), evidence, reporters and findings. Plain SQL on one connection."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from lanes_common.events import EvidenceData, JobFindingData, RankAssignment
+from lanes_common.store import Db
+from lanes_telemetry.domain.evidence import Evidence
+
+NO_RANK = -1
+"""The rank column of node-level evidence in `telemetry_reporters` (a primary key cannot hold NULL)."""
+
+
+async def lock_nodes(conn: Db, nodes: Sequence[str]) -> None:
+    """Serialise correlation per node for this transaction (evidence vs. a placement arriving meanwhile)."""
+    for node in sorted(set(nodes)):  # one order everywhere: no deadlock between two placements
+        await conn.execute("SELECT pg_advisory_xact_lock(hashtext('lanes-telemetry-node'), hashtext($1))", node)
+
+
+async def lock_attempt(conn: Db, job_id: str, attempt: int) -> None:
+    """Serialise elections of one attempt, so two replicas never publish the same finding version twice."""
+    await conn.execute("SELECT pg_advisory_xact_lock(hashtext($1), $2)", f"lanes-telemetry-job:{job_id}", attempt)
+
+
+async def save_placement(
+    conn: Db, job_id: str, attempt: int, assignments: Sequence[RankAssignment], placed_at: datetime
+) -> None:
+    """Record where each rank of an attempt runs (a replayed placement overwrites itself)."""
+    await conn.executemany(
+        """INSERT INTO telemetry_placements (job_id, attempt, rank, node, gpus, placed_at)
+           VALUES ($1, $2, $3, $4, $5, $6)
+           ON CONFLICT (job_id, attempt, rank) DO UPDATE SET node = EXCLUDED.node, gpus = EXCLUDED.gpus,
+               placed_at = EXCLUDED.placed_at""",
+        [(job_id, attempt, a.rank, a.node, list(a.gpus), placed_at) for a in assignments],
+    )
+
+
+async def release(conn: Db, job_id: str, attempt: int | None, released_at: datetime) -> None:
+    """Mark an attempt's placement as ended: later evidence on its nodes is no longer its evidence."""
+    await conn.execute(
+        """UPDATE telemetry_placements SET released_at = $3
+           WHERE job_id = $1 AND ($2::integer IS NULL OR attempt = $2) AND released_at IS NULL""",
+        job_id,
+        attempt,
+        released_at,
+    )
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The attempt running on a node at some time, and the ranks it has there."""
+
+    job_id: str
+    attempt: int
+    ranks: tuple[int, ...]
+
+    @property
+    def only_rank(self) -> int | None:
+        """The rank when the node runs exactly one: node-level evidence then belongs to it."""
+        return self.ranks[0] if len(self.ranks) == 1 else None
+
+
+async def placement_at(conn: Db, node: str, at: datetime, skew: timedelta) -> Placement | None:
+    """The latest attempt placed on `node` no later than `at` (+ skew) and not released before it."""
+    rows = await conn.fetch(
+        """WITH latest AS (
+               SELECT job_id, attempt FROM telemetry_placements
+               WHERE node = $1 AND placed_at <= $2::timestamptz + $3::interval
+                 AND (released_at IS NULL OR released_at >= $2::timestamptz - $3::interval)
+               ORDER BY placed_at DESC LIMIT 1)
+           SELECT p.job_id, p.attempt, p.rank FROM telemetry_placements p JOIN latest USING (job_id, attempt)
+           WHERE p.node = $1 ORDER BY p.rank""",
+        node,
+        at,
+        skew,
+    )
+    if not rows:
+        return None
+    return Placement(rows[0]["job_id"], rows[0]["attempt"], tuple(row["rank"] for row in rows))
+
+
+async def world_of(conn: Db, job_id: str, attempt: int) -> dict[int, str | None]:
+    """Every rank of the attempt with its node."""
+    rows = await conn.fetch(
+        "SELECT rank, node FROM telemetry_placements WHERE job_id = $1 AND attempt = $2", job_id, attempt
+    )
+    return {row["rank"]: row["node"] for row in rows}
+
+
+async def world_size(conn: Db, job_id: str, attempt: int) -> int:
+    """How many ranks the attempt has."""
+    count = await conn.fetchval(
+        "SELECT count(*) FROM telemetry_placements WHERE job_id = $1 AND attempt = $2", job_id, attempt
+    )
+    return int(count)
+
+
+async def save_evidence(
+    conn: Db,
+    *,
+    event_id: str,
+    evidence: Evidence,
+    node: str,
+    lane: str,
+    stream_seq: int,
+    job_id: str | None,
+    attempt: int | None,
+) -> None:
+    """Store one piece of evidence (a redelivered one is already there and is left as it is)."""
+    await conn.execute(
+        """INSERT INTO telemetry_evidence
+               (event_id, node, kind, category, time, lane, job_id, attempt, rank, data, stream_seq)
+           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10::jsonb, $11) ON CONFLICT (event_id) DO NOTHING""",
+        event_id,
+        node,
+        evidence.kind,
+        evidence.category.value,
+        evidence.time,
+        lane,
+        job_id,
+        attempt,
+        evidence.rank,
+        evidence.data.model_dump_json(exclude_defaults=True),
+        stream_seq,
+    )
+
+
+async def add_reporter(conn: Db, job_id: str, attempt: int, node: str, rank: int | None) -> int | None:
+    """Record that (node, rank) reported for the attempt; the number of reporters if it is new, else None."""
+    new = await conn.fetchval(
+        """INSERT INTO telemetry_reporters (job_id, attempt, node, rank) VALUES ($1, $2, $3, $4)
+           ON CONFLICT DO NOTHING RETURNING true""",
+        job_id,
+        attempt,
+        node,
+        NO_RANK if rank is None else rank,
+    )
+    if not new:
+        return None
+    count = await conn.fetchval(
+        "SELECT count(*) FROM telemetry_reporters WHERE job_id = $1 AND attempt = $2", job_id, attempt
+    )
+    return int(count)
+
+
+@dataclass(frozen=True)
+class StoredEvidence:
+    """A row of telemetry_evidence as the election and the correlated copies need it."""
+
+    event_id: str
+    lane: str
+    evidence: Evidence
+
+
+def _stored(row: Any) -> StoredEvidence:
+    data = EvidenceData.model_validate_json(row["data"])
+    return StoredEvidence(
+        row["event_id"], row["lane"], Evidence(data, row["time"], row["node"], row["rank"], row["event_id"])
+    )
+
+
+async def correlate_late(
+    conn: Db, job_id: str, attempt: int, ranks_by_node: dict[str, tuple[int, ...]], since: datetime
+) -> list[StoredEvidence]:
+    """Attach evidence that arrived before the placement did (but happened after it) to the attempt."""
+    correlated: list[StoredEvidence] = []
+    for node, ranks in sorted(ranks_by_node.items()):
+        rows = await conn.fetch(
+            """UPDATE telemetry_evidence SET job_id = $1, attempt = $2, rank = COALESCE(rank, $3)
+               WHERE node = $4 AND job_id IS NULL AND time >= $5
+               RETURNING event_id, lane, node, rank, time, data""",
+            job_id,
+            attempt,
+            ranks[0] if len(ranks) == 1 else None,
+            node,
+            since,
+        )
+        correlated.extend(_stored(row) for row in rows)
+    return correlated
+
+
+async def evidence_of(conn: Db, job_id: str, attempt: int, *, ignored: Sequence[str]) -> list[Evidence]:
+    """The attempt's evidence the election reads (categories in `ignored` are left out)."""
+    rows = await conn.fetch(
+        """SELECT event_id, lane, node, rank, time, data FROM telemetry_evidence
+           WHERE job_id = $1 AND attempt = $2 AND category <> ALL($3::text[])""",
+        job_id,
+        attempt,
+        list(ignored),
+    )
+    return [_stored(row).evidence for row in rows]
+
+
+async def count_evidence(conn: Db, job_id: str, attempt: int, *, ignored: Sequence[str], up_to: int) -> int:
+    """How much evidence the attempt has for the election, counted no further than `up_to` + 1."""
+    count = await conn.fetchval(
+        """SELECT count(*) FROM (SELECT 1 FROM telemetry_evidence
+               WHERE job_id = $1 AND attempt = $2 AND category <> ALL($3::text[]) LIMIT $4) AS elected""",
+        job_id,
+        attempt,
+        list(ignored),
+        up_to + 1,
+    )
+    return int(count)
+
+
+async def load_finding(conn: Db, job_id: str, attempt: int) -> tuple[int, dict[str, Any]] | None:
+    """The latest finding's version and JSON body, if any."""
+    row = await conn.fetchrow(
+        "SELECT version, finding FROM telemetry_findings WHERE job_id = $1 AND attempt = $2", job_id, attempt
+    )
+    return None if row is None else (int(row["version"]), json.loads(row["finding"]))
+
+
+async def save_finding(conn: Db, job_id: str, attempt: int, finding: JobFindingData) -> None:
+    """Store the latest finding of an attempt."""
+    first = finding.first_error
+    await conn.execute(
+        """INSERT INTO telemetry_findings (job_id, attempt, version, finding, first_node, first_lane)
+           VALUES ($1, $2, $3, $4::jsonb, $5, $6)
+           ON CONFLICT (job_id, attempt) DO UPDATE SET version = EXCLUDED.version, finding = EXCLUDED.finding,
+               first_node = EXCLUDED.first_node, first_lane = EXCLUDED.first_lane, updated_at = now()""",
+        job_id,
+        attempt,
+        finding.version,
+        finding.model_dump_json(),
+        first.node if first else None,
+        first.lane.value if first else None,
+    )
+
+
+async def other_jobs_first_error_on(conn: Db, node: str, job_id: str) -> int:
+    """How many other jobs elected a first error on this node (a repeat offender is a node to drain)."""
+    count = await conn.fetchval(
+        "SELECT count(DISTINCT job_id) FROM telemetry_findings WHERE first_node = $1 AND job_id <> $2", node, job_id
+    )
+    return int(count)

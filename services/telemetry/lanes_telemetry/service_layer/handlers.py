@@ -1,0 +1,177 @@
+"""Telemetry handlers: ingest evidence, correlate it to the attempt placed on its node, (re)elect the finding.
+
+Two consumers, each under the consumer contract (one transaction per event, outputs through the outbox):
+
+- evidence (`lanes.tel.>`): store it; when a placement explains its node and time, publish a compact
+  correlated copy on the job's subject (not for raw, unrecognised lines) and re-elect when the evidence
+  can change the finding;
+- placements (`lanes.job.*.placed`, `lanes.job.*.resources_released`): telemetry's own copy of where each
+  rank runs; evidence that arrived before its placement is correlated then.
+
+A finding is published only when it differs from the previous one, as the next `version`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+
+from lanes_common.consumer import HandlerContext
+from lanes_common.events import (
+    Event,
+    JobEvidence,
+    JobEvidenceData,
+    JobFinding,
+    JobPlaced,
+    Lane,
+    ResourcesReleased,
+    derive,
+)
+from lanes_common.ids import is_valid_token
+from lanes_common.store import Db
+from lanes_telemetry.adapters import repository
+from lanes_telemetry.domain.election import (
+    ALWAYS_REELECT_UP_TO,
+    World,
+    elect_first_error,
+    may_be_cause,
+    worth_reelecting,
+)
+from lanes_telemetry.domain.election import (
+    NOT_ELECTED as NOT_ELECTED_CATEGORIES,
+)
+from lanes_telemetry.domain.evidence import Evidence, from_event
+
+SOURCE = "lanes/telemetry"
+CORRELATION_SKEW = timedelta(seconds=2)
+"""Evidence this much before a placement (node clocks disagree) still belongs to it."""
+NOT_ELECTED = tuple(sorted(category.value for category in NOT_ELECTED_CATEGORIES))
+_COPY_LINES = 3
+_COPY_LINE_CHARS = 512
+
+
+async def handle_evidence(event: Event, ctx: HandlerContext) -> Sequence[Event]:
+    """Store one piece of evidence, correlate it, and return its job copy and any new finding."""
+    if event.node is None or not hasattr(event.data, "category"):
+        return ()
+    evidence = from_event(event)
+    node = event.node
+    await repository.lock_nodes(ctx.conn, [node])
+    job_id, attempt = event.jobid, event.attempt
+    if job_id is None or attempt is None:
+        placement = await repository.placement_at(ctx.conn, node, event.time, CORRELATION_SKEW)
+        if placement is not None:
+            job_id, attempt = placement.job_id, placement.attempt
+            if evidence.rank is None:
+                evidence = Evidence(evidence.data, evidence.time, node, placement.only_rank, evidence.id)
+    await repository.save_evidence(
+        ctx.conn,
+        event_id=event.id,
+        evidence=evidence,
+        node=node,
+        lane=event.lane.value,
+        stream_seq=ctx.stream_seq,
+        job_id=job_id,
+        attempt=attempt,
+    )
+    if job_id is None or attempt is None:
+        return ()
+    if evidence.category.value in NOT_ELECTED:
+        # Unrecognised lines stay on LANES_TELEMETRY and in the evidence table, but do not flood the
+        # job's year-long audit timeline: only evidence that means something to a lane is copied there.
+        return ()
+    copy = _copy(event, job_id, attempt, repository.StoredEvidence(event.id, event.lane.value, evidence))
+    return [copy, *await _maybe_reelect(ctx.conn, event, job_id, attempt, [evidence])]
+
+
+async def handle_job_event(event: Event, ctx: HandlerContext) -> Sequence[Event]:
+    """Keep telemetry's copy of placements; correlate the evidence that was waiting for one."""
+    if isinstance(event, ResourcesReleased):
+        await repository.release(ctx.conn, event.job_key, event.attempt, event.time)
+        return ()
+    if not isinstance(event, JobPlaced) or event.attempt is None:
+        return ()
+    job_id, attempt = event.job_key, event.attempt
+    ranks_by_node: dict[str, tuple[int, ...]] = {}
+    for assignment in event.data.assignments:
+        ranks_by_node[assignment.node] = (*ranks_by_node.get(assignment.node, ()), assignment.rank)
+    await repository.lock_nodes(ctx.conn, list(ranks_by_node))
+    await repository.save_placement(ctx.conn, job_id, attempt, event.data.assignments, event.time)
+    late = await repository.correlate_late(ctx.conn, job_id, attempt, ranks_by_node, event.time - CORRELATION_SKEW)
+    if not late:
+        return ()
+    copies = [
+        _copy(event, job_id, attempt, stored, key=stored.event_id)
+        for stored in late
+        if stored.evidence.category.value not in NOT_ELECTED
+    ]
+    return [*copies, *await _maybe_reelect(ctx.conn, event, job_id, attempt, [s.evidence for s in late])]
+
+
+def _copy(cause: Event, job_id: str, attempt: int, stored: repository.StoredEvidence, key: str = "") -> JobEvidence:
+    evidence = stored.evidence
+    compact = evidence.data.model_copy(
+        update={"lines": tuple(line[:_COPY_LINE_CHARS] for line in evidence.data.lines[:_COPY_LINES])}
+    )
+    return derive(
+        JobEvidence,
+        cause,
+        key=key,
+        source=SOURCE,
+        jobid=job_id,
+        attempt=attempt,
+        node=evidence.node,
+        rank=evidence.rank,
+        time=evidence.time or cause.time,
+        lane=Lane(stored.lane),
+        data=JobEvidenceData(evidence_id=stored.event_id, evidence=compact),
+    )
+
+
+async def _maybe_reelect(conn: Db, cause: Event, job_id: str, attempt: int, new: Sequence[Evidence]) -> Sequence[Event]:
+    considered = [item for item in new if item.category.value not in NOT_ELECTED]
+    if not considered:
+        return ()
+    elect = any(may_be_cause(item) for item in considered)
+    count = await repository.count_evidence(conn, job_id, attempt, ignored=NOT_ELECTED, up_to=ALWAYS_REELECT_UP_TO)
+    world_size: int | None = None
+    for item in considered:
+        reporters = await repository.add_reporter(conn, job_id, attempt, item.node or "", item.rank)
+        if not elect and reporters is not None and world_size is None:
+            world_size = await repository.world_size(conn, job_id, attempt)
+        elect = elect or worth_reelecting(evidence_count=count, new_reporters=reporters, world_size=world_size or 0)
+    if not elect:
+        return ()
+    await repository.lock_attempt(conn, job_id, attempt)
+    world = World(ranks=await repository.world_of(conn, job_id, attempt))
+    evidence = await repository.evidence_of(conn, job_id, attempt, ignored=NOT_ELECTED)
+    finding = elect_first_error(evidence, world=world)
+    first = finding.first_error
+    if first is not None and first.node:
+        repeats = await repository.other_jobs_first_error_on(conn, first.node, job_id)
+        if repeats:
+            summary = f"{first.summary}; repeat offender: {first.node} was the first error of {repeats} other job(s)"
+            finding = finding.model_copy(update={"first_error": first.model_copy(update={"summary": summary})})
+    previous = await repository.load_finding(conn, job_id, attempt)
+    comparable = finding.model_dump(mode="json", exclude={"version", "evidence_count"})
+    if previous is not None and {k: v for k, v in previous[1].items() if k in comparable} == comparable:
+        return ()
+    version = (previous[0] if previous else 0) + 1
+    finding = finding.model_copy(update={"version": version})
+    await repository.save_finding(conn, job_id, attempt, finding)
+    first = finding.first_error
+    return [
+        derive(
+            JobFinding,
+            cause,
+            key=f"{job_id}/{attempt}/v{version}",
+            source=SOURCE,
+            jobid=job_id,
+            attempt=attempt,
+            # The finding names what it names; the envelope's node must be a valid subject token.
+            node=first.node if first and first.node and is_valid_token(first.node) else None,
+            rank=first.rank if first else None,
+            lane=first.lane if first else Lane.PLATFORM,
+            data=finding,
+        )
+    ]

@@ -1,0 +1,85 @@
+"""Child process for the lifecycle's crash and concurrency tests: one lifecycle replica for one job.
+
+Usage: lifecycle_child.py NATS_URL DATABASE_URL DURABLE JOB_ID DIE_PER_MILLE
+With DIE_PER_MILLE > 0 it also kills itself with SIGKILL at random instants: before the handler, after
+the handler ran but before the commit, before the outbox is published, before the ack, and (fifty times
+as often, the narrowest window) right after a transition was appended to the log, before the commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from lifecycle_support import lifecycle_spec
+from nats.aio.msg import Msg
+
+import lanes_common.consumer as consumer_module
+from lanes_common.bus import connect_nats, publish_encoded
+from lanes_common.consumer import EventConsumer, HandlerContext
+from lanes_common.events import Event
+from lanes_common.store import apply_migrations, create_pool, migrations_of
+from lanes_lifecycle.entrypoints.service import SERVICE
+from lanes_lifecycle.service_layer import handlers as handlers_module
+from lanes_lifecycle.service_layer.handlers import handle_job_event
+
+
+def main() -> None:
+    nats_url, database_url, durable, job_id, per_mille = sys.argv[1:6]
+    chance = int(per_mille) / 1000
+
+    def maybe_die() -> None:
+        if random.random() < chance:  # noqa: S311 - a crash point, not cryptography
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    async def handler(event: Event, ctx: HandlerContext) -> Sequence[Event]:
+        maybe_die()
+        outputs = await handle_job_event(event, ctx)
+        maybe_die()  # the transition is on the log, the transaction not yet committed
+        return outputs
+
+    publish = publish_encoded
+    ack = Msg.ack
+
+    async def dying_publish(*args: Any, **kwargs: Any) -> Any:
+        maybe_die()
+        return await publish(*args, **kwargs)
+
+    async def dying_ack(self: Msg) -> None:
+        maybe_die()
+        await ack(self)
+
+    appended = handlers_module.publish_transition  # type: ignore[attr-defined]
+
+    async def dying_append(*args: Any, **kwargs: Any) -> int:
+        seq = await appended(*args, **kwargs)
+        if random.random() < chance * 50:  # noqa: S311 - a crash point, not cryptography
+            os.kill(os.getpid(), signal.SIGKILL)
+        return seq
+
+    consumer_module.publish_encoded = dying_publish  # type: ignore[attr-defined]
+    handlers_module.publish_transition = dying_append  # type: ignore[attr-defined]
+    Msg.ack = dying_ack  # type: ignore[method-assign]
+
+    async def run() -> None:
+        nc = await connect_nats(nats_url, name=f"lifecycle-child-{os.getpid()}")
+        pool = await create_pool(database_url)
+        await apply_migrations(pool, "lanes_common", migrations_of("lanes_common"))
+        assert SERVICE.migrations is not None
+        await apply_migrations(pool, "lifecycle", SERVICE.migrations)
+        print("ready", flush=True)  # noqa: T201 - the parent waits for this line
+        await EventConsumer(nc, pool, lifecycle_spec(durable, job_id), handler).run(asyncio.Event())
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""An incident bundle re-played into an empty server gives the same timeline, bundle and verdicts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lanes_common.bus import LanesClient
+from lanes_common.embedded import EmbeddedNats
+from lanes_common.events import (
+    JobPlaced,
+    JobPlacedData,
+    JobSubmitted,
+    JobSubmittedData,
+    RankAssignment,
+    RankExited,
+    RankExitedData,
+    RankStarted,
+    RankStartedData,
+)
+from lanes_common.jobs import JobSpec
+from lanes_common.settings import ServerUrls
+from lanes_common.streams import provision_streams
+
+pytestmark = pytest.mark.real_servers
+LANES = str(Path(sys.executable).parent / "lanes")
+
+
+def _lanes(nats_url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "REDIS_URL"}} | {"NATS_URL": nats_url}
+    return subprocess.run([LANES, *args], env=env, capture_output=True, text=True, timeout=120, check=False)
+
+
+async def _failing_job(nats_url: str, job_id: str) -> None:
+    async with await LanesClient.connect(nats_url, source="tests") as lanes:
+        await provision_streams(lanes.js)
+        submitted = JobSubmitted(
+            source="tests", jobid=job_id, attempt=1, data=JobSubmittedData(spec=JobSpec(name="t", workers=2))
+        )
+        await lanes.publish(submitted)
+        assignments = (RankAssignment(rank=0, node="n1", gpus=(0,)), RankAssignment(rank=1, node="n2", gpus=(0,)))
+        await lanes.publish(
+            JobPlaced(source="tests", jobid=job_id, attempt=1, data=JobPlacedData(assignments=assignments))
+        )
+        for rank, node in ((0, "n1"), (1, "n2")):
+            started = RankStartedData(pid=100 + rank)
+            await lanes.publish(
+                RankStarted(source=f"agent/{node}", jobid=job_id, attempt=1, node=node, rank=rank, data=started)
+            )
+        killed = RankExitedData(exit_code=None, signal=9)
+        await lanes.publish(RankExited(source="agent/n2", jobid=job_id, attempt=1, node="n2", rank=1, data=killed))
+
+
+async def test_a_bundle_replays_into_an_empty_server_with_the_same_findings(
+    servers: ServerUrls, unique: str, tmp_path: Path
+) -> None:
+    job_id = f"incident-{unique}"
+    await _failing_job(servers.nats_url, job_id)
+    written = _lanes(servers.nats_url, "incident", job_id, "--out", str(tmp_path / "bundle"), "--json")
+    assert written.returncode == 0, written.stderr
+    original = json.loads(written.stdout)
+    assert original["summary"]["failed"] is True
+    assert original["summary"]["first_error"]["rank"] == 1
+    assert original["evidence"]["host"]  # the rank events are host-lane evidence
+    verdicts = json.loads(_lanes(servers.nats_url, "poc", "--job", job_id, "--json").stdout)
+    events = tmp_path / "bundle" / "events.ndjson"
+    assert len(events.read_text().splitlines()) == 5
+
+    with EmbeddedNats() as empty:
+        imported = _lanes(empty.url, "import", str(events))
+        assert imported.returncode == 0, imported.stderr
+        assert json.loads(imported.stdout) == {"stored": 5, "already_present": 0}
+        again = json.loads(_lanes(empty.url, "import", str(events)).stdout)
+        assert again == {"stored": 0, "already_present": 5}  # same ids: stored once
+        replayed = json.loads(_lanes(empty.url, "incident", job_id, "--json").stdout)
+        replayed_verdicts = json.loads(_lanes(empty.url, "poc", "--job", job_id, "--json").stdout)
+    assert replayed == original
+    assert replayed_verdicts == verdicts
+
+
+def test_a_bad_line_in_an_import_file_is_named(tmp_path: Path, servers: ServerUrls) -> None:
+    bad = tmp_path / "bad.ndjson"
+    bad.write_text('{"specversion":"1.0","type":"io.lanes.job.submitted.v1"}\n')
+    result = _lanes(servers.nats_url, "import", str(bad))
+    assert result.returncode == 2
+    assert f"{bad}:1:" in result.stderr

@@ -1,0 +1,313 @@
+"""The lifecycle service on real NATS JetStream and PostgreSQL: transitions on the log, rejections kept
+visible, crash safety under SIGKILL and per-job optimistic concurrency between replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+from contract_support import eventually
+from lifecycle_support import clean_run, lifecycle_spec, long_story
+
+from lanes_common.bus import LanesClient
+from lanes_common.consumer import EventConsumer, HandlerContext
+from lanes_common.events import (
+    CancelRequested,
+    CommandData,
+    Event,
+    JobStateChanged,
+    RankExited,
+    RankExitedData,
+    TransitionRejected,
+)
+from lanes_common.jobs import JobState
+from lanes_common.settings import ServerUrls
+from lanes_common.store import apply_migrations, create_pool, migrations_of
+from lanes_common.streams import DEAD, JOBS, provision_streams
+from lanes_lifecycle.adapters import repository
+from lanes_lifecycle.adapters.transitions import TransitionConflictError
+from lanes_lifecycle.entrypoints.service import SERVICE
+from lanes_lifecycle.service_layer.handlers import handle_job_event
+from lanes_ops.replay import Selection
+from lanes_ops.timeline import read_stream
+
+pytestmark = pytest.mark.real_servers
+CHILD = Path(__file__).parent / "lifecycle_child.py"
+
+
+@pytest.fixture
+async def lanes(urls: ServerUrls) -> AsyncIterator[LanesClient]:
+    client = await LanesClient.connect(urls.nats_url, source="tests")
+    await provision_streams(client.js)
+    yield client
+    await client.close()
+
+
+async def _pool(url: str) -> asyncpg.Pool:
+    pool = await create_pool(url)
+    await apply_migrations(pool, "lanes_common", migrations_of("lanes_common"))
+    assert SERVICE.migrations is not None
+    await apply_migrations(pool, "lifecycle", SERVICE.migrations)
+    return pool
+
+
+@pytest.fixture
+async def pool(urls: ServerUrls) -> AsyncIterator[asyncpg.Pool]:
+    db = await _pool(urls.database_url)
+    yield db
+    await db.close()
+
+
+@pytest.fixture
+async def second_database(servers: ServerUrls) -> AsyncIterator[str]:
+    """Another fresh database: the projection of a second lifecycle replica that shares nothing with the first."""
+    name = f"lanes_test_{uuid.uuid4().hex[:12]}"
+    admin = await asyncpg.connect(servers.database_url)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+        base, _, _ = servers.database_url.rpartition("/")
+        yield f"{base}/{name}"
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await admin.close()
+
+
+async def _events(lanes: LanesClient, subject: str) -> list[Event]:
+    entries = await read_stream(lanes.js, Selection(JOBS.name, subject))
+    return [e.event for e in entries if e.event is not None]
+
+
+async def _transitions(lanes: LanesClient, job_id: str) -> list[JobStateChanged]:
+    return [e for e in await _events(lanes, f"lanes.job.{job_id}.state_changed") if isinstance(e, JobStateChanged)]
+
+
+async def _dead_letters(lanes: LanesClient, durable: str) -> int:
+    info = await lanes.js.stream_info(DEAD.name, subjects_filter=f"lanes.dead.{JOBS.name}.{durable}")
+    return sum((info.state.subjects or {}).values())
+
+
+def _as_expected(events: list[Event]) -> list[tuple[str | None, str, str]]:
+    _, transitions, _ = clean_run(events)
+    return [(t.from_state, t.to_state.value, cause.id) for t, cause in transitions]
+
+
+def _as_logged(changes: list[JobStateChanged]) -> list[tuple[str | None, str, str]]:
+    return [(c.data.from_state, c.data.to_state.value, str(c.causationid)) for c in changes]
+
+
+async def _processed(pool: asyncpg.Pool, durable: str) -> int:
+    return int(await pool.fetchval("SELECT count(*) FROM lanes_processed WHERE consumer = $1", durable))
+
+
+# --- in process ----------------------------------------------------------------------------------
+
+
+async def test_a_story_is_folded_into_jobs_attempts_ranks_and_spans_and_a_stray_is_rejected_visibly(
+    lanes: LanesClient, pool: asyncpg.Pool, unique: str
+) -> None:
+    job_id = f"life-{unique}"
+    durable = f"life-{unique}"
+    events = long_story(job_id, total=400)
+    consumer = EventConsumer(lanes._nc, pool, lifecycle_spec(durable, job_id), handle_job_event)
+    stop = asyncio.Event()
+    task = asyncio.create_task(consumer.run(stop))
+    try:
+        for event in events:
+            await lanes.publish(event)
+        await eventually(lambda: _count_is(pool, durable, len(events)), timeout_s=120, what="all events processed")
+    finally:
+        stop.set()
+        await task
+
+    expected_view, _, rejected = clean_run(events)
+    assert rejected
+    async with pool.acquire() as conn:
+        view = await repository.load(conn, job_id)
+    assert view == expected_view
+    assert _as_logged(await _transitions(lanes, job_id)) == _as_expected(events)
+    rejections = [
+        e for e in await _events(lanes, f"lanes.job.{job_id}.transition_rejected") if isinstance(e, TransitionRejected)
+    ]
+    assert [r.data.event_id for r in rejections] == [e.id for e in rejected]
+    assert all("not allowed" in r.data.reason for r in rejections)
+    assert await _dead_letters(lanes, durable) == 0  # an illegal transition is a fact about the job, not poison
+
+    attempts = await pool.fetch("SELECT * FROM lifecycle_attempts WHERE job_id = $1 ORDER BY attempt", job_id)
+    assert [a["attempt"] for a in attempts] == [a.number for a in expected_view.attempts]
+    assert attempts[0]["cause"] == "user_code_error"
+    assert attempts[0]["released"]
+    ranks = await pool.fetch("SELECT rank, state FROM lifecycle_ranks WHERE job_id = $1 AND attempt = 1", job_id)
+    assert sorted((r["rank"], r["state"]) for r in ranks) == [
+        (0, "failed"),
+        (1, "failed"),
+        (2, "failed"),
+        (3, "failed"),
+    ]
+    spans = await pool.fetch("SELECT state FROM lifecycle_state_spans WHERE job_id = $1 ORDER BY position", job_id)
+    assert [s["state"] for s in spans] == [s.state.value for s in expected_view.history]
+
+
+async def _count_is(pool: asyncpg.Pool, durable: str, expected: int) -> bool:
+    return await _processed(pool, durable) >= expected
+
+
+# --- crash safety --------------------------------------------------------------------------------
+
+
+def _start_child(
+    urls: ServerUrls, database_url: str, durable: str, job_id: str, per_mille: int
+) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(CHILD), urls.nats_url, database_url, durable, job_id, str(per_mille)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+
+
+async def _wait_ready(child: subprocess.Popen[str]) -> None:
+    assert child.stdout is not None
+    line = await asyncio.to_thread(child.stdout.readline)
+    if not line:  # it died before it was ready (it may kill itself): let the caller start another
+        await asyncio.to_thread(child.wait, 30)
+        return
+    assert line.strip() == "ready"
+
+
+def _kill(child: subprocess.Popen[str]) -> None:
+    if child.poll() is None:
+        child.send_signal(signal.SIGKILL)
+    child.wait(timeout=30)
+
+
+async def test_sigkill_at_random_points_during_2000_events_ends_with_exactly_the_clean_transitions(
+    lanes: LanesClient, pool: asyncpg.Pool, urls: ServerUrls, unique: str
+) -> None:
+    job_id = f"crash-{unique}"
+    durable = f"crash-{unique}"
+    events = long_story(job_id, total=2000)
+    rnd = random.Random(unique)  # noqa: S311 - reproducible kill times per run id
+
+    async def publish_all() -> None:
+        for event in events:
+            await lanes.publish(event)
+
+    publisher = asyncio.create_task(publish_all())
+    kills = 0
+    child = _start_child(urls, urls.database_url, durable, job_id, per_mille=1)
+    try:
+        deadline = time.monotonic() + 240  # fail instead of hanging if an event can never be processed
+        while await _processed(pool, durable) < len(events):
+            assert time.monotonic() < deadline, f"stuck at {await _processed(pool, durable)} events"
+            await _wait_ready(child)
+            # Let it work for a random while (or until it kills itself), then SIGKILL it and start another.
+            for _ in range(rnd.randint(30, 80)):
+                if child.poll() is not None:
+                    break
+                await asyncio.sleep(0.05)
+            _kill(child)
+            kills += 1
+            child = _start_child(urls, urls.database_url, durable, job_id, per_mille=1)
+        await publisher
+    finally:
+        _kill(child)
+        if not publisher.done():
+            publisher.cancel()
+
+    assert kills >= 3
+    print(f"{kills} kills")  # noqa: T201 - shown with -s
+    assert _as_logged(await _transitions(lanes, job_id)) == _as_expected(events)  # no loss, no duplicate
+    expected_view, _, rejected = clean_run(events)
+    async with pool.acquire() as conn:
+        view = await repository.load(conn, job_id)
+    assert view == expected_view
+    assert len(await _events(lanes, f"lanes.job.{job_id}.transition_rejected")) == len(rejected)
+    assert await _dead_letters(lanes, durable) == 0
+
+
+# --- per-job optimistic concurrency ---------------------------------------------------------------
+
+
+async def _wait_processed(pool: asyncpg.Pool, durable: str, count: int) -> None:
+    await eventually(lambda: _count_is(pool, durable, count), timeout_s=180, what=f"{count} events on {durable}")
+
+
+@pytest.mark.parametrize("topology", ["shared", "split"])
+async def test_two_concurrent_lifecycle_processes_never_double_a_transition(
+    lanes: LanesClient, pool: asyncpg.Pool, urls: ServerUrls, unique: str, *, second_database: str, topology: str
+) -> None:
+    """shared: two replicas on one durable and one database (scaling out). split: two replicas that share
+    nothing but the log (separate durables and databases), the case only the JetStream check can guard."""
+    job_id = f"pair-{unique}"
+    events = long_story(job_id, total=600)
+    if topology == "shared":
+        setups = [(urls.database_url, f"pair-{unique}"), (urls.database_url, f"pair-{unique}")]
+    else:
+        setups = [(urls.database_url, f"pair-a-{unique}"), (second_database, f"pair-b-{unique}")]
+    children = [_start_child(urls, db, durable, job_id, per_mille=0) for db, durable in setups]
+    other = await _pool(second_database)
+    try:
+        await asyncio.gather(*(_wait_ready(c) for c in children))
+        for event in events:
+            await lanes.publish(event)
+        for db, durable in dict.fromkeys(setups):
+            await _wait_processed(pool if db == urls.database_url else other, durable, len(events))
+    finally:
+        for child in children:
+            _kill(child)
+
+    logged = _as_logged(await _transitions(lanes, job_id))
+    assert logged == _as_expected(events)
+    assert len(set(logged)) == len(logged)
+    expected_view, _, _ = clean_run(events)
+    for db in dict.fromkeys(db for db, _ in setups):
+        async with (pool if db == urls.database_url else other).acquire() as conn:
+            assert await repository.load(conn, job_id) == expected_view
+    await other.close()
+
+
+async def test_a_writer_that_lost_the_race_is_refused_and_rolls_back(
+    lanes: LanesClient, pool: asyncpg.Pool, unique: str, second_database: str
+) -> None:
+    """Two replicas hold the same view of a running job; one applies a cancel, the other a rank failure.
+    Exactly one transition reaches the log; the other handler raises and its projection is not changed."""
+    job_id = f"race-{unique}"
+    story = long_story(job_id, total=400)
+    prefix = story[: next(i for i, e in enumerate(story) if e.type.endswith("heartbeat.v1")) + 1]  # running
+    other = await _pool(second_database)
+    try:
+        for event in prefix:
+            await lanes.publish(event)
+        for db in (pool, other):
+            for seq, event in enumerate(prefix, start=1):
+                async with db.acquire() as conn, conn.transaction():
+                    await handle_job_event(event, HandlerContext(conn, seq, 1, lanes.js))
+        keys: dict[str, Any] = {"source": "tests", "jobid": job_id, "attempt": 1}
+        cancel = CancelRequested(data=CommandData(requested_by="alice"), **keys)
+        failure = RankExited(rank=1, node="node-1", data=RankExitedData(exit_code=3), **keys)
+        async with pool.acquire() as conn, conn.transaction():
+            await handle_job_event(cancel, HandlerContext(conn, 1000, 1, lanes.js))
+        with pytest.raises(TransitionConflictError, match="another writer"):
+            async with other.acquire() as conn, conn.transaction():
+                await handle_job_event(failure, HandlerContext(conn, 1001, 1, lanes.js))
+        async with other.acquire() as conn:
+            loser = await repository.load(conn, job_id)
+        assert loser is not None
+        assert loser.state is JobState.RUNNING  # rolled back with the refused publish
+        assert loser.current.ranks[1].exited is False
+    finally:
+        await other.close()
+    logged = await _transitions(lanes, job_id)
+    assert logged[-1].data.to_state is JobState.CANCELLING
+    assert [c.data.to_state for c in logged].count(JobState.PARTIALLY_FAILED) == 0
+    assert [c.data.sequence for c in logged] == list(range(1, len(logged) + 1))

@@ -1,0 +1,450 @@
+"""The scheduler on real NATS + PostgreSQL: the four wait reasons with history, release once, two instances."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+from contract_support import eventually
+from nats.js import JetStreamContext
+
+from lanes_common.bus import LanesClient
+from lanes_common.codec import decode
+from lanes_common.consumer import ConsumerSpec, EventConsumer, Outcome
+from lanes_common.embedded import EmbeddedNats
+from lanes_common.events import (
+    ClusterPolicySet,
+    ClusterPolicySetData,
+    Event,
+    JobStateChanged,
+    JobStateChangedData,
+    JobSubmitted,
+    JobSubmittedData,
+    Lane,
+    NodeRegistered,
+    NodeRegisteredData,
+    NodeStateChanged,
+    NodeStateChangedData,
+    RankAssignment,
+)
+from lanes_common.jobs import JobSpec, JobState
+from lanes_common.settings import ServerUrls
+from lanes_common.store import apply_migrations
+from lanes_common.streams import JOBS, NODES
+from lanes_common.topology import ClusterPolicy, Level, NodeState, Tenant, TopologyConstraint
+from lanes_lifecycle.entrypoints.service import SERVICE as LIFECYCLE
+from lanes_ops.bootstrap import Connections, connected
+from lanes_scheduler.adapters import repository
+from lanes_scheduler.entrypoints.service import SERVICE as SCHEDULER
+from lanes_scheduler.service_layer.handlers import handle_job_event, handle_node_event
+
+pytestmark = pytest.mark.real_servers
+LANES = str(Path(sys.executable).parent / "lanes")
+
+
+async def _job_events(js: JetStreamContext, job_id: str) -> list[Event]:
+    sub = await js.subscribe(f"lanes.job.{job_id}.>", stream=JOBS.name, ordered_consumer=True)
+    events: list[Event] = []
+    try:
+        info = await js.stream_info(JOBS.name, subjects_filter=f"lanes.job.{job_id}.>")
+        total = sum((info.state.subjects or {}).values())
+        while len(events) < total:
+            msg = await sub.next_msg(timeout=5)
+            events.append(decode(msg.subject, msg.headers, msg.data))
+    finally:
+        await sub.unsubscribe()
+    return events
+
+
+class Cluster:
+    """A scheduler (one or more instances) consuming only this test's jobs and nodes."""
+
+    def __init__(self, conns: Connections, unique: str, jobs: list[str], nodes: list[str]) -> None:
+        self.conns = conns
+        self.unique = unique
+        self.jobs = {j: f"{unique}-{j}" for j in jobs}
+        self.nodes = {n: f"{unique}-{n}" for n in nodes}
+        self.client = LanesClient(conns.nc, "tests")
+        self.consumers: list[EventConsumer] = []
+
+    def specs(self, suffix: str = "") -> list[tuple[ConsumerSpec, object]]:
+        job_subjects = tuple(
+            f"lanes.job.{j}.{name}" for j in self.jobs.values() for name in ("submitted", "state_changed")
+        )
+        node_subjects = tuple(
+            f"lanes.node.{n}.{name}" for n in self.nodes.values() for name in ("registered", "state_changed")
+        )
+        node_subjects += (f"lanes.node.{self.policy_node}.policy_set",)
+        return [
+            (
+                ConsumerSpec(durable=f"sched-jobs-{self.unique}{suffix}", stream=JOBS, subjects=job_subjects, batch=4),
+                handle_job_event,
+            ),
+            (
+                ConsumerSpec(durable=f"sched-nodes-{self.unique}{suffix}", stream=NODES, subjects=node_subjects),
+                handle_node_event,
+            ),
+        ]
+
+    @property
+    def policy_node(self) -> str:
+        return f"{self.unique}-policy"
+
+    async def node(self, name: str, *, gpus: int = 8, leaf: str = "leaf-a", nvlink: str | None = None) -> None:
+        data = NodeRegisteredData(
+            gpu_model="H100", gpus=gpus, gpu_memory_gib=80, leaf=f"{self.unique}-{leaf}", nvlink_domain=nvlink
+        )
+        await self.client.publish(NodeRegistered(source="tests", node=self.nodes[name], data=data))
+
+    async def submit(self, name: str, **spec: object) -> None:
+        job_spec = JobSpec(name="t", **spec)  # type: ignore[arg-type]
+        await self.client.publish(
+            JobSubmitted(source="tests", jobid=self.jobs[name], attempt=1, data=JobSubmittedData(spec=job_spec))
+        )
+
+    async def finish(self, name: str) -> None:
+        data = JobStateChangedData(from_state=JobState.RUNNING, to_state=JobState.SUCCEEDED, cause_type="tests")
+        await self.client.publish(JobStateChanged(source="tests", jobid=self.jobs[name], attempt=1, data=data))
+
+    async def status(self, name: str) -> str | None:
+        return await self.conns.pool.fetchval(  # type: ignore[no-any-return]
+            "SELECT status FROM scheduler_jobs WHERE job_id = $1", self.jobs[name]
+        )
+
+    async def reason(self, name: str) -> str | None:
+        return await self.conns.pool.fetchval(  # type: ignore[no-any-return]
+            "SELECT reason FROM scheduler_waits WHERE job_id = $1 AND ended_at IS NULL", self.jobs[name]
+        )
+
+    async def nodes_known(self, count: int) -> None:
+        async def known() -> bool:
+            return int(await self.conns.pool.fetchval("SELECT count(*) FROM scheduler_nodes")) >= count
+
+        await eventually(known, what=f"{count} nodes in the scheduler projection")
+
+
+@contextlib.asynccontextmanager
+async def running(
+    urls: ServerUrls, unique: str, jobs: list[str], nodes: list[str], *, instances: int = 1, independent: bool = False
+) -> AsyncIterator[Cluster]:
+    """Run the scheduler; several instances share one durable, or (`independent`) each reads the whole stream."""
+    async with contextlib.AsyncExitStack() as stack:
+        conns = [await stack.enter_async_context(connected(urls, name=f"sched-{i}")) for i in range(instances)]
+        assert SCHEDULER.migrations is not None
+        await apply_migrations(conns[0].pool, "scheduler", SCHEDULER.migrations)
+        cluster = Cluster(conns[0], unique, jobs, nodes)
+        stop = asyncio.Event()
+        tasks = []
+        suffixes = [f"-{i}" if independent else "" for i in range(instances)]
+        for c, suffix in zip(conns, suffixes, strict=True):
+            for spec, handler in cluster.specs(suffix):
+                consumer = EventConsumer(c.nc, c.pool, spec, handler)  # type: ignore[arg-type]
+                await consumer.provision()
+                cluster.consumers.append(consumer)
+                tasks.append(asyncio.create_task(consumer.run(stop)))
+        try:
+            yield cluster
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for spec in {consumer.spec for consumer in cluster.consumers}:
+                with contextlib.suppress(Exception):
+                    await conns[0].nc.jetstream().delete_consumer(spec.stream.name, spec.durable)
+
+
+async def test_topology_wait_then_placed_after_a_leaf_is_released_with_history(urls: ServerUrls, unique: str) -> None:
+    async with running(urls, unique, ["small", "big"], ["a1", "a2", "a3", "b1"]) as c:
+        for name, leaf in (("a1", "leaf-a"), ("a2", "leaf-a"), ("a3", "leaf-a"), ("b1", "leaf-b")):
+            await c.node(name, leaf=leaf)
+        await c.nodes_known(4)
+        # small takes 2 of leaf-a's 3 nodes: 16 GPUs stay free, 8 under each leaf.
+        await c.submit("small", workers=2, gpus_per_worker=8)
+        await eventually(lambda: _is(c.status("small"), "placed"), what="small placed")
+        await c.submit("big", workers=2, gpus_per_worker=8, topology=TopologyConstraint(required=Level.LEAF))
+        await eventually(lambda: _is(c.reason("big"), "topology_unsatisfiable"), what="big waits for topology")
+        await c.finish("small")
+        await eventually(lambda: _is(c.status("big"), "placed"), what="big placed after the release")
+        events = await _job_events(c.conns.nc.jetstream(), c.jobs["big"])
+        waiting = [e for e in events if e.type == "io.lanes.job.waiting.v1"]
+        assert len(waiting) == 1
+        data = waiting[0].data
+        assert data.reason == "topology_unsatisfiable"
+        assert "needs 16 GPUs under one leaf; the largest free leaf has 8" in data.detail
+        assert "(" + c.unique + "-leaf-a); 16 free in total" in data.detail
+        assert data.blocking[0].kind == "domain"
+        assert data.blocking[0].holders == (f"{c.jobs['small']}/1",)
+        assert data.owner_lane is Lane.PLATFORM
+        assert [e.type for e in events][-1] == "io.lanes.job.placed.v1"
+        history = await _history(urls, c.jobs["big"])
+        assert [(h["reason"], h["ended_by"]) for h in history] == [("topology_unsatisfiable", "placed")]
+        assert history[0]["seconds"] >= 0
+        assert history[0]["until"] is not None
+
+
+async def _is(value: Awaitable[object], expected: str) -> bool:
+    return (await value) == expected
+
+
+async def _history(urls: ServerUrls, job_id: str) -> list[dict[str, Any]]:
+    from lanes_ops.scheduling import scheduling_view  # noqa: PLC0415
+
+    async with connected(urls, name="history") as conns, conns.pool.acquire() as conn:
+        view = await scheduling_view(conn, job_id)
+    return view["wait_history"]  # type: ignore[no-any-return]
+
+
+async def test_capacity_short_isolated_and_spec_mismatch_reasons(urls: ServerUrls, unique: str) -> None:
+    async with running(urls, unique, ["hog", "short", "quota", "cordon", "b200"], ["n1", "n2", "n3"]) as c:
+        for name in ("n1", "n2", "n3"):
+            await c.node(name)
+        await c.nodes_known(3)
+        policy = ClusterPolicy(tenants=(Tenant(name="team-q", gpu_quota={"default": 8}),))
+        await c.client.publish(
+            ClusterPolicySet(source="tests", node=c.policy_node, data=ClusterPolicySetData(policy=policy))
+        )
+        await c.submit("hog", workers=2, gpus_per_worker=8)
+        await eventually(lambda: _is(c.status("hog"), "placed"), what="hog placed")
+        await c.submit("short", workers=2, gpus_per_worker=8)
+        await eventually(lambda: _is(c.reason("short"), "capacity_short"), what="capacity_short")
+        await c.submit("quota", workers=2, gpus_per_worker=8, tenant="team-q")
+        await eventually(lambda: _is(c.reason("quota"), "isolated"), what="isolated by quota")
+        await c.submit("b200", workers=1, gpus_per_worker=8, gpu_model="B200")
+        await eventually(lambda: _is(c.status("b200"), "rejected"), what="spec mismatch rejected")
+        # Cordon the last free node: a 1-node job now waits `isolated`, naming the node, its reason and owner.
+        await c.client.publish(
+            NodeStateChanged(
+                source="tests",
+                node=c.nodes["n3"],
+                lane=Lane.HOST,
+                data=NodeStateChangedData(state=NodeState.CORDONED, reason="GPU Xid 79"),
+            )
+        )
+
+        async def cordoned() -> bool:
+            state = await c.conns.pool.fetchval("SELECT state FROM scheduler_nodes WHERE node_id = $1", c.nodes["n3"])
+            return bool(state == "cordoned")
+
+        await eventually(cordoned, what="node cordoned")
+        await c.submit("cordon", workers=1, gpus_per_worker=8)
+        await eventually(lambda: _is(c.reason("cordon"), "isolated"), what="isolated by cordon")
+        js = c.conns.nc.jetstream()
+        (short,) = [e for e in await _job_events(js, c.jobs["short"]) if e.type == "io.lanes.job.waiting.v1"]
+        assert short.data.blocking[0].holders == (f"{c.jobs['hog']}/1",)
+        assert short.data.figures == {"needed_gpus": 16, "free_gpus": 8}
+        (cordon,) = [e for e in await _job_events(js, c.jobs["cordon"]) if e.type == "io.lanes.job.waiting.v1"]
+        block = cordon.data.blocking[0]
+        assert (block.id, block.state, block.reason, block.owner_lane) == (
+            c.nodes["n3"],
+            "cordoned",
+            "GPU Xid 79",
+            Lane.HOST,
+        )
+        assert cordon.data.owner_lane is Lane.HOST
+        quota_events = [e for e in await _job_events(js, c.jobs["quota"]) if e.type == "io.lanes.job.waiting.v1"]
+        assert quota_events[-1].data.blocking[0].kind == "quota"
+        (rejected,) = [e for e in await _job_events(js, c.jobs["b200"]) if e.type == "io.lanes.job.rejected.v1"]
+        assert rejected.data.reason == "spec_mismatch"
+        assert rejected.data.owner_lane is Lane.ALGORITHM
+
+
+async def test_release_is_exactly_once_and_a_double_release_is_refused_and_logged(
+    urls: ServerUrls, unique: str
+) -> None:
+    async with running(urls, unique, ["j"], ["n1"]) as c:
+        await c.node("n1")
+        await c.nodes_known(1)
+        await c.submit("j", workers=1, gpus_per_worker=8)
+        await eventually(lambda: _is(c.status("j"), "placed"), what="placed")
+        await c.finish("j")
+        await c.finish("j")  # a second terminal state change (a new event id): must not free anything again
+
+        async def two_requests() -> bool:
+            rows = await c.conns.pool.fetchval("SELECT count(*) FROM scheduler_releases WHERE job_id = $1", c.jobs["j"])
+            return int(rows) == 2
+
+        await eventually(two_requests, what="both release requests handled")
+        outcomes = await c.conns.pool.fetch(
+            "SELECT outcome, gpus FROM scheduler_releases WHERE job_id = $1 ORDER BY at, outcome", c.jobs["j"]
+        )
+        assert sorted((r["outcome"], r["gpus"]) for r in outcomes) == [("double_release", 0), ("released", 8)]
+        events = await _job_events(c.conns.nc.jetstream(), c.jobs["j"])
+        released = [e for e in events if e.type == "io.lanes.job.resources_released.v1"]
+        assert len(released) == 1
+        assert released[0].data.gpus == 8
+        assert await c.conns.pool.fetchval("SELECT count(*) FROM scheduler_allocations") == 0
+
+
+@pytest.mark.parametrize("independent", [False, True], ids=["shared-durable", "each-reads-everything"])
+async def test_two_scheduler_instances_never_double_book(urls: ServerUrls, unique: str, independent: bool) -> None:
+    jobs = [f"j{i}" for i in range(24)]
+    nodes = [f"n{i}" for i in range(4)]
+    async with running(urls, unique, jobs, nodes, instances=2, independent=independent) as c:
+        for n in nodes:
+            await c.node(n)
+        await c.nodes_known(4)
+        await asyncio.gather(*(c.submit(j, workers=1, gpus_per_worker=2) for j in jobs))
+
+        async def all_decided() -> bool:
+            undecided = await c.conns.pool.fetchval(
+                """SELECT count(*) FROM scheduler_jobs j
+                   WHERE status = 'pending' AND NOT EXISTS
+                     (SELECT 1 FROM scheduler_waits w WHERE w.job_id = j.job_id AND w.ended_at IS NULL)"""
+            )
+            total = await c.conns.pool.fetchval("SELECT count(*) FROM scheduler_jobs")
+            return int(total) == len(jobs) and int(undecided) == 0
+
+        await eventually(all_decided, what="every job placed or waiting")
+        js = c.conns.nc.jetstream()
+        held: list[tuple[str, int]] = []
+        for j in c.jobs.values():
+            for event in await _job_events(js, j):
+                if event.type == "io.lanes.job.placed.v1":
+                    held.extend((a.node, g) for a in event.data.assignments for g in a.gpus)
+        assert len(held) == 32  # 16 jobs x 2 GPUs fill the 4 x 8 GPUs, the other 8 wait
+        assert len(set(held)) == len(held)
+        if independent:
+            # Both instances decided on every submission, each on its own connection, at the same time.
+            job_consumers = [x for x in c.consumers if x.spec.stream is JOBS]
+            assert [x.outcomes[Outcome.PROCESSED] for x in job_consumers] == [len(jobs), len(jobs)]
+        placed_rows = await c.conns.pool.fetchval("SELECT count(*) FROM scheduler_jobs WHERE status = 'placed'")
+        assert placed_rows == 16
+
+
+async def test_the_allocation_key_refuses_a_double_booking_even_without_the_lock(urls: ServerUrls, unique: str) -> None:
+    async with running(urls, unique, ["a", "b"], ["n1"]) as c:
+        await c.node("n1")
+        await c.nodes_known(1)
+        await c.submit("a", workers=1, gpus_per_worker=8)
+        await eventually(lambda: _is(c.status("a"), "placed"), what="a placed")
+        spec = JobSpec(name="t", workers=1, gpus_per_worker=8)
+        async with c.conns.pool.acquire() as conn, conn.transaction():
+            await repository.add_pending_job(conn, c.jobs["b"], 1, spec, 10**9)
+        gang = repository.gang_of(c.jobs["b"], 1, spec, 0)
+        with pytest.raises(asyncpg.UniqueViolationError):
+            async with c.conns.pool.acquire() as conn, conn.transaction():
+                await repository.allocate(conn, gang, (RankAssignment(rank=0, node=c.nodes["n1"], gpus=(3,)),))
+
+
+async def test_lanes_job_json_shows_the_time_spent_in_each_wait_reason(urls: ServerUrls, unique: str) -> None:
+    async with running(urls, unique, ["hog", "w"], ["n1"]) as c:
+        # The lifecycle service too (its own consumers, narrowed to this test's jobs): `lanes job` reads its view.
+        assert LIFECYCLE.migrations is not None
+        await apply_migrations(c.conns.pool, "lifecycle", LIFECYCLE.migrations)
+        stop = asyncio.Event()
+        tasks = []
+        for spec, handler in LIFECYCLE.consumers:
+            subjects = tuple(s.replace(".*.", f".{j}.") for s in spec.subjects for j in c.jobs.values())
+            narrowed = ConsumerSpec(durable=f"{spec.durable}-{unique}", stream=spec.stream, subjects=subjects)
+            consumer = EventConsumer(c.conns.nc, c.conns.pool, narrowed, handler)
+            await consumer.provision()
+            tasks.append(asyncio.create_task(consumer.run(stop)))
+        try:
+            await c.node("n1")
+            await c.nodes_known(1)
+            await c.submit("hog", workers=1, gpus_per_worker=8)
+            await eventually(lambda: _is(c.status("hog"), "placed"), what="hog placed")
+            await c.submit("w", workers=1, gpus_per_worker=8)
+            await eventually(lambda: _is(c.reason("w"), "capacity_short"), what="w waits")
+            await c.finish("hog")
+            await eventually(lambda: _is(c.status("w"), "placed"), what="w placed")
+
+            async def lifecycle_knows() -> bool:
+                found = await c.conns.pool.fetchval(
+                    "SELECT count(*) FROM lifecycle_jobs WHERE job_id = $1", c.jobs["w"]
+                )
+                return int(found) == 1
+
+            await eventually(lifecycle_knows, what="the lifecycle view of w")
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        env = {k: v for k, v in os.environ.items() if k not in {"NATS_URL", "REDIS_URL"}}
+        env |= {"DATABASE_URL": urls.database_url, "LANES_LOG_FORMAT": "json"}
+        result = await asyncio.to_thread(
+            subprocess.run, [LANES, "job", c.jobs["w"], "--json"], env=env, capture_output=True, text=True, check=False
+        )
+    assert result.returncode == 0, result.stderr[-2000:]
+    scheduling = json.loads(result.stdout)["scheduling"]
+    (wait,) = scheduling["wait_history"]
+    assert wait["reason"] == "capacity_short"
+    assert wait["ended_by"] == "placed"
+    assert wait["owner_lane"] == "platform"
+    assert wait["blocking"][0]["holders"] == [f"{c.jobs['hog']}/1"]
+    assert wait["since"] <= wait["until"]
+    assert set(scheduling["seconds_in_reason"]) == {"capacity_short"}
+    assert scheduling["wait_reason"] is None
+
+
+def test_two_scheduler_processes_on_one_stream_never_double_book(urls: ServerUrls, unique: str) -> None:
+    """Two `lanes serve scheduler` processes share the durable consumers of one NATS server and one database."""
+    with EmbeddedNats() as nats:
+        own = ServerUrls(nats_url=nats.url, database_url=urls.database_url, redis_url=urls.redis_url)
+        env = os.environ | {
+            "NATS_URL": own.nats_url,
+            "DATABASE_URL": own.database_url,
+            "REDIS_URL": own.redis_url,
+            "LANES_LOG_FORMAT": "json",
+        }
+        procs = [
+            subprocess.Popen(
+                [LANES, "serve", "scheduler"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+            )
+            for _ in range(2)
+        ]
+        try:
+            held = asyncio.run(_flood(own, unique))
+        finally:
+            for proc in procs:
+                proc.send_signal(signal.SIGTERM)
+            for proc in procs:
+                proc.wait(timeout=30)
+        assert all(proc.returncode == 0 for proc in procs), [p.stderr.read()[-2000:] for p in procs if p.stderr]
+    assert len(held) == 6 * 8  # the cluster is full: 6 nodes x 8 GPUs, the rest of the 40 jobs wait
+    assert len(set(held)) == len(held)
+
+
+async def _flood(urls: ServerUrls, unique: str) -> list[tuple[str, int]]:
+    async with connected(urls, name="flood") as conns:
+        client = LanesClient(conns.nc, "tests")
+        jobs = [f"{unique}-p{i}" for i in range(40)]
+        for i in range(6):
+            data = NodeRegisteredData(gpu_model="H100", gpus=8, gpu_memory_gib=80, leaf=f"leaf-{i % 2}")
+            await client.publish(NodeRegistered(source="tests", node=f"{unique}-n{i}", data=data))
+        spec = JobSpec(name="t", workers=1, gpus_per_worker=2)
+        await asyncio.gather(
+            *(
+                client.publish(JobSubmitted(source="tests", jobid=j, attempt=1, data=JobSubmittedData(spec=spec)))
+                for j in jobs
+            )
+        )
+
+        async def decided() -> bool:
+            try:
+                undecided = await conns.pool.fetchval(
+                    """SELECT count(*) FROM scheduler_jobs j WHERE status = 'pending' AND NOT EXISTS
+                         (SELECT 1 FROM scheduler_waits w WHERE w.job_id = j.job_id AND w.ended_at IS NULL)"""
+                )
+                total = await conns.pool.fetchval("SELECT count(*) FROM scheduler_jobs")
+                placed = await conns.pool.fetchval("SELECT count(*) FROM scheduler_jobs WHERE status = 'placed'")
+            except asyncpg.UndefinedTableError:
+                return False
+            return int(total) == len(jobs) and int(undecided) == 0 and int(placed) == 24
+
+        await eventually(decided, timeout_s=60, what="all 40 jobs placed or waiting")
+        js = conns.nc.jetstream()
+        held: list[tuple[str, int]] = []
+        for j in jobs:
+            for event in await _job_events(js, j):
+                if event.type == "io.lanes.job.placed.v1":
+                    held.extend((a.node, g) for a in event.data.assignments for g in a.gpus)
+        return held

@@ -1,0 +1,301 @@
+"""Telemetry on real NATS + PostgreSQL: ingest, correlation by node and time, the finding, offline = live."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from contract_support import eventually
+from nats.js import JetStreamContext
+
+from lanes_common.bus import LanesClient
+from lanes_common.codec import decode
+from lanes_common.consumer import ConsumerSpec, EventConsumer
+from lanes_common.events import (
+    Event,
+    EvidenceCategory,
+    EvidenceData,
+    HostEvidence,
+    JobEvidence,
+    JobFinding,
+    JobPlaced,
+    JobPlacedData,
+    Lane,
+    ProcessEvidence,
+    RankAssignment,
+    ResourcesReleased,
+    ResourcesReleasedData,
+)
+from lanes_common.settings import ServerUrls
+from lanes_common.store import apply_migrations
+from lanes_common.streams import JOBS
+from lanes_ops.analyze_cli import load_evidence
+from lanes_ops.bootstrap import Connections, connected
+from lanes_telemetry.domain.evidence import evidence_event
+from lanes_telemetry.entrypoints.service import SERVICE
+from lanes_telemetry.service_layer.handlers import handle_evidence, handle_job_event
+
+pytestmark = pytest.mark.real_servers
+LANES = str(Path(sys.executable).parent / "lanes")
+OOM_JOB = Path(__file__).resolve().parent.parent / "data" / "logs" / "oom_job"
+PLACED_AT = datetime(2026, 12, 2, 9, 50, tzinfo=UTC)
+
+
+async def _job_events(js: JetStreamContext, job_id: str) -> list[Event]:
+    info = await js.stream_info(JOBS.name, subjects_filter=f"lanes.job.{job_id}.>")
+    total = sum((info.state.subjects or {}).values())
+    if total == 0:
+        return []
+    sub = await js.subscribe(f"lanes.job.{job_id}.>", stream=JOBS.name, ordered_consumer=True)
+    events: list[Event] = []
+    try:
+        while len(events) < total:
+            msg = await sub.next_msg(timeout=5)
+            events.append(decode(msg.subject, msg.headers, msg.data))
+    finally:
+        await sub.unsubscribe()
+    return events
+
+
+@contextlib.asynccontextmanager
+async def telemetry(
+    urls: ServerUrls, unique: str, nodes: list[str], *, replicas: int = 1
+) -> AsyncIterator[Connections]:
+    """The telemetry service's two handlers, on consumers that read only this test's nodes and job.
+
+    With `replicas`, each consumer runs that many times on the same durable, as `--scale telemetry=N` would.
+    """
+    async with connected(urls, name=f"test-telemetry-{unique}") as conns:
+        assert SERVICE.migrations is not None
+        await apply_migrations(conns.pool, SERVICE.name, SERVICE.migrations)
+        specs = [
+            (
+                ConsumerSpec(
+                    durable=f"tel-{unique}",
+                    stream=SERVICE.consumers[0][0].stream,
+                    subjects=tuple(f"lanes.tel.{node}.>" for node in nodes),
+                ),
+                handle_evidence,
+            ),
+            (
+                ConsumerSpec(
+                    durable=f"tel-placements-{unique}",
+                    stream=JOBS,
+                    subjects=(f"lanes.job.{unique}-job.placed", f"lanes.job.{unique}-job.resources_released"),
+                ),
+                handle_job_event,
+            ),
+        ]
+        stop = asyncio.Event()
+        consumers = [
+            EventConsumer(conns.nc, conns.pool, spec, handler) for spec, handler in specs for _ in range(replicas)
+        ]
+        tasks = [asyncio.create_task(c.run(stop)) for c in consumers]
+        try:
+            yield conns
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)
+
+
+def _unique_copy(tmp_path: Path, unique: str) -> Path:
+    """The OOM job's logs with node names made unique to this test (the NATS server is shared)."""
+    target = tmp_path / "logs"
+    shutil.copytree(OOM_JOB, target)
+    for path in sorted(target.rglob("*"), reverse=True):
+        if path.is_file():
+            path.write_text(path.read_text().replace("node-", f"{unique}-n"))
+        if path.is_dir() and path.name.startswith("node-"):
+            path.rename(path.with_name(path.name.replace("node-", f"{unique}-n")))
+    return target
+
+
+def _comparable(finding: dict[str, Any]) -> dict[str, Any]:
+    return {key: finding[key] for key in ("first_error", "consequences", "stage", "missing_evidence", "confidence")}
+
+
+async def test_live_finding_equals_lanes_analyze_on_the_same_per_rank_logs(
+    urls: ServerUrls, unique: str, tmp_path: Path
+) -> None:
+    logs = _unique_copy(tmp_path, unique)
+    job_id = f"{unique}-job"
+    evidence, world = load_evidence([logs], year=2026)
+    nodes = sorted(world.all_nodes)
+    assert len(nodes) == 4
+
+    offline = await asyncio.to_thread(
+        subprocess.run,
+        [LANES, "analyze", str(logs), "--json", "--year", "2026"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert offline.returncode == 0, offline.stderr
+    offline_finding = json.loads(offline.stdout)
+    assert offline_finding["first_error"]["rank"] == 3
+    assert offline_finding["first_error"]["lane"] == "host"
+
+    placement = JobPlaced(
+        source="tests",
+        jobid=job_id,
+        attempt=1,
+        time=PLACED_AT,
+        data=JobPlacedData(
+            assignments=tuple(RankAssignment(rank=r, node=n, gpus=(r % 2,)) for r, n in sorted(world.ranks.items()))  # type: ignore[arg-type]
+        ),
+    )
+    events = [
+        evidence_event(e, source="agent/test", node=e.node or "", time=PLACED_AT + timedelta(minutes=5))
+        for e in evidence
+    ]
+    async with telemetry(urls, unique, nodes, replicas=2) as conns:
+        client = LanesClient(conns.nc, "tests")
+        # Half the evidence is published before the placement: it must be correlated when the placement comes.
+        half = len(events) // 2
+        for event in events[:half]:
+            await client.publish(event)
+        await client.publish(placement)
+        for event in events[half:]:
+            await client.publish(event)
+
+        js = conns.nc.jetstream()
+
+        async def finding_matches() -> bool:
+            found = [e for e in await _job_events(js, job_id) if isinstance(e, JobFinding)]
+            if not found:
+                return False
+            latest = max(found, key=lambda f: f.data.version)
+            return _comparable(latest.data.model_dump(mode="json")) == _comparable(offline_finding)
+
+        await eventually(finding_matches, what="the live finding to equal the offline one")
+        timeline = await _job_events(js, job_id)
+        copies = [e for e in timeline if isinstance(e, JobEvidence)]
+        findings = [e for e in timeline if isinstance(e, JobFinding)]
+        # Every piece of evidence but raw lines got exactly one compact copy on the job's subject.
+        meaningful = [e for e in events if e.data.category is not EvidenceCategory.RAW]
+        assert len(meaningful) < len(events)
+        assert sorted(c.data.evidence_id for c in copies) == sorted(e.id for e in meaningful)
+        assert all(c.attempt == 1 and c.node in nodes for c in copies)
+        by_id = {e.id: e for e in events}
+        assert all(
+            c.rank == by_id[c.data.evidence_id].rank for c in copies if by_id[c.data.evidence_id].rank is not None
+        )
+        # Late evidence re-ran the election: versions 1..n, each published once, even with two replicas.
+        versions = sorted(f.data.version for f in findings)
+        assert versions == list(range(1, len(versions) + 1))
+        assert len(versions) >= 2  # the OOM kill alone first, then with its consequences
+        latest = max(findings, key=lambda f: f.data.version)
+        assert (latest.lane, latest.node, latest.rank) == (Lane.HOST, f"{unique}-n2", 3)
+
+        stored = await conns.pool.fetchrow(
+            "SELECT version, first_node, first_lane FROM telemetry_findings WHERE job_id = $1", job_id
+        )
+        assert stored is not None
+        assert (stored["version"], stored["first_node"], stored["first_lane"]) == (
+            latest.data.version,
+            f"{unique}-n2",
+            "host",
+        )
+        count = await conns.pool.fetchval("SELECT count(*) FROM telemetry_evidence WHERE job_id = $1", job_id)
+        assert count == len(events)
+
+
+async def test_evidence_outside_the_placement_window_stays_uncorrelated(urls: ServerUrls, unique: str) -> None:
+    node = f"{unique}-solo"
+    job_id = f"{unique}-job"
+    async with telemetry(urls, unique, [node]) as conns:
+        client = LanesClient(conns.nc, "tests")
+        js = conns.nc.jetstream()
+
+        def exited(at: datetime) -> ProcessEvidence:
+            data = EvidenceData(category=EvidenceCategory.PROCESS_EXITED, signal=9, lines=("killed",))
+            return ProcessEvidence(source="agent/test", node=node, time=at, lane=Lane.HOST, data=data)
+
+        early = exited(PLACED_AT - timedelta(hours=1))
+        await client.publish(early)
+        await client.publish(
+            JobPlaced(
+                source="tests",
+                jobid=job_id,
+                attempt=1,
+                time=PLACED_AT,
+                data=JobPlacedData(assignments=(RankAssignment(rank=0, node=node, gpus=(0,)),)),
+            )
+        )
+        during = exited(PLACED_AT + timedelta(minutes=1))
+        await client.publish(during)
+
+        async def stored(*ids: str) -> bool:
+            n = await conns.pool.fetchval(
+                "SELECT count(*) FROM telemetry_evidence WHERE event_id = ANY($1::text[])", list(ids)
+            )
+            return bool(n == len(ids))
+
+        await eventually(lambda: stored(early.id, during.id), what="both pieces of evidence stored")
+        await client.publish(
+            ResourcesReleased(
+                source="tests",
+                jobid=job_id,
+                attempt=1,
+                time=PLACED_AT + timedelta(hours=1),
+                data=ResourcesReleasedData(nodes=(node,), gpus=1),
+            )
+        )
+
+        async def released() -> bool:
+            at = await conns.pool.fetchval("SELECT released_at FROM telemetry_placements WHERE job_id = $1", job_id)
+            return at is not None
+
+        await eventually(released, what="the placement released")
+        after = exited(PLACED_AT + timedelta(hours=2))
+        await client.publish(after)
+        await eventually(lambda: stored(after.id), what="the evidence after the release stored")
+
+        async def copied() -> bool:
+            return any(isinstance(e, JobEvidence) for e in await _job_events(js, job_id))
+
+        await eventually(copied, what="the correlated copy")
+        rows = {
+            r["event_id"]: (r["job_id"], r["rank"])
+            for r in await conns.pool.fetch(
+                "SELECT event_id, job_id, rank FROM telemetry_evidence WHERE node = $1", node
+            )
+        }
+        # The node runs one rank during the job: node-level evidence then is rank 0's. Before and after: nobody's.
+        assert rows == {early.id: (None, None), during.id: (job_id, 0), after.id: (None, None)}
+        copies = [e for e in await _job_events(js, job_id) if isinstance(e, JobEvidence)]
+        assert [c.data.evidence_id for c in copies] == [during.id]
+
+
+async def test_a_node_that_is_first_error_in_several_jobs_is_flagged_as_a_repeat_offender(
+    urls: ServerUrls, unique: str
+) -> None:
+    node = f"{unique}-bad"
+    async with telemetry(urls, unique, [node]) as conns:
+        client = LanesClient(conns.nc, "tests")
+        js = conns.nc.jetstream()
+        jobs = [f"{unique}-a", f"{unique}-b"]
+        for job_id in jobs:
+            data = EvidenceData(category=EvidenceCategory.GPU_XID, xid=79, lines=("NVRM: Xid (PCI:0000:3b:00): 79",))
+            await client.publish(
+                HostEvidence(source="agent/test", node=node, jobid=job_id, attempt=1, rank=0, time=PLACED_AT, data=data)
+            )
+
+            async def has_finding(job_id: str = job_id) -> bool:
+                return any(isinstance(e, JobFinding) for e in await _job_events(js, job_id))
+
+            await eventually(has_finding, what=f"a finding for {job_id}")
+        first, second = [next(e for e in await _job_events(js, job_id) if isinstance(e, JobFinding)) for job_id in jobs]
+        assert first.data.first_error is not None
+        assert second.data.first_error is not None
+        assert "repeat offender" not in first.data.first_error.summary
+        assert f"repeat offender: {node} was the first error of 1 other job(s)" in second.data.first_error.summary
