@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -31,9 +32,11 @@ pytestmark = pytest.mark.real_servers
 LANES = str(Path(sys.executable).parent / "lanes")
 
 
-def _lanes(nats_url: str, *args: str) -> subprocess.CompletedProcess[str]:
+def _lanes(nats_url: str, *args: str, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "REDIS_URL"}} | {"NATS_URL": nats_url}
-    return subprocess.run([LANES, *args], env=env, capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(
+        [LANES, *args], env=env | (extra_env or {}), capture_output=True, text=True, timeout=180, check=False
+    )
 
 
 async def _failing_job(nats_url: str, job_id: str) -> None:
@@ -89,3 +92,28 @@ def test_a_bad_line_in_an_import_file_is_named(tmp_path: Path, servers: ServerUr
     result = _lanes(servers.nats_url, "import", str(bad))
     assert result.returncode == 2
     assert f"{bad}:1:" in result.stderr
+
+
+async def test_the_demos_failing_job_bundle_replays_with_the_same_finding_and_verdicts(
+    servers: ServerUrls, database_url: str, tmp_path: Path
+) -> None:
+    with EmbeddedNats() as live, EmbeddedNats() as empty:
+        env = {"DATABASE_URL": database_url, "REDIS_URL": servers.redis_url}
+        demo = await asyncio.to_thread(_lanes, live.url, "demo", "--json", extra_env=env)
+        assert demo.returncode == 0, demo.stderr[-3000:]
+        oom_job = next(
+            job["job_id"] for job in json.loads(demo.stdout)["jobs"] if job["job_id"].startswith("demo-oom-")
+        )
+        written = _lanes(live.url, "incident", oom_job, "--out", str(tmp_path / "bundle"), "--json")
+        assert written.returncode == 0, written.stderr
+        original = json.loads(written.stdout)
+        assert original["summary"]["first_error"]["category"] == "oom_kill"
+        assert original["summary"]["lane"] == "host"
+        verdicts = json.loads(_lanes(live.url, "poc", "--job", oom_job, "--json").stdout)
+
+        imported = _lanes(empty.url, "import", str(tmp_path / "bundle" / "events.ndjson"))
+        assert imported.returncode == 0, imported.stderr
+        replayed = json.loads(_lanes(empty.url, "incident", oom_job, "--json").stdout)
+        replayed_verdicts = json.loads(_lanes(empty.url, "poc", "--job", oom_job, "--json").stdout)
+    assert replayed == original
+    assert replayed_verdicts == verdicts
