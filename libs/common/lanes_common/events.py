@@ -184,6 +184,8 @@ class JobPlacedData(_Data):
     """The placement of every rank of the gang."""
 
     assignments: tuple[RankAssignment, ...] = Field(min_length=1)
+    level: str | None = Field(default=None, description="The topology level holding the whole gang, e.g. leaf.")
+    domain: str | None = Field(default=None, description="The domain at that level, e.g. leaf-3.")
 
     @property
     def nodes(self) -> tuple[str, ...]:

@@ -68,7 +68,7 @@ def topology_awareness(jobs: dict[str, list[Row]]) -> CapabilityResult:
         return CapabilityResult(name, Verdict.NOT_APPLICABLE, "no job was placed")
     for row in placements:
         data = row.get("data") or {}
-        if not any(key in data for key in ("domain", "level", "topology")):
+        if not data.get("domain"):
             return CapabilityResult(
                 name,
                 Verdict.PENDING_EVIDENCE,

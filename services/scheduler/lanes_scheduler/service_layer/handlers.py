@@ -150,7 +150,15 @@ async def _schedule(cause: Event, ctx: HandlerContext, state: _State | None) -> 
             if waited:
                 await repository.close_wait(ctx.conn, gang.job_id, gang.attempt, cause.time, "placed")
             outputs.append(
-                derive(JobPlaced, cause, key=key, **ids, data=JobPlacedData(assignments=decision.assignments))
+                derive(
+                    JobPlaced,
+                    cause,
+                    key=key,
+                    **ids,
+                    data=JobPlacedData(
+                        assignments=decision.assignments, level=str(decision.level), domain=decision.domain
+                    ),
+                )
             )
         elif isinstance(decision, Rejected):
             del state.pending[ref]
