@@ -95,18 +95,26 @@ async def _publish_command(nats_url: str, job_id: str, build: type[Event], event
         return await client.publish(build(id=event_id, source=client.source, jobid=job_id, **fields))
 
 
+def _send_command(
+    job_id: str, build: type[Event], *, event_id: str | None = None, shown: dict[str, Any] | None = None, **fields: Any
+) -> None:
+    """Publish a user command for a known job and print what was sent (`shown` adds keys to the output)."""
+    settings = load_settings(quiet=True)
+    nats_url = require(settings.nats_url, "NATS_URL")
+    job_id = _checked_job_id(job_id)
+    sent_id = event_id or new_event_id()
+    seq = run_async(lambda: _publish_command(nats_url, job_id, build, sent_id, **fields))
+    command = build.name.removesuffix("_requested")
+    out.print_json(json.dumps({"job_id": job_id, "command": command, **(shown or {}), "seq": seq}))
+
+
 def cancel(
     job_id: str,
     reason: Annotated[str, typer.Option(help="Why; shown on the timeline.")] = "",
     by: Annotated[str, typer.Option(help="Who asks; shown on the timeline.")] = "",
 ) -> None:
     """Ask for a job to be cancelled: a queued job is cancelled at once, a running one stops its ranks first."""
-    settings = load_settings(quiet=True)
-    nats_url = require(settings.nats_url, "NATS_URL")
-    job_id = _checked_job_id(job_id)
-    data = CommandData(reason=reason, requested_by=by)
-    seq = run_async(lambda: _publish_command(nats_url, job_id, CancelRequested, new_event_id(), data=data))
-    out.print_json(json.dumps({"job_id": job_id, "command": "cancel", "seq": seq}))
+    _send_command(job_id, CancelRequested, data=CommandData(reason=reason, requested_by=by))
 
 
 def retry(
@@ -118,18 +126,10 @@ def retry(
     by: Annotated[str, typer.Option(help="Who asks; shown on the timeline.")] = "",
 ) -> None:
     """Ask for a new attempt of a failed or cancelled job (same job id, next attempt number)."""
-    settings = load_settings(quiet=True)
-    nats_url = require(settings.nats_url, "NATS_URL")
-    job_id = _checked_job_id(job_id)
-    data = CommandData(reason=reason, requested_by=by)
     # Retrying a named attempt twice is one request (JetStream drops the second copy).
-    event_id = (
-        derived_event_id(job_id, RetryRequested.model_fields["type"].default, str(attempt))
-        if attempt
-        else new_event_id()
-    )
-    seq = run_async(lambda: _publish_command(nats_url, job_id, RetryRequested, event_id, attempt=attempt, data=data))
-    out.print_json(json.dumps({"job_id": job_id, "command": "retry", "attempt": attempt, "seq": seq}))
+    event_id = derived_event_id(job_id, RetryRequested.model_fields["type"].default, str(attempt)) if attempt else None
+    data = CommandData(reason=reason, requested_by=by)
+    _send_command(job_id, RetryRequested, event_id=event_id, shown={"attempt": attempt}, attempt=attempt, data=data)
 
 
 def hold(
@@ -142,13 +142,10 @@ def hold(
     by: Annotated[str, typer.Option(help="Who asks; shown on the timeline.")] = "",
 ) -> None:
     """Put a failed or cancelled job on the manual path (`awaiting_manual`): no retry until it is resumed."""
-    settings = load_settings(quiet=True)
-    nats_url = require(settings.nats_url, "NATS_URL")
-    job_id = _checked_job_id(job_id)
     due = deadline.replace(tzinfo=deadline.tzinfo or UTC) if deadline else None
-    data = HoldRequestedData(reason=reason, requested_by=by, owner=owner, deadline=due)
-    seq = run_async(lambda: _publish_command(nats_url, job_id, HoldRequested, new_event_id(), data=data))
-    out.print_json(json.dumps({"job_id": job_id, "command": "hold", "seq": seq}))
+    _send_command(
+        job_id, HoldRequested, data=HoldRequestedData(reason=reason, requested_by=by, owner=owner, deadline=due)
+    )
 
 
 def resume(
@@ -157,12 +154,7 @@ def resume(
     by: Annotated[str, typer.Option(help="Who decides; shown on the timeline.")] = "",
 ) -> None:
     """Decide for a held job: start its next attempt."""
-    settings = load_settings(quiet=True)
-    nats_url = require(settings.nats_url, "NATS_URL")
-    job_id = _checked_job_id(job_id)
-    data = CommandData(reason=reason, requested_by=by)
-    seq = run_async(lambda: _publish_command(nats_url, job_id, ResumeRequested, new_event_id(), data=data))
-    out.print_json(json.dumps({"job_id": job_id, "command": "resume", "seq": seq}))
+    _send_command(job_id, ResumeRequested, data=CommandData(reason=reason, requested_by=by))
 
 
 def jobs(
