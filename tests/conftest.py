@@ -133,6 +133,13 @@ def urls(servers: ServerUrls, database_url: str) -> ServerUrls:
 
 
 @pytest.fixture
+def own_urls(urls: ServerUrls) -> Iterator[ServerUrls]:
+    """This test's database and Redis, with a NATS server of its own (fresh streams, no other consumers)."""
+    with EmbeddedNats() as nats:
+        yield ServerUrls(nats_url=nats.url, database_url=urls.database_url, redis_url=urls.redis_url)
+
+
+@pytest.fixture
 def unique() -> str:
     """A short unique token for job ids, consumer names and subjects of one test."""
     return uuid.uuid4().hex[:10]

@@ -9,18 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
 import pytest
+from cli_support import run_lanes_async
 
 from lanes_common.bus import LanesClient
-from lanes_common.embedded import EmbeddedNats
 from lanes_common.events import AttemptRequested, JobStateChanged, TransitionRejected
 from lanes_common.settings import ServerUrls
 from lanes_ops.bootstrap import SERVICES, Connections, connected, prepare_services, run_consumers
@@ -36,27 +32,6 @@ from lanes_ops.scenarios.lifecycle import (
 from lanes_ops.timeline import job_timeline
 
 pytestmark = pytest.mark.real_servers
-LANES = str(Path(sys.executable).parent / "lanes")
-
-
-@pytest.fixture
-def own_urls(urls: ServerUrls) -> Iterator[ServerUrls]:
-    with EmbeddedNats() as nats:
-        yield ServerUrls(nats_url=nats.url, database_url=urls.database_url, redis_url=urls.redis_url)
-
-
-def _lanes(urls: ServerUrls, *args: str) -> subprocess.CompletedProcess[str]:
-    env = os.environ | {
-        "NATS_URL": urls.nats_url,
-        "DATABASE_URL": urls.database_url,
-        "REDIS_URL": urls.redis_url,
-        "LANES_LOG_FORMAT": "json",
-    }
-    return subprocess.run([LANES, *args], env=env, capture_output=True, text=True, timeout=120, check=False)
-
-
-async def _lanes_async(urls: ServerUrls, *args: str) -> subprocess.CompletedProcess[str]:
-    return await asyncio.to_thread(_lanes, urls, *args)
 
 
 @pytest.fixture
@@ -89,7 +64,7 @@ async def _states(conns: Connections, job_id: str) -> list[str]:
 
 async def _wait_for_state(urls: ServerUrls, job_id: str, *states: str) -> dict[str, Any]:
     for _ in range(300):
-        shown = await _lanes_async(urls, "job", job_id, "--json")
+        shown = await run_lanes_async(urls, "job", job_id, "--json")
         if shown.returncode == 0 and (job := json.loads(shown.stdout))["state"] in states:
             return dict(job)
         await asyncio.sleep(0.1)
@@ -104,7 +79,7 @@ async def test_the_demo_scenarios_show_every_state_with_its_cause_and_the_cli_re
     assert await _states(stack, cancelled) == [s.value for s in CANCELLED_WHILE_STARTING]
     assert await _states(stack, failed) == [s.value for s in ONE_RANK_FAILS]
 
-    shown = await _lanes_async(own_urls, "job", failed, "--json")
+    shown = await run_lanes_async(own_urls, "job", failed, "--json")
     assert shown.returncode == 0, shown.stderr
     job = json.loads(shown.stdout)
     (attempt,) = job["attempts"]
@@ -118,24 +93,24 @@ async def test_the_demo_scenarios_show_every_state_with_its_cause_and_the_cli_re
         1: ("failed", 1, None),
     }
     assert set(job["time_in_states"]) == {s.value for s in ONE_RANK_FAILS}
-    text = await _lanes_async(own_urls, "job", cancelled)
+    text = await run_lanes_async(own_urls, "job", cancelled)
     assert text.returncode == 0, text.stderr
     assert "user_cancel" in text.stdout
     assert "demo-user" in text.stdout
     assert "time in state:" in text.stdout
 
-    listed = await _lanes_async(own_urls, "jobs", "--state", "released", "--json")
+    listed = await run_lanes_async(own_urls, "jobs", "--state", "released", "--json")
     assert listed.returncode == 0, listed.stderr
     rows = {row["job_id"]: row for row in json.loads(listed.stdout)["jobs"]}
     assert rows[failed]["cause"] == "user_code_error"
     assert rows[cancelled]["cause"] == "user_cancel"
-    none = await _lanes_async(own_urls, "jobs", "--state", "running", "--json")
+    none = await run_lanes_async(own_urls, "jobs", "--state", "running", "--json")
     assert json.loads(none.stdout)["jobs"] == []
-    assert (await _lanes_async(own_urls, "jobs", "--state", "nonsense")).returncode == 2
+    assert (await run_lanes_async(own_urls, "jobs", "--state", "nonsense")).returncode == 2
 
     # A cancel of a finished job is refused, visibly; a retry opens attempt 2 of the same job.
-    assert (await _lanes_async(own_urls, "cancel", failed, "--by", "bob")).returncode == 0
-    retried = await _lanes_async(own_urls, "retry", failed, "--attempt", "1", "--reason", "fixed the bug")
+    assert (await run_lanes_async(own_urls, "cancel", failed, "--by", "bob")).returncode == 0
+    retried = await run_lanes_async(own_urls, "retry", failed, "--attempt", "1", "--reason", "fixed the bug")
     assert retried.returncode == 0, retried.stderr
     js = stack.nc.jetstream()
     for _ in range(200):
@@ -152,27 +127,27 @@ async def test_the_demo_scenarios_show_every_state_with_its_cause_and_the_cli_re
     assert "retrying" in await _states(stack, failed)
 
     # The cancelled job goes on the manual path, owned by the lane its cause points at, then is resumed.
-    held = await _lanes_async(own_urls, "hold", cancelled, "--deadline", "2026-12-31T12:00:00", "--reason", "check")
+    held = await run_lanes_async(own_urls, "hold", cancelled, "--deadline", "2026-12-31T12:00:00", "--reason", "check")
     assert held.returncode == 0, held.stderr
     manual = await _wait_for_state(own_urls, cancelled, "awaiting_manual")
     assert manual["manual"] == {"owner": "eval-team", "deadline": "2026-12-31T12:00:00Z", "reason": "check"}
-    assert (await _lanes_async(own_urls, "resume", cancelled, "--by", "eval-team")).returncode == 0
+    assert (await run_lanes_async(own_urls, "resume", cancelled, "--by", "eval-team")).returncode == 0
     resumed = await _wait_for_state(own_urls, cancelled, "retrying", "queued", "admitted", "starting")
     assert [a["number"] for a in resumed["attempts"]] == [1, 2]
     assert resumed["manual"] is None
 
-    assert (await _lanes_async(own_urls, "cancel", "no-such-job")).returncode == 3
-    assert (await _lanes_async(own_urls, "retry", "bad.id")).returncode == 2
+    assert (await run_lanes_async(own_urls, "cancel", "no-such-job")).returncode == 3
+    assert (await run_lanes_async(own_urls, "retry", "bad.id")).returncode == 2
 
 
 async def test_projections_rebuild_verify_exits_0_after_the_demo_and_1_when_the_projection_is_wrong(
     own_urls: ServerUrls,
 ) -> None:
-    demo = await _lanes_async(own_urls, "demo", "--json")
+    demo = await run_lanes_async(own_urls, "demo", "--json")
     assert demo.returncode == 0, demo.stderr[-3000:]
     job = json.loads(demo.stdout)["jobs"][0]
 
-    verified = await _lanes_async(own_urls, "projections", "rebuild", "--verify")
+    verified = await run_lanes_async(own_urls, "projections", "rebuild", "--verify")
     assert verified.returncode == 0, verified.stdout + verified.stderr
     report = json.loads(verified.stdout)
     assert report["equal"] is True
@@ -185,7 +160,7 @@ async def test_projections_rebuild_verify_exits_0_after_the_demo_and_1_when_the_
         assert await conn.fetchval("SELECT count(*) FROM pg_namespace WHERE nspname = 'lanes_rebuild'") == 0
     finally:
         await conn.close()
-    broken = await _lanes_async(own_urls, "projections", "rebuild", "--verify")
+    broken = await run_lanes_async(own_urls, "projections", "rebuild", "--verify")
     assert broken.returncode == 1
     (difference,) = json.loads(broken.stdout)["differences"]
     assert difference["table"] == "lifecycle_attempts"

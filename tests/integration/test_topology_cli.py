@@ -4,43 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from cli_support import run_lanes, run_lanes_async
 
-from lanes_common.embedded import EmbeddedNats
 from lanes_common.settings import ServerUrls
 from lanes_ops.bootstrap import SERVICES, Connections, connected, prepare_services, run_consumers
 from lanes_ops.scenarios.topology import TOPOLOGY_NODES, topology_wait_then_placed
 
 pytestmark = pytest.mark.real_servers
-LANES = str(Path(sys.executable).parent / "lanes")
 DATA = Path(__file__).resolve().parent.parent / "data" / "topology"
-
-
-@pytest.fixture
-def own_urls(urls: ServerUrls) -> Iterator[ServerUrls]:
-    with EmbeddedNats() as nats:
-        yield ServerUrls(nats_url=nats.url, database_url=urls.database_url, redis_url=urls.redis_url)
-
-
-def _lanes(urls: ServerUrls, *args: str) -> subprocess.CompletedProcess[str]:
-    env = os.environ | {
-        "NATS_URL": urls.nats_url,
-        "DATABASE_URL": urls.database_url,
-        "REDIS_URL": urls.redis_url,
-        "LANES_LOG_FORMAT": "json",
-        "COLUMNS": "400",
-    }
-    return subprocess.run([LANES, *args], env=env, capture_output=True, text=True, timeout=120, check=False)
-
-
-async def _lanes_async(urls: ServerUrls, *args: str) -> subprocess.CompletedProcess[str]:
-    return await asyncio.to_thread(_lanes, urls, *args)
 
 
 @pytest.fixture
@@ -59,7 +34,7 @@ async def stack(own_urls: ServerUrls) -> AsyncIterator[Connections]:
 async def test_import_show_export_and_the_topology_demo_with_its_wait_history(
     stack: Connections, own_urls: ServerUrls
 ) -> None:
-    imported = await _lanes_async(own_urls, "topology", "import", str(DATA / "cluster.yaml"), "--format", "lanes")
+    imported = await run_lanes_async(own_urls, "topology", "import", str(DATA / "cluster.yaml"), "--format", "lanes")
     assert imported.returncode == 0, imported.stderr
     assert json.loads(imported.stdout) == {"nodes": 3, "gpus": 20, "published": 3}
 
@@ -71,7 +46,7 @@ async def test_import_show_export_and_the_topology_demo_with_its_wait_history(
     assert wait["ended_by"] == "placed"
     assert wait["seconds"] > 0
 
-    shown = await _lanes_async(own_urls, "topology", "show", "--json")
+    shown = await run_lanes_async(own_urls, "topology", "show", "--json")
     assert shown.returncode == 0, shown.stderr
     view = json.loads(shown.stdout)
     nodes = {n["node_id"]: n for n in view["nodes"]}
@@ -82,7 +57,7 @@ async def test_import_show_export_and_the_topology_demo_with_its_wait_history(
     assert view["policy"]["tenants"] == [{"name": "research", "gpu_quota": {"training": 16}}]
     assert view["leaked_allocations"] == []
 
-    job = await _lanes_async(own_urls, "job", demo.job_id, "--json")
+    job = await run_lanes_async(own_urls, "job", demo.job_id, "--json")
     assert job.returncode == 0, job.stderr
     scheduling = json.loads(job.stdout)["scheduling"]
     assert list(scheduling["seconds_in_reason"]) == ["topology_unsatisfiable"]
@@ -96,25 +71,25 @@ async def test_import_show_export_and_the_topology_demo_with_its_wait_history(
         """INSERT INTO scheduler_allocations (node_id, gpu_index, job_id, attempt, rank)
            VALUES ('h100-002', 0, 'ghost', 1, 0), ('h100-002', 1, 'ghost', 1, 0)"""
     )
-    shown = await _lanes_async(own_urls, "topology", "show", "--json")
+    shown = await run_lanes_async(own_urls, "topology", "show", "--json")
     assert json.loads(shown.stdout)["leaked_allocations"] == [
         {"job_id": "ghost", "attempt": 1, "nodes": ["h100-002"], "gpus": 2, "why": "the lifecycle knows no such job"}
     ]
 
-    exported = await _lanes_async(own_urls, "topology", "export")
+    exported = await run_lanes_async(own_urls, "topology", "export")
     assert exported.returncode == 0, exported.stderr
     assert "SwitchName=leaf-1 Nodes=h100-[001-002]" in exported.stdout
     assert "SwitchName=topo-leaf-a Nodes=topo-a[1-3]" in exported.stdout
 
 
 def test_malformed_files_get_a_line_numbered_error_and_exit_2(urls: ServerUrls) -> None:
-    result = _lanes(urls, "topology", "import", str(DATA / "slurm_bad.conf"), "--format", "slurm", "--dry-run")
+    result = run_lanes(urls, "topology", "import", str(DATA / "slurm_bad.conf"), "--format", "slurm", "--dry-run")
     assert result.returncode == 2
     assert "slurm_bad.conf: line 3: unclosed '['" in result.stderr
-    result = _lanes(urls, "topology", "import", str(DATA / "cluster_bad.yaml"), "--dry-run")
+    result = run_lanes(urls, "topology", "import", str(DATA / "cluster_bad.yaml"), "--dry-run")
     assert result.returncode == 2
     assert "line 23: nodes.2.gpus" in result.stderr
-    result = _lanes(urls, "topology", "import", str(DATA / "cluster.yaml"), "--format", "yaml", "--dry-run")
+    result = run_lanes(urls, "topology", "import", str(DATA / "cluster.yaml"), "--format", "yaml", "--dry-run")
     assert result.returncode == 2
     assert "unknown format 'yaml'" in result.stderr
 
@@ -132,7 +107,7 @@ def test_malformed_files_get_a_line_numbered_error_and_exit_2(urls: ServerUrls) 
 def test_every_format_imports_from_the_command_line(
     urls: ServerUrls, name: str, fmt: str, extra: list[str], nodes: int
 ) -> None:
-    result = _lanes(urls, "topology", "import", str(DATA / name), "--format", fmt, "--dry-run", *extra)
+    result = run_lanes(urls, "topology", "import", str(DATA / name), "--format", fmt, "--dry-run", *extra)
     assert result.returncode == 0, result.stderr
     parsed = json.loads(result.stdout)
     assert parsed["nodes"] == nodes

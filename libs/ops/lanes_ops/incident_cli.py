@@ -13,21 +13,19 @@ from lanes_common.codec import structured_line
 from lanes_common.streams import JOBS
 from lanes_ops.console import EXIT_NOT_FOUND, err, fail, load_settings, out, require, run_async
 from lanes_ops.incident import bundle, write_bundle
-from lanes_ops.poc_cli import rows_of
 from lanes_ops.replay import Selection, iter_stream
+from lanes_ops.timeline import entry_of
 
 
 async def gather(nats_url: str, job_id: str) -> tuple[dict[str, Any], list[bytes]]:
-    """The job's timeline rows and the same events as NDJSON lines, read once each."""
+    """The job's timeline rows and the same events as NDJSON lines, from one read of the stream."""
     nc = await connect_nats(nats_url, name="lanes-incident")
     try:
         js = nc.jetstream()
-        selection = Selection(JOBS.name, f"lanes.job.{job_id}.>")
-        rows = await rows_of(js, selection)
-        lines = [
-            structured_line(msg.headers, msg.data, {"sequence": str(msg.metadata.sequence.stream)})
-            async for msg in iter_stream(js, selection)
-        ]
+        rows, lines = [], []
+        async for msg in iter_stream(js, Selection(JOBS.name, f"lanes.job.{job_id}.>")):
+            rows.append(entry_of(msg).as_json())
+            lines.append(structured_line(msg.headers, msg.data, {"sequence": str(msg.metadata.sequence.stream)}))
     finally:
         await nc.close()
     return {"job_id": job_id, "timeline": rows}, lines

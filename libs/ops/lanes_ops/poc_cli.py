@@ -11,28 +11,18 @@ import typer
 from nats.js import JetStreamContext
 
 from lanes_common.bus import connect_nats
-from lanes_common.codec import decode
-from lanes_common.errors import DecodeError
 from lanes_common.streams import JOBS, REQUESTS
 from lanes_ops.console import as_utc, load_settings, out, require, run_async
 from lanes_ops.poc import CapabilityResult, Row, Verdict, scorecard
-from lanes_ops.replay import Selection, iter_stream
-from lanes_ops.timeline import TimelineEntry
+from lanes_ops.replay import Selection
+from lanes_ops.timeline import read_stream
 
 _STYLE = {Verdict.PASSED: "green", Verdict.PENDING_EVIDENCE: "yellow", Verdict.NOT_APPLICABLE: "dim"}
 
 
 async def rows_of(js: JetStreamContext, selection: Selection) -> list[Row]:
-    """The timeline rows of a selection (undecodable messages keep their place with an error)."""
-    rows = []
-    async for msg in iter_stream(js, selection):
-        seq = msg.metadata.sequence.stream
-        try:
-            entry = TimelineEntry(seq, msg.subject, decode(msg.subject, msg.headers, msg.data))
-        except DecodeError as exc:
-            entry = TimelineEntry(seq, msg.subject, None, str(exc))
-        rows.append(entry.as_json())
-    return rows
+    """The timeline rows of a selection, as `lanes timeline --json` prints them."""
+    return [entry.as_json() for entry in await read_stream(js, selection)]
 
 
 async def compute(

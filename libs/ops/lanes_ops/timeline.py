@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from lanes_common.codec import decode, format_time
@@ -57,16 +58,18 @@ class TimelineEntry:
         }
 
 
+def entry_of(msg: Msg) -> TimelineEntry:
+    """A stored message as a timeline entry; an undecodable one keeps its place with its error."""
+    seq = msg.metadata.sequence.stream
+    try:
+        return TimelineEntry(seq, msg.subject, decode(msg.subject, msg.headers, msg.data))
+    except DecodeError as exc:
+        return TimelineEntry(seq, msg.subject, None, str(exc))
+
+
 async def read_stream(js: JetStreamContext, selection: Selection) -> list[TimelineEntry]:
-    """Every selected message, decoded, in stream order; an undecodable one is kept with its error."""
-    entries: list[TimelineEntry] = []
-    async for msg in iter_stream(js, selection):
-        seq = msg.metadata.sequence.stream
-        try:
-            entries.append(TimelineEntry(seq, msg.subject, decode(msg.subject, msg.headers, msg.data)))
-        except DecodeError as exc:
-            entries.append(TimelineEntry(seq, msg.subject, None, str(exc)))
-    return entries
+    """Every selected message, decoded, in stream order."""
+    return [entry_of(msg) async for msg in iter_stream(js, selection)]
 
 
 async def job_timeline(js: JetStreamContext, job_id: str) -> list[TimelineEntry]:
