@@ -34,6 +34,7 @@ from lanes_common.events import (
     ResourcesReleased,
     ResourcesReleasedData,
     ResumeRequested,
+    RetryData,
     RetryRequested,
 )
 from lanes_common.jobs import JobSpec
@@ -103,7 +104,7 @@ def long_story(job_id: str, total: int = 2000) -> list[Event]:
             add(ResumeRequested, attempt, data=CommandData(reason="fixed"))
         else:
             add(ResourcesReleased, attempt, data=ResourcesReleasedData(nodes=("node-0",), gpus=WORKERS))
-            add(RetryRequested, attempt, data=CommandData(reason="again"))
+            add(RetryRequested, attempt, data=RetryData(reason="again"))
         add(RankExited, attempt, 2, data=RankExitedData(exit_code=1))  # a late duplicate of an old attempt
         attempt += 1
     start(attempt)

@@ -145,6 +145,8 @@ def _samples() -> dict[str, Event]:
         *_lifecycle_samples(),
         *_telemetry_samples(),
         *_scheduler_samples(),
+        *_router_samples(),
+        *_recovery_samples(),
     ]
     return {event.type: event for event in events}
 
@@ -187,7 +189,7 @@ def _lifecycle_samples() -> list[Event]:
         ev.ArtifactProduced(data=ev.ArtifactProducedData(artifact="model", path="s3://m", digest=digest), **rank_keys),
         ev.Heartbeat(data=ev.HeartbeatData(step=101), **rank_keys),
         ev.CancelRequested(source="lanes/cli", data=command, **_JOB_KEYS),
-        ev.RetryRequested(source="lanes/cli", data=command, **_JOB_KEYS),
+        ev.RetryRequested(source="lanes/cli", data=ev.RetryData(reason="r", resume_step=100), **_JOB_KEYS),
         ev.HoldRequested(source="lanes/cli", data=ev.HoldRequestedData(owner="bob", deadline=TIME), **_JOB_KEYS),
         ev.ResumeRequested(source="lanes/cli", data=command, **_JOB_KEYS),
         ev.AttemptRequested(
@@ -251,6 +253,95 @@ def _telemetry_samples() -> list[Event]:
     ]
 
 
+def _router_samples() -> list[Event]:
+    from lanes_common import events as ev  # noqa: PLC0415 - keeps the router's samples in one place
+
+    replica = ev.ReplicaStateChangedData(
+        replica="chat-a",
+        model="tiny-chat",
+        version="v1",
+        state=ev.ReplicaState.UNHEALTHY,
+        previous=ev.ReplicaState.READY,
+        reason="3 errors in a row",
+        signal="passive",
+        endpoint="http://127.0.0.1:8000",
+        gpus=(0,),
+        penalty_s=2.0,
+    )
+    tried = ev.RequestAttempt(
+        replica="chat-a", node="node-1", outcome="refused", detail="connection refused", elapsed_ms=1.5
+    )
+    served = ev.RequestServedData(
+        request_id="req-1",
+        model="tiny-chat",
+        version="v1",
+        replica="chat-b",
+        gpus=(1,),
+        endpoint="http://127.0.0.1:8001",
+        route="/v1/chat/completions",
+        stream=True,
+        status="ok",
+        http_status=200,
+        attempts=(tried, ev.RequestAttempt(replica="chat-b", node="node-2", outcome="ok", elapsed_ms=20.0)),
+        received_at=TIME,
+        ttft_ms=3.2,
+        latency_ms=21.5,
+        prompt_tokens=5,
+        completion_tokens=16,
+        router="router-1",
+    )
+    return [
+        ev.ReplicaListening(
+            source="agent/node-1",
+            node="node-1",
+            rank=0,
+            data=ev.ReplicaListeningData(endpoint="http://127.0.0.1:8000"),
+            **_JOB_KEYS,
+        ),
+        ev.ReplicaStateChanged(source="lanes/router", node="node-1", data=replica, **_JOB_KEYS),
+        ev.RequestServed(source="lanes/router", jobid="chat-b", attempt=1, node="node-2", data=served),
+    ]
+
+
+def _recovery_samples() -> list[Event]:
+    from lanes_common import events as ev  # noqa: PLC0415 - keeps the recovery's samples in one place
+
+    digest = "sha256:" + "cd" * 32
+    checkpoint = ev.CheckpointRef(attempt=1, step=200, path="/ckpt/200", digest=digest)
+    decision = ev.RecoveryDecidedData(
+        finding_id="f-1",
+        finding_version=2,
+        first_error="host/oom_kill",
+        policy="training-default",
+        policy_version=1,
+        workload_class="training",
+        action=ev.RecoveryAction.RESUME,
+        reason="host-lane first error: cordon node-1 and resume",
+        owner="host on-call",
+        owner_lane=Lane.HOST,
+        rollback="lanes topology state node-1 ready; lanes cancel job-1",
+        expects="io.lanes.job.attempt_requested.v1",
+        cordon=("node-1",),
+        checkpoint=checkpoint,
+        refused=(
+            ev.RefusedCheckpoint(checkpoint=checkpoint, field="digest", expected=digest, found="sha256:00000000"),
+        ),
+        lost_work=ev.LostWork(steps=40, gpus=8, step_time_s=0.5, gpu_hours=0.04),
+        backoff_s=1.0,
+        deadline=TIME,
+        retries_used=1,
+    )
+    escalated = ev.RecoveryEscalatedData(
+        decision_id="d-1", owner="alice", owner_lane=Lane.ALGORITHM, deadline=TIME, reason="no decision"
+    )
+    manual = ev.ManualActionData(action=ev.ManualAction.APPROVE, reason="fixed the data", requested_by="alice")
+    return [
+        ev.RecoveryDecided(source="lanes/recovery", data=decision, **_JOB_KEYS),
+        ev.RecoveryEscalated(source="lanes/recovery", data=escalated, **_JOB_KEYS),
+        ev.ManualActionRequested(source="lanes/cli", data=manual, **_JOB_KEYS),
+    ]
+
+
 SAMPLES = _samples()
 ENCODED = {event_type: encode(event) for event_type, event in SAMPLES.items()}
 
@@ -258,6 +349,8 @@ ENCODED = {event_type: encode(event) for event_type, event in SAMPLES.items()}
 def _minimal(event: Event) -> Event:
     """The same event with only the required attributes (no optional `ce-` extensions)."""
     keys: dict[str, Any] = {"jobid": event.jobid} if event.family is Family.JOB else {"node": event.node}
+    if event.family is Family.REQUEST:
+        keys = {}
     return type(event).model_validate({"source": event.source, "data": event.data, **keys})
 
 

@@ -50,6 +50,7 @@ from lanes_common.events import (
     ResourcesReleased,
     ResourcesReleasedData,
     ResumeRequested,
+    RetryData,
     RetryRequested,
 )
 from lanes_common.jobs import FailureCause, JobSpec, JobState, Owners, SuccessCriteria
@@ -139,7 +140,7 @@ def cancel(seconds: float = 9, **keys: Any) -> CancelRequested:
 
 
 def retry(seconds: float = 30, **keys: Any) -> RetryRequested:
-    return RetryRequested(source="lanes/cli", data=CommandData(reason="try again"), **_keys(None, seconds, keys))
+    return RetryRequested(source="lanes/cli", data=RetryData(reason="try again"), **_keys(None, seconds, keys))
 
 
 def hold(seconds: float = 30, **keys: Any) -> HoldRequested:

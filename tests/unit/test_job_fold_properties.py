@@ -52,6 +52,7 @@ from lanes_common.events import (
     ResourcesReleased,
     ResourcesReleasedData,
     ResumeRequested,
+    RetryData,
     RetryRequested,
 )
 from lanes_common.jobs import JobSpec, JobState, SuccessCriteria
@@ -98,7 +99,7 @@ def job_events(attempt: int) -> list[Event]:
         JobRejected(data=JobRejectedData(reason="spec_mismatch"), **k),
         ResourcesReleased(data=ResourcesReleasedData(nodes=("node-0",), gpus=WORKERS), **k),
         CancelRequested(data=CommandData(requested_by="prop"), **k),
-        RetryRequested(data=CommandData(), **k),
+        RetryRequested(data=RetryData(), **k),
         HoldRequested(data=HoldRequestedData(), **k),
         ResumeRequested(data=CommandData(), **k),
         CheckpointStarted(data=CheckpointStartedData(step=5), **_keys(attempt, 0)),

@@ -440,6 +440,11 @@ class CheckpointSavedData(_Data):
     step: int = Field(ge=0)
     path: str = Field(min_length=1)
     digest: Digest
+    # --- recovery: what the checkpoint was trained with, checked against the spec before a resume ---
+    model_version: Digest | None = None
+    data_version: Digest | None = None
+    config_version: Digest | None = None
+    image: str | None = None
 
 
 class CheckpointSaved(Event):
@@ -503,6 +508,14 @@ class CancelRequested(Event):
     data: CommandData
 
 
+class RetryData(CommandData):
+    """A retry, optionally pinned to the verified checkpoint step it must resume from."""
+
+    resume_step: int | None = Field(
+        default=None, ge=0, description="The step of the verified checkpoint; unset: the latest saved one."
+    )
+
+
 class RetryRequested(Event):
     """A user asked for a new attempt; `attempt` names the attempt being retried (a stale one is rejected)."""
 
@@ -510,7 +523,7 @@ class RetryRequested(Event):
     name = "retry_requested"
     type: Literal["io.lanes.job.retry_requested.v1"] = "io.lanes.job.retry_requested.v1"
     lane: Lane = Lane.ALGORITHM
-    data: CommandData
+    data: RetryData
 
 
 class HoldRequestedData(CommandData):
@@ -759,6 +772,245 @@ class JobFinding(Event):
     data: JobFindingData
 
 
+# --- router ---
+
+
+class ReplicaState(StrEnum):
+    """Where an inference replica stands in the router's rotation."""
+
+    STARTING = "starting"
+    """Placed (and maybe listening) but not yet confirmed by a health check."""
+    READY = "ready"
+    DRAINING = "draining"
+    """Takes no new requests; the ones in flight finish."""
+    UNHEALTHY = "unhealthy"
+    """In the penalty box (or marked by recovery); probed until it answers again."""
+    GONE = "gone"
+    """Its attempt ended; it will never take a request again."""
+
+
+class ReplicaListeningData(_Data):
+    """The address a replica's server answers on, as its process announced it."""
+
+    endpoint: str = Field(
+        pattern=r"^https?://[^\s/]+$", description="Scheme, host and port, e.g. http://10.0.0.7:8000."
+    )
+    rank: int = Field(default=0, ge=0)
+
+
+class ReplicaListening(Event):
+    """A launcher saw an inference replica's server start listening."""
+
+    family = Family.JOB
+    name = "replica_listening"
+    type: Literal["io.lanes.job.replica_listening.v1"] = "io.lanes.job.replica_listening.v1"
+    lane: Lane = Lane.HOST
+    data: ReplicaListeningData
+
+
+class ReplicaStateChangedData(_Data):
+    """A replica (one inference job) entered a new state in the router's rotation."""
+
+    replica: Token
+    model: Token
+    version: Token
+    state: ReplicaState
+    previous: ReplicaState | None = None
+    reason: str = ""
+    signal: Literal["placement", "probe", "passive", "recovery", "operator", "lifecycle"] = "probe"
+    endpoint: str | None = None
+    gpus: tuple[int, ...] = ()
+    penalty_s: float | None = Field(default=None, ge=0, description="How long it stays out before the next probe.")
+
+
+class ReplicaStateChanged(Event):
+    """A replica became ready, draining, unhealthy or gone; routers fold these into their registry."""
+
+    family = Family.JOB
+    name = "replica_state"
+    type: Literal["io.lanes.job.replica_state.v1"] = "io.lanes.job.replica_state.v1"
+    lane: Lane = Lane.PLATFORM
+    data: ReplicaStateChangedData
+
+
+UNROUTED = "unrouted"
+"""The replica token of a request no replica took: `lanes.req.<model>.unrouted`."""
+
+
+class RequestAttempt(_Data):
+    """One try of a request on one replica, and why the router moved on (or stopped)."""
+
+    replica: Token
+    node: str | None = None
+    outcome: Literal["ok", "error", "timeout", "refused", "slow_first_token", "failed_mid_stream", "client_closed"]
+    detail: str = ""
+    http_status: int | None = None
+    elapsed_ms: float = Field(ge=0)
+
+
+class RequestServedData(_Data):
+    """The provenance of one inference request: who served it, on what, how it went, and every try."""
+
+    request_id: HeaderText = Field(min_length=1, max_length=128)
+    model: Token
+    version: Token | None = None
+    replica: Token = Field(description="The replica that answered, or `unrouted`.")
+    gpus: tuple[int, ...] = ()
+    endpoint: str | None = None
+    route: str = Field(description="The API path, e.g. /v1/chat/completions.")
+    stream: bool = False
+    status: Literal["ok", "failed", "rejected", "client_closed"]
+    http_status: int
+    error: str = ""
+    attempts: tuple[RequestAttempt, ...] = ()
+    received_at: AwareDatetime
+    ttft_ms: float | None = Field(default=None, ge=0, description="Time to the first byte of the answer.")
+    latency_ms: float = Field(ge=0)
+    prompt_tokens: int | None = Field(default=None, ge=0)
+    completion_tokens: int | None = Field(default=None, ge=0)
+    router: str = Field(default="", description="Which router process handled it.")
+
+
+class RequestServed(Event):
+    """One inference request, end to end; `jobid`/`node` are the serving replica's job and node."""
+
+    family = Family.REQUEST
+    name = "served"
+    type: Literal["io.lanes.req.served.v1"] = "io.lanes.req.served.v1"
+    lane: Lane = Lane.PLATFORM
+    data: RequestServedData
+
+    def nats_subject(self) -> str:
+        """`lanes.req.<model>.<replica>`: the join keys of a request are its model and replica."""
+        return f"lanes.req.{self.data.model}.{self.data.replica}"
+
+
+# --- recovery ---
+
+
+class RecoveryAction(StrEnum):
+    """What the recovery service decided to do about a failed attempt."""
+
+    RESUME = "resume"
+    """Training: a new attempt from the last verified checkpoint, on healthy nodes."""
+    REBUILD = "rebuild"
+    """Evaluation / batch: a new attempt from the start."""
+    REPLACE_REPLICA = "replace_replica"
+    """Inference: the replica leaves rotation and a replacement of the same version is placed."""
+    MANUAL = "manual"
+    """No automatic recovery: the job waits for its owner (`lanes recover`)."""
+    NONE = "none"
+    """Nothing to recover (e.g. the attempt succeeded or was cancelled by its user)."""
+
+
+class CheckpointRef(_Data):
+    """A checkpoint as its `checkpoint_saved` event recorded it."""
+
+    attempt: int = Field(ge=1)
+    step: int = Field(ge=0)
+    path: str
+    digest: str
+
+
+class RefusedCheckpoint(_Data):
+    """A checkpoint the version gate refused, and the field that did not match."""
+
+    checkpoint: CheckpointRef
+    field: str = Field(description="digest, step, model_version, data_version, config_version or image.")
+    expected: str | None = None
+    found: str | None = None
+
+
+class LostWork(_Data):
+    """The work a failure threw away: steps past the resumed checkpoint, times GPUs, times step time."""
+
+    steps: int = Field(ge=0)
+    gpus: int = Field(ge=0)
+    step_time_s: float | None = Field(default=None, ge=0)
+    gpu_hours: float | None = Field(default=None, ge=0)
+
+
+class RecoveryDecidedData(_Data):
+    """One recovery decision: what it acted on, under which policy, what it does, and what should follow."""
+
+    finding_id: str = Field(min_length=1, description="The finding (or event) the decision acted on.")
+    finding_version: int | None = Field(default=None, ge=1)
+    first_error: str = Field(default="", description="lane/category of the first error, e.g. host/oom_killed.")
+    policy: str = Field(min_length=1)
+    policy_version: int = Field(ge=1)
+    workload_class: str
+    action: RecoveryAction
+    reason: str
+    owner: str = Field(description="Who owns the next step (person or team, else the lane's on-call).")
+    owner_lane: Lane
+    rollback: str = Field(description="How to undo this decision.")
+    expects: str = Field(description="The event type that should follow if all goes well.")
+    cordon: tuple[Token, ...] = Field(default=(), description="Nodes taken out of scheduling.")
+    checkpoint: CheckpointRef | None = None
+    refused: tuple[RefusedCheckpoint, ...] = ()
+    lost_work: LostWork | None = None
+    backoff_s: float | None = Field(default=None, ge=0)
+    deadline: AwareDatetime | None = None
+    retries_used: int = Field(default=0, ge=0)
+
+
+class RecoveryDecided(Event):
+    """The recovery service decided how the job's failed attempt recovers (or that it waits for a person)."""
+
+    family = Family.JOB
+    name = "recovery_decided"
+    type: Literal["io.lanes.job.recovery_decided.v1"] = "io.lanes.job.recovery_decided.v1"
+    lane: Lane = Lane.PLATFORM
+    data: RecoveryDecidedData
+
+
+class RecoveryEscalatedData(_Data):
+    """A manual step whose deadline passed without a decision."""
+
+    decision_id: str
+    owner: str
+    owner_lane: Lane
+    deadline: AwareDatetime
+    reason: str = ""
+
+
+class RecoveryEscalated(Event):
+    """Nobody acted on a manual recovery step before its deadline."""
+
+    family = Family.JOB
+    name = "recovery_escalated"
+    type: Literal["io.lanes.job.recovery_escalated.v1"] = "io.lanes.job.recovery_escalated.v1"
+    lane: Lane = Lane.PLATFORM
+    data: RecoveryEscalatedData
+
+
+class ManualAction(StrEnum):
+    """What an owner decided for a job waiting on the manual path."""
+
+    APPROVE = "approve"
+    """Run the recovery the policy would have run (e.g. resume from the verified checkpoint)."""
+    ROLLBACK = "rollback"
+    """Resume from the checkpoint before the last verified one (e.g. the last one is suspect)."""
+    ABANDON = "abandon"
+    """Give up on the job."""
+
+
+class ManualActionData(CommandData):
+    """The owner's decision; `requested_by` and `reason` say who and why."""
+
+    action: ManualAction
+
+
+class ManualActionRequested(Event):
+    """An owner acted on a job waiting for a manual recovery decision (`lanes recover`)."""
+
+    family = Family.JOB
+    name = "manual_action"
+    type: Literal["io.lanes.job.manual_action.v1"] = "io.lanes.job.manual_action.v1"
+    lane: Lane = Lane.PLATFORM
+    data: ManualActionData
+
+
 AnyEvent = Annotated[
     JobSubmitted
     | JobWaiting
@@ -790,7 +1042,13 @@ AnyEvent = Annotated[
     | PlatformEvidence
     | RawEvidence
     | JobEvidence
-    | JobFinding,
+    | JobFinding
+    | ReplicaListening
+    | ReplicaStateChanged
+    | RequestServed
+    | RecoveryDecided
+    | RecoveryEscalated
+    | ManualActionRequested,
     Field(discriminator="type"),
 ]
 """Every event type Lanes knows, discriminated by `type`."""

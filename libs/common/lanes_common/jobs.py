@@ -5,7 +5,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from lanes_common.ids import validate_token
 from lanes_common.topology import TopologyConstraint
@@ -76,6 +76,33 @@ class Owners(BaseModel):
     network: str | None = None
 
 
+class ProtectionMode(StrEnum):
+    """What an inference deployment does with a request when no replica can take it."""
+
+    PAUSE = "pause"
+    """Stop intake: 503 with `Retry-After`."""
+    QUEUE = "queue"
+    """Wait (bounded) for a slot, then 503 with `Retry-After`."""
+    REJECT = "reject"
+    """Answer 429 at once: the client should back off."""
+
+
+class ServingSpec(BaseModel):
+    """What an inference job serves, and how the router protects it (one job = one replica)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: Token = Field(description="The model name clients ask for, e.g. tiny-chat.")
+    version: Token = Field(description="The model version this replica serves; routing never mixes versions silently.")
+    max_concurrency: int = Field(default=8, ge=1, le=4096, description="In-flight requests per replica, all routers.")
+    protection: ProtectionMode = ProtectionMode.PAUSE
+    queue_timeout_s: float = Field(default=5.0, gt=0, le=600, description="How long `queue` waits for a slot.")
+    retry_after_s: int = Field(default=2, ge=1, le=3600, description="The `Retry-After` a 503 or 429 carries.")
+    weight: int = Field(
+        default=100, ge=0, le=100, description="Traffic share of this version while several versions run."
+    )
+
+
 Digest = Annotated[str, Field(pattern=r"^[a-z0-9]+:[0-9a-fA-F]{8,128}$", description="e.g. sha256:<hex>")]
 
 
@@ -108,3 +135,15 @@ class JobSpec(BaseModel):
     success: SuccessCriteria = SuccessCriteria()
     retry_budget: int = Field(default=3, ge=0, le=100, description="How many retries (new attempts) are allowed.")
     owners: Owners = Owners()
+    # --- router: what an inference job serves (required for inference, absent otherwise) ---
+    serving: ServingSpec | None = None
+
+    @model_validator(mode="after")
+    def _serving_matches_class(self) -> JobSpec:
+        if self.workload_class is WorkloadClass.INFERENCE and self.serving is None:
+            msg = "an inference job needs `serving` (model, version): the router routes to it by those"
+            raise ValueError(msg)
+        if self.workload_class is not WorkloadClass.INFERENCE and self.serving is not None:
+            msg = f"`serving` is for inference jobs, not {self.workload_class} ones"
+            raise ValueError(msg)
+        return self

@@ -23,7 +23,12 @@ from nats.aio.msg import Msg
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lanes_common.bus import LanesClient
-from lanes_common.events import CancelRequested, CommandData, JobSubmitted, JobSubmittedData, RetryRequested
+from lanes_common.events import (
+    CancelRequested,
+    JobSubmitted,
+    JobSubmittedData,
+    RetryRequested,
+)
 from lanes_common.ids import derived_event_id, new_event_id
 from lanes_common.jobs import JobSpec, Token
 from lanes_common.streams import JOBS
@@ -150,6 +155,7 @@ class JobApi:
     ) -> dict[str, Any]:
         if await count(self._client.js, Selection(JOBS.name, f"lanes.job.{request.job_id}.submitted")) == 0:
             raise ApiError("not_found", f"unknown job {request.job_id!r}: nothing was submitted")
-        data = CommandData(reason=request.reason, requested_by=request.requested_by)
-        event = kind(id=event_id, source=SOURCE, jobid=request.job_id, attempt=request.attempt, data=data)
+        data = {"reason": request.reason, "requested_by": request.requested_by}
+        fields = {"id": event_id, "source": SOURCE, "jobid": request.job_id, "attempt": request.attempt, "data": data}
+        event = kind.model_validate(fields)
         return {"job_id": request.job_id, "seq": await self._client.publish(event)}

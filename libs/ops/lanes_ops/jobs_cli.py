@@ -21,6 +21,7 @@ from lanes_common.events import (
     HoldRequested,
     HoldRequestedData,
     ResumeRequested,
+    RetryData,
     RetryRequested,
 )
 from lanes_common.ids import derived_event_id, is_valid_token, new_event_id
@@ -128,7 +129,7 @@ def retry(
     """Ask for a new attempt of a failed or cancelled job (same job id, next attempt number)."""
     # Retrying a named attempt twice is one request (JetStream drops the second copy).
     event_id = derived_event_id(job_id, RetryRequested.model_fields["type"].default, str(attempt)) if attempt else None
-    data = CommandData(reason=reason, requested_by=by)
+    data = RetryData(reason=reason, requested_by=by)
     _send_command(job_id, RetryRequested, event_id=event_id, shown={"attempt": attempt}, attempt=attempt, data=data)
 
 

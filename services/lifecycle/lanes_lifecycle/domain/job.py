@@ -431,7 +431,8 @@ def _retry(view: JobView, event: RetryRequested | ResumeRequested) -> tuple[JobV
     if retries >= view.spec.retry_budget:
         raise IllegalTransitionError(f"the retry budget of job {view.job_id} ({view.spec.retry_budget}) is used up")
     checkpoints = [a.last_checkpoint for a in view.attempts if a.last_checkpoint is not None]
-    resume = max((c.step for c in checkpoints), default=None)
+    pinned = event.data.resume_step if isinstance(event, RetryRequested) else None
+    resume = pinned if pinned is not None else max((c.step for c in checkpoints), default=None)
     new = Attempt(number=view.current.number + 1, state=JobState.RETRYING, requested_at=event.time, resume_step=resume)
     asked = event.data.reason or ("resumed by its owner" if isinstance(event, ResumeRequested) else "retry requested")
     reopened = view.model_copy(update={"attempts": (*view.attempts, new), "manual": None})
