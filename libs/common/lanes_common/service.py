@@ -9,6 +9,7 @@ from importlib.resources.abc import Traversable
 from typing import Protocol
 
 import asyncpg
+import redis.asyncio as aioredis
 from nats.aio.client import Client as NatsClient
 
 from lanes_common.consumer import ConsumerSpec, Handler
@@ -31,7 +32,16 @@ class Runner(Protocol):
         ...
 
 
-RunnerFactory = Callable[[NatsClient, asyncpg.Pool], Runner]
+@dataclass(frozen=True)
+class RunnerContext:
+    """The open connections a runner may use; the composition root owns (and closes) them."""
+
+    nc: NatsClient
+    pool: asyncpg.Pool
+    redis: aioredis.Redis
+
+
+RunnerFactory = Callable[[RunnerContext], Runner]
 
 
 @dataclass(frozen=True)

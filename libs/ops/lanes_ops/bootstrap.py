@@ -16,7 +16,7 @@ from lanes_audit.entrypoints.service import SERVICE as AUDIT
 from lanes_common.bus import connect_nats
 from lanes_common.cache import connect_redis
 from lanes_common.consumer import EventConsumer
-from lanes_common.service import Runner, ServiceDefinition
+from lanes_common.service import Runner, RunnerContext, ServiceDefinition
 from lanes_common.settings import ServerUrls
 from lanes_common.store import apply_migrations, create_pool, migrations_of
 from lanes_common.streams import provision_streams
@@ -74,7 +74,7 @@ async def prepare_services(conns: Connections, names: Iterable[str]) -> list[Run
             await consumer.provision()
             consumers.append(consumer)
         for make in service.runners:
-            runner = make(conns.nc, conns.pool)
+            runner = make(RunnerContext(conns.nc, conns.pool, conns.redis))
             await runner.provision()
             consumers.append(runner)
     return consumers

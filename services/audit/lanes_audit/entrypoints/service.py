@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from lanes_audit.entrypoints.recorder import AuditRecorder
-from lanes_common.service import ServiceDefinition
+from lanes_common.service import RunnerContext, ServiceDefinition
 from lanes_common.store import migrations_of
+
+
+def _recorder(context: RunnerContext) -> AuditRecorder:
+    return AuditRecorder(context.nc, context.pool)
+
 
 SERVICE = ServiceDefinition(
     name="audit",
     migrations=migrations_of("lanes_audit.adapters"),
     consumers=(),
-    runners=(AuditRecorder,),
+    runners=(_recorder,),
 )
