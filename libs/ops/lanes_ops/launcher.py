@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import sys
 from typing import Any
 
@@ -25,9 +26,15 @@ from lanes_common.bus import publish_encoded
 from lanes_common.codec import decode, encode
 from lanes_common.errors import DecodeError
 from lanes_common.events import (
+    AttemptRequested,
+    CheckpointSaved,
+    CheckpointSavedData,
     CommunicatorReady,
     CommunicatorReadyData,
+    Event,
     EvidenceCategory,
+    Heartbeat,
+    HeartbeatData,
     JobPlaced,
     JobStateChanged,
     JobSubmitted,
@@ -38,6 +45,8 @@ from lanes_common.events import (
     RankStartedData,
     RendezvousDone,
     RendezvousDoneData,
+    ReplicaListening,
+    ReplicaListeningData,
     derive,
     utc_now,
 )
@@ -49,6 +58,11 @@ from lanes_telemetry.domain.parsers import LogParser, SourceContext
 
 READY_MARKER = "lanes: communicator ready"
 """A rank prints this line once its collective communicator is initialised; the launcher reports it."""
+_LISTENING = re.compile(r"Uvicorn running on (?P<scheme>https?)://(?P<host>[^\s:/]+):(?P<port>\d+)")
+"""The line an OpenAI-compatible server (vLLM, the toy replica) prints once it accepts requests."""
+_STEP = re.compile(r"^lanes: step (?P<step>\d+)\s*$")
+_CHECKPOINT = re.compile(r"^lanes: checkpoint saved (?P<fields>(?:\w+=\S+\s*)+)$")
+_CHECKPOINT_FIELDS = frozenset({"step", "path", "digest", "model_version", "data_version", "config_version", "image"})
 # What a rank runs when the spec names no command: ready at once, a little real CPU work, a clean exit.
 DEFAULT_RANK_PROGRAM = (
     "import os, hashlib\n"
@@ -65,6 +79,33 @@ cancelled, or (like torchrun's elastic agent) a rank failed, so the rest of the 
 log = structlog.get_logger(__name__)
 
 
+def listening_endpoint(line: str) -> str | None:
+    """The endpoint a server's "running on" line announces; a wildcard host becomes loopback (local nodes)."""
+    found = _LISTENING.search(line)
+    if found is None:
+        return None
+    host = "127.0.0.1" if found["host"] in {"0.0.0.0", "::", "[::]"} else found["host"]  # noqa: S104 - parsed, not bound
+    return f"{found['scheme']}://{host}:{found['port']}"
+
+
+def progress_report(line: str) -> HeartbeatData | CheckpointSavedData | None:
+    """A rank's progress line: `lanes: step N`, or `lanes: checkpoint saved step=N path=P digest=D [versions]`.
+
+    These are the lines a training script's Lanes hook prints; the versions it trained with travel with the
+    checkpoint, so recovery can refuse to resume a run from a checkpoint of another model, data or config.
+    """
+    if step := _STEP.match(line.strip()):
+        return HeartbeatData(step=int(step["step"]))
+    if saved := _CHECKPOINT.match(line.strip()):
+        fields = dict(pair.split("=", 1) for pair in saved["fields"].split())
+        unknown = set(fields) - _CHECKPOINT_FIELDS
+        if unknown:
+            msg = f"unknown checkpoint field(s) {sorted(unknown)} in {line.strip()!r}"
+            raise ValueError(msg)
+        return CheckpointSavedData.model_validate(fields)
+    return None
+
+
 class LocalLauncher:
     """Runs the ranks placed on a set of (simulated) nodes as local processes."""
 
@@ -74,6 +115,7 @@ class LocalLauncher:
         self._nodes = nodes
         self._durable = durable
         self._specs: dict[str, JobSpec] = {}
+        self._resume_steps: dict[tuple[str, int], int] = {}
         self._procs: dict[tuple[str, int], set[asyncio.subprocess.Process]] = {}
         self._stopping: set[tuple[str, int]] = set()
 
@@ -85,7 +127,12 @@ class LocalLauncher:
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=30,
             max_deliver=3,
-            filter_subjects=["lanes.job.*.submitted", "lanes.job.*.placed", "lanes.job.*.state_changed"],
+            filter_subjects=[
+                "lanes.job.*.submitted",
+                "lanes.job.*.attempt_requested",
+                "lanes.job.*.placed",
+                "lanes.job.*.state_changed",
+            ],
         )
         with contextlib.suppress(APIError):
             await self._js.add_consumer(JOBS.name, config=config)
@@ -118,6 +165,8 @@ class LocalLauncher:
             return
         if isinstance(event, JobSubmitted):
             self._specs[str(event.jobid)] = event.data.spec
+        elif isinstance(event, AttemptRequested) and event.data.resume_step is not None:
+            self._resume_steps[(event.job_key, event.attempt or 1)] = event.data.resume_step
         elif isinstance(event, JobStateChanged) and event.data.to_state in _STOP_RANKS:
             self._stop_attempt((str(event.jobid), event.attempt or 1))
         elif isinstance(event, JobPlaced):
@@ -142,6 +191,7 @@ class LocalLauncher:
             "LANES_NODE": assignment.node,
             "CUDA_VISIBLE_DEVICES": ",".join(map(str, assignment.gpus)),
         }
+        env |= _spec_environment(spec, self._resume_steps.get((placed.job_key, placed.attempt or 1)))
         keys = {"source": f"agent/{assignment.node}", "node": assignment.node, "rank": assignment.rank}
         attempt_key = (str(placed.jobid), placed.attempt or 1)
         if attempt_key in self._stopping:
@@ -197,16 +247,35 @@ class LocalLauncher:
                 event = event.model_copy(update={"id": derived_event_id(placed.id, event.type, f"{rank_key}:{lines}")})
                 await publish_encoded(self._js, encode(event), stream=TELEMETRY.name)
 
+        async def publish(kind: type[Event], data: Any, key: str) -> None:
+            event = derive(kind, placed, key=f"{rank_key}:{key}", data=data, **keys)
+            await publish_encoded(self._js, encode(event), stream=JOBS.name)
+
         async def follow(stream: asyncio.StreamReader, *, watch_ready: bool) -> None:
             reported = False
             async for raw in stream:
                 line = raw.decode(errors="replace")
-                if watch_ready and not reported and line.strip() == READY_MARKER:
-                    ready = derive(CommunicatorReady, placed, key=rank_key, data=CommunicatorReadyData(), **keys)
-                    await publish_encoded(self._js, encode(ready), stream=JOBS.name)
+                endpoint = listening_endpoint(line) if watch_ready else None
+                if watch_ready and not reported and (line.strip() == READY_MARKER or endpoint):
+                    # A serving replica is ready when its server listens; a training rank when it says so.
+                    if endpoint:
+                        await publish(
+                            ReplicaListening, ReplicaListeningData(endpoint=endpoint, rank=assignment.rank), ""
+                        )
+                    await publish(CommunicatorReady, CommunicatorReadyData(backend="http" if endpoint else ""), "")
                     reported = True
                     continue
-                await report(parser.feed(line))
+                try:
+                    progress = progress_report(line) if watch_ready else None
+                except ValueError as exc:  # a malformed hook line is the rank's bug: say so, keep tailing
+                    log.warning("rank printed a malformed progress line", job_id=placed.jobid, error=str(exc))
+                    progress = None
+                if isinstance(progress, HeartbeatData):
+                    await publish(Heartbeat, progress, f"step:{progress.step}")
+                elif isinstance(progress, CheckpointSavedData):
+                    await publish(CheckpointSaved, progress, f"checkpoint:{progress.step}")
+                else:
+                    await report(parser.feed(line))
 
         await asyncio.gather(follow(proc.stdout, watch_ready=True), follow(proc.stderr, watch_ready=False))
         await report(parser.finish())
@@ -218,3 +287,18 @@ class LocalLauncher:
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     proc.terminate()
+
+
+def _spec_environment(spec: JobSpec, resume_step: int | None) -> dict[str, str]:
+    """What a rank learns from its spec: the versions it must train with and the step it resumes from."""
+    optional = {
+        "LANES_MODEL_VERSION": spec.model_version,
+        "LANES_DATA_VERSION": spec.data_version,
+        "LANES_CONFIG_VERSION": spec.config_version,
+        "LANES_CHECKPOINT_DIR": spec.checkpoint_location,
+        "LANES_RESUME_STEP": None if resume_step is None else str(resume_step),
+    }
+    env = {"LANES_IMAGE": spec.image} | {name: value for name, value in optional.items() if value is not None}
+    if spec.serving is not None:
+        env |= {"LANES_MODEL": spec.serving.model, "LANES_MODEL_VERSION_SERVED": spec.serving.version}
+    return env

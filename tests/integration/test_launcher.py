@@ -1,0 +1,123 @@
+"""The local launcher as a node agent: what a rank prints becomes events on the job's timeline.
+
+Real scheduler and lifecycle consumers, a real launcher and real rank processes on a test's own NATS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator
+
+import pytest
+from contract_support import eventually
+
+from lanes_common.bus import LanesClient
+from lanes_common.events import (
+    CheckpointSaved,
+    CommunicatorReady,
+    Event,
+    Heartbeat,
+    JobStateChanged,
+    JobSubmitted,
+    JobSubmittedData,
+    ReplicaListening,
+    RetryData,
+    RetryRequested,
+)
+from lanes_common.jobs import JobSpec, JobState, ServingSpec, WorkloadClass
+from lanes_common.settings import ServerUrls
+from lanes_ops.bootstrap import Connections, connected, prepare_services, run_consumers
+from lanes_ops.demo import DEMO_NODES, register_nodes, wait_for_nodes
+from lanes_ops.launcher import LocalLauncher
+from lanes_ops.timeline import job_timeline
+
+pytestmark = pytest.mark.real_servers
+
+MODEL_VERSION = "sha256:" + "12" * 32
+# Attempt 1 trains to step 12, checkpoints step 10 and fails; attempt 2 reports the step it resumed from.
+_TRAINER = f"""
+import os, sys
+if os.environ["LANES_ATTEMPT"] == "1":
+    print("lanes: communicator ready", flush=True)
+    print("lanes: step 10", flush=True)
+    print("lanes: checkpoint saved step=10 path=/ckpt/10 digest=sha256:{"ab" * 32} "
+          f"model_version={{os.environ['LANES_MODEL_VERSION']}}", flush=True)
+    print("lanes: step 12", flush=True)
+    sys.exit(1)
+print("lanes: communicator ready", flush=True)
+print(f"lanes: step {{os.environ['LANES_RESUME_STEP']}}", flush=True)
+"""
+_SERVER = "print('INFO:     Uvicorn running on http://0.0.0.0:8123 (Press CTRL+C to quit)', flush=True)"
+
+
+@pytest.fixture
+async def stack(own_urls: ServerUrls) -> AsyncIterator[Connections]:
+    """Scheduler, lifecycle and a launcher for the demo's nodes."""
+    async with connected(own_urls, name="launcher-tests") as conns:
+        stop = asyncio.Event()
+        consumers = await prepare_services(conns, ["scheduler", "lifecycle"])
+        tasks = [
+            asyncio.create_task(run_consumers(consumers, stop)),
+            asyncio.create_task(LocalLauncher(conns.nc, frozenset(DEMO_NODES)).run(stop)),
+        ]
+        await register_nodes(LanesClient(conns.nc, "tests"), DEMO_NODES)
+        await wait_for_nodes(conns, len(DEMO_NODES), 30)
+        try:
+            yield conns
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)
+
+
+async def _events(conns: Connections, job_id: str) -> list[Event]:
+    return [entry.event for entry in await job_timeline(conns.nc.jetstream(), job_id)]
+
+
+async def _released(conns: Connections, job_id: str, attempt: int) -> bool:
+    return any(
+        isinstance(e, JobStateChanged) and e.data.to_state is JobState.RELEASED and e.attempt == attempt
+        for e in await _events(conns, job_id)
+    )
+
+
+async def test_steps_and_checkpoints_become_events_and_a_retry_resumes_at_the_checkpoint_step(
+    stack: Connections, unique: str
+) -> None:
+    job_id = f"trainer-{unique}"
+    spec = JobSpec(name="trainer", workers=1, command=(sys.executable, "-c", _TRAINER), model_version=MODEL_VERSION)
+    client = LanesClient(stack.nc, "tests")
+    await client.publish(JobSubmitted(source="tests", jobid=job_id, attempt=1, data=JobSubmittedData(spec=spec)))
+    await eventually(lambda: _released(stack, job_id, 1), what="attempt 1 released")
+
+    events = await _events(stack, job_id)
+    assert [e.data.step for e in events if isinstance(e, Heartbeat)] == [10, 12]
+    (saved,) = [e for e in events if isinstance(e, CheckpointSaved)]
+    assert (saved.data.step, saved.data.path, saved.data.model_version) == (10, "/ckpt/10", MODEL_VERSION)
+    assert saved.rank == 0
+    assert saved.node in DEMO_NODES
+
+    retry = RetryRequested(source="tests", jobid=job_id, attempt=1, data=RetryData(reason="resume"))
+    await client.publish(retry)
+    await eventually(lambda: _released(stack, job_id, 2), what="attempt 2 released")
+    resumed = [e.data.step for e in await _events(stack, job_id) if isinstance(e, Heartbeat) and e.attempt == 2]
+    assert resumed == [10]  # the lifecycle's resume step reached the rank as LANES_RESUME_STEP
+
+
+async def test_a_serving_replica_announces_its_endpoint_when_it_listens(stack: Connections, unique: str) -> None:
+    job_id = f"replica-{unique}"
+    spec = JobSpec(
+        name="replica",
+        workload_class=WorkloadClass.INFERENCE,
+        workers=1,
+        command=(sys.executable, "-c", _SERVER),
+        serving=ServingSpec(model="tiny-chat", version="v1"),
+    )
+    await LanesClient(stack.nc, "tests").publish(
+        JobSubmitted(source="tests", jobid=job_id, attempt=1, data=JobSubmittedData(spec=spec))
+    )
+    await eventually(lambda: _released(stack, job_id, 1), what="replica released")
+    events = await _events(stack, job_id)
+    (listening,) = [e for e in events if isinstance(e, ReplicaListening)]
+    assert listening.data.endpoint == "http://127.0.0.1:8123"
+    assert [e.data.backend for e in events if isinstance(e, CommunicatorReady)] == ["http"]

@@ -1,0 +1,34 @@
+"""The lines a rank prints that the launcher turns into events: listening, steps, checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+
+from lanes_common.events import CheckpointSavedData, HeartbeatData
+from lanes_ops.launcher import listening_endpoint, progress_report
+
+DIGEST = "sha256:" + "ab" * 32
+
+
+def test_the_listening_line_of_an_openai_compatible_server_gives_its_endpoint() -> None:
+    line = "INFO:     Uvicorn running on http://127.0.0.1:43121 (Press CTRL+C to quit)\n"
+    assert listening_endpoint(line) == "http://127.0.0.1:43121"
+    # A server bound to every interface is reached on loopback by the local launcher.
+    assert listening_endpoint("INFO:     Uvicorn running on http://0.0.0.0:8000 (Press CTRL+C to quit)") == (
+        "http://127.0.0.1:8000"
+    )
+    assert listening_endpoint("INFO: Started server process [77]") is None
+
+
+def test_step_and_checkpoint_lines_become_heartbeat_and_checkpoint_data() -> None:
+    assert progress_report("lanes: step 120\n") == HeartbeatData(step=120)
+    saved = progress_report(f"lanes: checkpoint saved step=100 path=/ckpt/100.pt digest={DIGEST} image=trainer:3\n")
+    assert saved == CheckpointSavedData(step=100, path="/ckpt/100.pt", digest=DIGEST, image="trainer:3")
+    assert progress_report("epoch 3 loss 0.12") is None
+
+
+def test_a_malformed_checkpoint_line_is_refused_with_the_reason() -> None:
+    with pytest.raises(ValueError, match="unknown checkpoint field"):
+        progress_report(f"lanes: checkpoint saved step=1 path=/c digest={DIGEST} colour=blue")
+    with pytest.raises(ValueError, match="digest"):
+        progress_report("lanes: checkpoint saved step=1 path=/c digest=nope")
