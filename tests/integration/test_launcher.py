@@ -71,7 +71,7 @@ async def stack(own_urls: ServerUrls) -> AsyncIterator[Connections]:
 
 
 async def _events(conns: Connections, job_id: str) -> list[Event]:
-    return [entry.event for entry in await job_timeline(conns.nc.jetstream(), job_id)]
+    return [entry.event for entry in await job_timeline(conns.nc.jetstream(), job_id) if entry.event is not None]
 
 
 async def _released(conns: Connections, job_id: str, attempt: int) -> bool:
