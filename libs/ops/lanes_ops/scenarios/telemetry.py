@@ -6,12 +6,17 @@ that node's kernel log, publishing the `Out of memory: Killed process <pid>` lin
 from dmesg. The other ranks notice their peer is gone and print PyTorch's NCCL watchdog timeout for the
 all-reduce they were in, exactly as a real job would minutes later, and exit 1. The launcher parses their
 output into evidence; telemetry correlates it and elects the first error.
+
+Rank 0 checkpoints as it trains (real files with their sha256 and the versions they were trained with),
+so the story goes on with recovery: the OOM-killed node is cordoned, the attempt's GPUs are released, and
+attempt 2 resumes from the last verified checkpoint on the nodes left and succeeds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import shutil
 import sys
 import tempfile
@@ -42,23 +47,57 @@ from lanes_telemetry.domain.parsers import SourceContext, parse_lines
 SOURCE = "lanes/demo"
 RENDEZVOUS_DIR = "lanes-demo-rendezvous-"
 
-# Each rank writes its pid where its peers can see it. The last rank is the victim; the others spin in
-# "the all-reduce" until the victim's process is gone, then the NCCL watchdog reports the timeout.
+# Each rank writes its pid where its peers can see it. Rank 0 trains, printing its step and checkpointing
+# every 20 steps (a real file and its sha256, with the versions it trained with). The last rank is the
+# victim: once the step-40 checkpoint is written it allocates and dies; the others spin in "the all-reduce"
+# until its process is gone, then the NCCL watchdog reports the timeout. A resumed attempt (LANES_ATTEMPT
+# > 1) trains from LANES_RESUME_STEP to the last step and succeeds.
 _RANK_PROGRAM = """
-import os, signal, sys, time
+import hashlib, os, signal, sys, time
 from datetime import datetime, timezone
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-where = os.path.join(sys.argv[1], os.environ["LANES_JOB_ID"])
+attempt = int(os.environ["LANES_ATTEMPT"])
+checkpoints = os.environ["LANES_CHECKPOINT_DIR"]
+where = os.path.join(sys.argv[1], os.environ["LANES_JOB_ID"], str(attempt))
 os.makedirs(where, exist_ok=True)
+os.makedirs(checkpoints, exist_ok=True)
 with open(os.path.join(where, f"rank{rank}.pid"), "w") as out:
     out.write(str(os.getpid()))
 print("lanes: communicator ready", flush=True)
+LAST_STEP, EVERY, STEP_S = 80, 20, 0.02
+VERSIONS = (("model_version", "LANES_MODEL_VERSION"), ("data_version", "LANES_DATA_VERSION"),
+            ("config_version", "LANES_CONFIG_VERSION"), ("image", "LANES_IMAGE"))
+
+def checkpoint(step):
+    payload = f"weights at step {step}".encode() * 4096
+    path = os.path.join(checkpoints, f"step-{step}.pt")
+    with open(path + ".tmp", "wb") as out:
+        out.write(payload)
+    os.replace(path + ".tmp", path)
+    versions = " ".join(f"{key}={os.environ[env]}" for key, env in VERSIONS if env in os.environ)
+    digest = hashlib.sha256(payload).hexdigest()
+    print(f"lanes: checkpoint saved step={step} path={path} digest=sha256:{digest} {versions}", flush=True)
+
+def train_step(step):
+    time.sleep(STEP_S)
+    if rank == 0 and step % 10 == 0:
+        print(f"lanes: step {step}", flush=True)
+    if rank == 0 and step % EVERY == 0:
+        checkpoint(step)
+
+if attempt > 1:
+    for step in range(int(os.environ.get("LANES_RESUME_STEP", "0")) + 1, LAST_STEP + 1):
+        train_step(step)
+    sys.exit(0)
 victim = world - 1
 if rank == victim:
-    time.sleep(1.0)
+    while not os.path.exists(os.path.join(checkpoints, "step-40.pt")):
+        time.sleep(0.005)
+    time.sleep(0.25)
     ballast = bytearray(256 * 1024 * 1024)  # the allocation that tips the node over
     os.kill(os.getpid(), signal.SIGKILL)
 pid_file = os.path.join(where, f"rank{victim}.pid")
+step = 0
 while True:
     try:
         os.kill(int(open(pid_file).read()), 0)
@@ -66,7 +105,11 @@ while True:
         pass
     except ProcessLookupError:
         break
-    time.sleep(0.005)
+    if step < LAST_STEP:
+        step += 1
+        train_step(step)
+    else:
+        time.sleep(0.005)
 now = datetime.now(timezone.utc)
 print(
     f"[rank{rank}]:[E{now:%m%d %H:%M:%S.%f} {os.getpid()} torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:616]"
@@ -87,6 +130,9 @@ class _Watch:
         self.finding: JobFinding | None = None
         self.oom_elected = asyncio.Event()
         self.released = asyncio.Event()
+        self.succeeded: set[int] = set()
+        self.resumed = asyncio.Event()
+        """A later attempt succeeded and released its GPUs: the job recovered."""
 
     async def on_message(self, msg: Msg) -> None:
         with contextlib.suppress(DecodeError):
@@ -100,12 +146,23 @@ class _Watch:
                     self.finding = event
                 if event.data.first_error.category == EvidenceCategory.OOM_KILL:
                     self.oom_elected.set()
+            elif isinstance(event, JobStateChanged) and event.data.to_state is JobState.SUCCEEDED:
+                self.succeeded.add(event.attempt or 1)
             elif isinstance(event, JobStateChanged) and event.data.to_state is JobState.RELEASED:
-                self.released.set()
+                if (event.attempt or 1) == 1:
+                    self.released.set()
+                elif event.attempt in self.succeeded:
+                    self.resumed.set()
 
 
-async def oom_killed_rank(conns: Connections, *, workers: int = 4, timeout_s: float = 90.0) -> str:
-    """A `workers`-rank training job, one rank per node, whose last rank is OOM-killed; returns its job id."""
+async def oom_killed_rank(
+    conns: Connections, *, workers: int = 3, timeout_s: float = 90.0, wait_for_recovery: bool = True
+) -> str:
+    """A `workers`-rank training job, one rank per node, whose last rank is OOM-killed; returns its job id.
+
+    With `wait_for_recovery`, it returns once the recovery service has resumed the job in a later attempt
+    (from its verified checkpoint, on the nodes left) and that attempt succeeded and released its GPUs.
+    """
     job_id = f"demo-oom-{new_event_id()[-12:]}"
     scratch = Path(tempfile.mkdtemp(prefix=RENDEZVOUS_DIR))
     watch = _Watch()
@@ -117,6 +174,11 @@ async def oom_killed_rank(conns: Connections, *, workers: int = 4, timeout_s: fl
             workers=workers,
             gpus_per_worker=4,
             command=(sys.executable, "-c", _RANK_PROGRAM, str(scratch)),
+            image="trainer:1.4",
+            model_version=_digest("llama-mini weights"),
+            data_version=_digest("tokens shard 0-127"),
+            config_version=_digest("lr=3e-4 batch=512"),
+            checkpoint_location=str(scratch / "checkpoints" / job_id),
             owners=Owners(algorithm="ml-oncall", host="node-oncall"),
         )
         client = LanesClient(conns.nc, SOURCE)
@@ -126,10 +188,16 @@ async def oom_killed_rank(conns: Connections, *, workers: int = 4, timeout_s: fl
             await _kernel_reports_the_oom_kill(conns, watch, killed)
             await watch.released.wait()
             await watch.oom_elected.wait()  # findings are re-elected as late evidence arrives
+            if wait_for_recovery:
+                await watch.resumed.wait()
     finally:
         await sub.unsubscribe()
         shutil.rmtree(scratch, ignore_errors=True)
     return job_id
+
+
+def _digest(text: str) -> str:
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
 async def _kernel_reports_the_oom_kill(conns: Connections, watch: _Watch, killed: RankExited) -> None:
