@@ -40,8 +40,9 @@ def failing_drill() -> list[Row]:
         _row(5, "rank_exited", lane="host", node="n1", rank=0, data={"exit_code": None, "signal": 9}),
         _row(6, "finding", lane="host", node="n1", data={"first_error": {"rank": 0, "node": "n1", "lane": "host"}}),
         _change(7, "failed"),
-        _row(8, "recovery_decided", data={"action": "retry"}),
+        _row(8, "recovery_decided", data={"action": "resume", "expects": "io.lanes.job.attempt_requested.v1"}),
         _change(9, "released"),
+        _row(10, "attempt_requested", data={"reason": "resume", "resume_step": 40}),
     ]
 
 
@@ -71,6 +72,17 @@ def test_removing_the_host_teams_evidence_turns_observability_into_pending_namin
     assert result.verdict is Verdict.PENDING_EVIDENCE
     assert "job j1 failed" in result.reason
     assert "first error" in result.reason
+
+
+def test_a_decision_whose_expected_event_never_came_is_pending_and_a_manual_one_needs_owner_and_deadline() -> None:
+    unfollowed = [row for row in failing_drill() if row["type"] != "io.lanes.job.attempt_requested.v1"]
+    result = {r.capability: r for r in scorecard(unfollowed)}["recovery"]
+    assert result.verdict is Verdict.PENDING_EVIDENCE
+    assert "expected io.lanes.job.attempt_requested.v1" in result.reason
+    manual = [*unfollowed[:7], _row(8, "recovery_decided", data={"action": "manual", "owner": "ml-oncall"})]
+    assert "no deadline" in {r.capability: r for r in scorecard(manual)}["recovery"].reason
+    manual[-1]["data"]["deadline"] = "2026-12-02T11:00:00Z"
+    assert verdicts(manual)["recovery"] is Verdict.PASSED
 
 
 def test_an_event_without_its_node_breaks_joinability_and_says_which() -> None:

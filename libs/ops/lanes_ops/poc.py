@@ -19,7 +19,7 @@ from lanes_ops.timeline import is_failure, row_kind
 
 Row = dict[str, Any]
 TERMINAL = {"succeeded", "failed", "cancelled"}
-USER_COMMANDS = {"cancel_requested", "retry_requested", "hold_requested", "resume_requested"}
+USER_COMMANDS = {"cancel_requested", "retry_requested", "hold_requested", "resume_requested", "manual_action"}
 
 
 class Verdict(StrEnum):
@@ -117,17 +117,36 @@ def communication_observability(jobs: dict[str, list[Row]]) -> CapabilityResult:
 
 
 def recovery(jobs: dict[str, list[Row]]) -> CapabilityResult:
-    """Every failed job has a recovery decision (retry, manual path, cancel and rebuild) on its timeline."""
+    """Every failed job has a recovery decision, and what the decision expected next did happen.
+
+    A decision names the event that should follow it (a new attempt, a replacement replica...). A manual
+    decision is complete when it names an owner and a deadline: what follows is a person's call.
+    """
     name = "recovery"
     failed = _failed_jobs(jobs)
     if not failed:
         return CapabilityResult(name, Verdict.NOT_APPLICABLE, "no job failed, so nothing needed recovering")
+    decided = 0
     for job_id in failed:
-        if not any("recovery" in str(row.get("type")) for row in jobs[job_id]):
+        rows = jobs[job_id]
+        decisions = [(at, row) for at, row in enumerate(rows) if row_kind(row) == "recovery_decided"]
+        if not decisions:
             return CapabilityResult(
                 name, Verdict.PENDING_EVIDENCE, f"job {job_id} failed and no recovery decision is recorded"
             )
-    return CapabilityResult(name, Verdict.PASSED, f"a recovery decision for each of {len(failed)} failed jobs")
+        for at, row in decisions:
+            data = row.get("data") or {}
+            if data.get("action") == "manual":
+                if not (data.get("owner") and data.get("deadline")):
+                    what = f"manual decision {row['id']} of {job_id} names no owner or no deadline"
+                    return CapabilityResult(name, Verdict.PENDING_EVIDENCE, what)
+            elif data.get("expects") and not any(later.get("type") == data["expects"] for later in rows[at + 1 :]):
+                what = f"decision {row['id']} of {job_id} expected {data['expects']}, which never came"
+                return CapabilityResult(name, Verdict.PENDING_EVIDENCE, what)
+            decided += 1
+    return CapabilityResult(
+        name, Verdict.PASSED, f"{decided} recovery decisions for {len(failed)} failed jobs, each followed through"
+    )
 
 
 def inference_protection(jobs: dict[str, list[Row]], requests: list[Row]) -> CapabilityResult:
