@@ -19,8 +19,14 @@ from lanes_common.events import (
     JobSubmitted,
     JobWaiting,
     Lane,
+    ManualActionRequested,
     RankExited,
     RankStarted,
+    RecoveryDecided,
+    RecoveryEscalated,
+    ReplicaListening,
+    ReplicaStateChanged,
+    RequestServed,
     ResourcesReleased,
 )
 from lanes_ops.timeline import TimelineEntry
@@ -48,6 +54,35 @@ def summarize(event: Event) -> str:
         return f"signal {ended.signal}" if ended.signal else f"exit {ended.exit_code}"
     if isinstance(event, ResourcesReleased):
         return f"{event.data.gpus} GPUs on {', '.join(event.data.nodes) or 'no node'}"
+    return _summarize_recovery_or_serving(event) or _raw(event)
+
+
+def _summarize_recovery_or_serving(event: Event) -> str | None:
+    if isinstance(event, RecoveryDecided):
+        decided = event.data
+        step = f" from step {decided.checkpoint.step}" if decided.checkpoint else ""
+        policy = f"{decided.policy} v{decided.policy_version}"
+        return f"{decided.action}{step} ({policy}): {decided.reason}; owner {decided.owner}"
+    if isinstance(event, RecoveryEscalated):
+        return f"{event.data.owner} did not decide by {event.data.deadline:%H:%M:%S}"
+    if isinstance(event, ManualActionRequested):
+        return f"{event.data.action} by {event.data.requested_by or '?'}: {event.data.reason}"
+    if isinstance(event, ReplicaListening):
+        return f"listening on {event.data.endpoint}"
+    if isinstance(event, ReplicaStateChanged):
+        replica = event.data
+        moved = f"{replica.previous or '-'} -> {replica.state}"
+        return f"{replica.model}@{replica.version} {moved} ({replica.signal}: {replica.reason})"
+    if isinstance(event, RequestServed):
+        served = event.data
+        tries = " > ".join(f"{a.replica}:{a.outcome}" for a in served.attempts)
+        return (
+            f"{served.request_id} {served.status} {served.http_status} via {tries or '-'} in {served.latency_ms:.1f} ms"
+        )
+    return None
+
+
+def _raw(event: Event) -> str:
     text = json.dumps(event.model_dump(mode="json")["data"], separators=(",", ":"))
     return text if len(text) <= 80 else text[:77] + "..."  # noqa: PLR2004 - one terminal line
 
