@@ -12,7 +12,6 @@ from lanes_common.events import (
     CheckpointSavedData,
     CheckpointStarted,
     CheckpointStartedData,
-    CommandData,
     CommunicatorReady,
     CommunicatorReadyData,
     Event,
@@ -101,7 +100,7 @@ def long_story(job_id: str, total: int = 2000) -> list[Event]:
         if attempt == 2:
             add(HoldRequested, attempt, data=HoldRequestedData(reason="look at rank 2", owner="ml-oncall"))
             add(ResourcesReleased, attempt, data=ResourcesReleasedData(nodes=("node-0",), gpus=WORKERS))
-            add(ResumeRequested, attempt, data=CommandData(reason="fixed"))
+            add(ResumeRequested, attempt, data=RetryData(reason="fixed"))
         else:
             add(ResourcesReleased, attempt, data=ResourcesReleasedData(nodes=("node-0",), gpus=WORKERS))
             add(RetryRequested, attempt, data=RetryData(reason="again"))

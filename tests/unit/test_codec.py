@@ -46,7 +46,7 @@ from lanes_common.events import (
     ResourcesReleased,
     ResourcesReleasedData,
 )
-from lanes_common.jobs import JobSpec, JobState
+from lanes_common.jobs import JobSpec, JobState, ProtectionMode
 
 TIME = datetime(2026, 12, 2, 10, 20, 11, 123456, tzinfo=UTC)
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -191,7 +191,9 @@ def _lifecycle_samples() -> list[Event]:
         ev.CancelRequested(source="lanes/cli", data=command, **_JOB_KEYS),
         ev.RetryRequested(source="lanes/cli", data=ev.RetryData(reason="r", resume_step=100), **_JOB_KEYS),
         ev.HoldRequested(source="lanes/cli", data=ev.HoldRequestedData(owner="bob", deadline=TIME), **_JOB_KEYS),
-        ev.ResumeRequested(source="lanes/cli", data=command, **_JOB_KEYS),
+        ev.ResumeRequested(
+            source="lanes/cli", data=ev.RetryData(reason="r", requested_by="alice", resume_step=50), **_JOB_KEYS
+        ),
         ev.AttemptRequested(
             source="lanes/lifecycle", data=ev.AttemptRequestedData(reason="r", resume_step=100), **_JOB_KEYS
         ),
@@ -330,6 +332,10 @@ def _recovery_samples() -> list[Event]:
         backoff_s=1.0,
         deadline=TIME,
         retries_used=1,
+        manual_action=ev.ManualAction.ROLLBACK,
+        requested_by="alice",
+        protection=ProtectionMode.QUEUE,
+        resume_step=200,
     )
     escalated = ev.RecoveryEscalatedData(
         decision_id="d-1", owner="alice", owner_lane=Lane.ALGORITHM, deadline=TIME, reason="no decision"

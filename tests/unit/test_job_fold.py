@@ -149,7 +149,7 @@ def hold(seconds: float = 30, **keys: Any) -> HoldRequested:
 
 
 def resume(seconds: float = 40, **keys: Any) -> ResumeRequested:
-    return ResumeRequested(source="lanes/cli", data=CommandData(), **_keys(None, seconds, keys))
+    return ResumeRequested(source="lanes/cli", data=RetryData(), **_keys(None, seconds, keys))
 
 
 def finding(version: int, lane: Lane = Lane.NETWORK, seconds: float = 15, **keys: Any) -> JobFinding:
@@ -436,6 +436,24 @@ def test_hold_puts_a_failed_job_on_the_manual_path_with_the_lane_owner():
     view, transition = evolve(view, resume())
     assert _moved(transition, JobState.AWAITING_MANUAL, JobState.RETRYING).new_attempt == 2
     assert view.manual is None
+
+
+def test_a_resume_pinned_to_a_verified_checkpoint_starts_the_next_attempt_there():
+    view, _ = fold(*START, ckpt_saved(100), ckpt_saved(200, seconds=8), exited(0, exit_code=1), exited(1), hold())
+    view, transition = evolve(view, resume().model_copy(update={"data": RetryData(resume_step=100)}))
+    assert transition is not None
+    assert transition.resume_step == 100  # the recovery's verified step, not the latest saved one (200)
+    assert view.current.resume_step == 100
+
+
+def test_abandoning_a_held_job_cancels_it_and_keeps_the_failure_cause():
+    view, _ = fold(*START, exited(0, exit_code=1), exited(1), hold())
+    failed_cause = view.current.cause
+    view, transition = evolve(view, cancel(seconds=35))
+    _moved(transition, JobState.AWAITING_MANUAL, JobState.CANCELLED)
+    assert view.manual is None
+    assert view.current.cause is failed_cause is FailureCause.USER_CODE_ERROR
+    assert "abandoned by alice: wrong config" in view.history[-1].reason
 
 
 # --- illegal events ------------------------------------------------------------------------------

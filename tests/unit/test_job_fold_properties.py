@@ -101,7 +101,7 @@ def job_events(attempt: int) -> list[Event]:
         CancelRequested(data=CommandData(requested_by="prop"), **k),
         RetryRequested(data=RetryData(), **k),
         HoldRequested(data=HoldRequestedData(), **k),
-        ResumeRequested(data=CommandData(), **k),
+        ResumeRequested(data=RetryData(), **k),
         CheckpointStarted(data=CheckpointStartedData(step=5), **_keys(attempt, 0)),
         CheckpointSaved(
             data=CheckpointSavedData(step=5, path="/ckpt/5", digest="sha256:" + "0" * 64), **_keys(attempt, 0)
@@ -241,7 +241,7 @@ LEGAL = {
     S.FAILED: {S.RELEASED, S.RETRYING, S.AWAITING_MANUAL},
     S.CANCELLED: {S.RELEASED, S.RETRYING, S.AWAITING_MANUAL},
     S.RELEASED: {S.RETRYING, S.AWAITING_MANUAL},
-    S.AWAITING_MANUAL: {S.RETRYING},
+    S.AWAITING_MANUAL: {S.RETRYING, S.CANCELLED},  # resumed, or abandoned by its owner
 }
 """The state machine's edges, written down independently of the fold."""
 

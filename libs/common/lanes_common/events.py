@@ -15,7 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar, get_args
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from lanes_common.ids import derived_event_id, new_event_id
-from lanes_common.jobs import Digest, FailureCause, JobSpec, JobState, Token
+from lanes_common.jobs import Digest, FailureCause, JobSpec, JobState, ProtectionMode, Token
 from lanes_common.topology import ClusterPolicy, NodeState
 
 
@@ -544,13 +544,13 @@ class HoldRequested(Event):
 
 
 class ResumeRequested(Event):
-    """The owner of a held job decided: start a new attempt."""
+    """The owner of a held job decided: start a new attempt (from `resume_step` when it is pinned)."""
 
     family = Family.JOB
     name = "resume_requested"
     type: Literal["io.lanes.job.resume_requested.v1"] = "io.lanes.job.resume_requested.v1"
     lane: Lane = Lane.PLATFORM
-    data: CommandData
+    data: RetryData
 
 
 class AttemptRequestedData(_Data):
@@ -901,6 +901,19 @@ class RecoveryAction(StrEnum):
     """No automatic recovery: the job waits for its owner (`lanes recover`)."""
     NONE = "none"
     """Nothing to recover (e.g. the attempt succeeded or was cancelled by its user)."""
+    ABANDON = "abandon"
+    """The owner gave up on the job (`lanes recover --abandon`): it ends cancelled, with its failure kept."""
+
+
+class ManualAction(StrEnum):
+    """What an owner decided for a job waiting on the manual path."""
+
+    APPROVE = "approve"
+    """Run the recovery the policy would have run (e.g. resume from the verified checkpoint)."""
+    ROLLBACK = "rollback"
+    """Resume from the checkpoint before the last verified one (e.g. the last one is suspect)."""
+    ABANDON = "abandon"
+    """Give up on the job."""
 
 
 class CheckpointRef(_Data):
@@ -952,6 +965,15 @@ class RecoveryDecidedData(_Data):
     backoff_s: float | None = Field(default=None, ge=0)
     deadline: AwareDatetime | None = None
     retries_used: int = Field(default=0, ge=0)
+    # --- manual path and inference (defaults: a decision the policy made on its own) ---
+    manual_action: ManualAction | None = Field(default=None, description="Set when an owner's action decided.")
+    requested_by: str = Field(default="", description="Who took the manual action; empty when the policy decided.")
+    protection: ProtectionMode | None = Field(
+        default=None, description="Inference: how the router protects requests while the replica is replaced."
+    )
+    resume_step: int | None = Field(
+        default=None, ge=0, description="The step the next attempt starts from (0: the start)."
+    )
 
 
 class RecoveryDecided(Event):
@@ -982,17 +1004,6 @@ class RecoveryEscalated(Event):
     type: Literal["io.lanes.job.recovery_escalated.v1"] = "io.lanes.job.recovery_escalated.v1"
     lane: Lane = Lane.PLATFORM
     data: RecoveryEscalatedData
-
-
-class ManualAction(StrEnum):
-    """What an owner decided for a job waiting on the manual path."""
-
-    APPROVE = "approve"
-    """Run the recovery the policy would have run (e.g. resume from the verified checkpoint)."""
-    ROLLBACK = "rollback"
-    """Resume from the checkpoint before the last verified one (e.g. the last one is suspect)."""
-    ABANDON = "abandon"
-    """Give up on the job."""
 
 
 class ManualActionData(CommandData):

@@ -12,6 +12,13 @@ ENV_VARS = {
     "LANES_STREAM_REPLICAS": "JetStream replicas for the timeline streams (1 embedded, 3 on a cluster)",
     "LANES_AUDIT_KEY": "audit service: Ed25519 seed (64 hex digits) that signs chain checkpoints",
     "LANES_AUDIT_KEY_FILE": "audit service: a file holding that seed, instead of LANES_AUDIT_KEY",
+    "LANES_ROUTER_HOST": "router: the address its HTTP front binds (default 127.0.0.1; 0.0.0.0 in a container)",
+    "LANES_ROUTER_PORT": "router: the port of its HTTP front (default 8080; 0 picks a free port and logs the URL)",
+    "LANES_ROUTER_MAX_ATTEMPTS": "router: tries of one request on different replicas before any byte is sent (3)",
+    "LANES_ROUTER_FIRST_TOKEN_TIMEOUT_S": "router: a stream's first byte later than this is tried elsewhere (30)",
+    "LANES_ROUTER_REQUEST_TIMEOUT_S": "router: a non-streaming answer later than this is tried elsewhere (600)",
+    "LANES_ROUTER_LEASE_TTL_S": "router: concurrency lease TTL; a crashed router's slots free after it (10)",
+    "LANES_ROUTER_PREFIX_AFFINITY": "router: 1 to prefer the same replica for the same prompt prefix (KV cache)",
     "LANES_LOG_LEVEL": "debug | info | warning | error (default info)",
     "LANES_LOG_FORMAT": "json | console (default: console on a terminal, json otherwise)",
 }

@@ -23,7 +23,7 @@ from lanes_common.jobs import JobSpec
 from lanes_common.settings import ENV_VARS, ServerUrls
 from lanes_common.store import create_pool
 from lanes_lifecycle.adapters import repository as lifecycle_jobs
-from lanes_ops import analyze_cli, audit_cli, import_cli, incident_cli, jobs_cli, poc_cli
+from lanes_ops import analyze_cli, audit_cli, import_cli, incident_cli, jobs_cli, poc_cli, recover_cli, router_cli
 from lanes_ops.bootstrap import SERVICES, connected, prepare_services, run_consumers
 from lanes_ops.console import (
     EXIT_BAD_INPUT,
@@ -59,6 +59,8 @@ app = typer.Typer(
 app.add_typer(topology_app, name="topology")
 jobs_cli.register(app)
 analyze_cli.register(app)
+recover_cli.register(app)
+router_cli.register(app)
 
 
 @app.command()

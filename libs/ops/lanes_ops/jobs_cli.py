@@ -155,7 +155,7 @@ def resume(
     by: Annotated[str, typer.Option(help="Who decides; shown on the timeline.")] = "",
 ) -> None:
     """Decide for a held job: start its next attempt."""
-    _send_command(job_id, ResumeRequested, data=CommandData(reason=reason, requested_by=by))
+    _send_command(job_id, ResumeRequested, data=RetryData(reason=reason, requested_by=by))
 
 
 def jobs(

@@ -415,8 +415,12 @@ def _decide(view: JobView, event: Event, attempt: Attempt) -> tuple[JobView, Tra
 def _cancel(view: JobView, event: CancelRequested) -> tuple[JobView, Transition | None]:
     if view.state is JobState.CANCELLING:
         return view, None  # asked again while stopping: the first request stands
-    _require(view, event, UNPLACED | ACTIVE)
     who = f" by {event.data.requested_by}" if event.data.requested_by else ""
+    if view.state is JobState.AWAITING_MANUAL:
+        # The owner abandons a held job: it ends cancelled, and its attempt keeps the cause it failed with.
+        detail = f"abandoned{who}" + (f": {event.data.reason}" if event.data.reason else "")
+        return _move(view.model_copy(update={"manual": None}), event, view.current, JobState.CANCELLED, detail)
+    _require(view, event, UNPLACED | ACTIVE)
     current = view.current
     if view.state in ACTIVE and any(r.running for r in current.ranks.values()):
         return _move(view, event, current, JobState.CANCELLING, f"cancel requested{who}; stopping ranks")
@@ -431,7 +435,7 @@ def _retry(view: JobView, event: RetryRequested | ResumeRequested) -> tuple[JobV
     if retries >= view.spec.retry_budget:
         raise IllegalTransitionError(f"the retry budget of job {view.job_id} ({view.spec.retry_budget}) is used up")
     checkpoints = [a.last_checkpoint for a in view.attempts if a.last_checkpoint is not None]
-    pinned = event.data.resume_step if isinstance(event, RetryRequested) else None
+    pinned = event.data.resume_step
     resume = pinned if pinned is not None else max((c.step for c in checkpoints), default=None)
     new = Attempt(number=view.current.number + 1, state=JobState.RETRYING, requested_at=event.time, resume_step=resume)
     asked = event.data.reason or ("resumed by its owner" if isinstance(event, ResumeRequested) else "retry requested")

@@ -1,14 +1,70 @@
-"""The recovery as the composition root sees it.
+"""The recovery as the composition root sees it: its tables, its consumer of job events and its timer runner.
 
-Recovery watches job state changes; policies come with the recovery issue.
+The consumer reads the job events recovery folds, one at a time in stream order (`max_ack_pending=1`, as
+the lifecycle does): a job's facts are small, but the order matters for a clean story (the submission
+before the failure, a checkpoint before the failure that it may resume from).
 """
 
 from __future__ import annotations
 
-from lanes_common.consumer import ConsumerSpec, record_only
-from lanes_common.service import ServiceDefinition
+import dataclasses
+from collections.abc import Callable
+
+from lanes_common.consumer import ConsumerSpec
+from lanes_common.service import RunnerContext, ServiceDefinition
+from lanes_common.store import migrations_of
 from lanes_common.streams import JOBS
+from lanes_recovery.adapters.policies import configured_policy
+from lanes_recovery.domain.policy import Policy
+from lanes_recovery.entrypoints.timers import RecoveryTimers
+from lanes_recovery.service_layer.handlers import Recovery
 
-EVENTS = ConsumerSpec(durable="recovery", stream=JOBS, subjects=("lanes.job.*.state_changed",))
+RECOVERY_INPUTS = (
+    "submitted",
+    "placed",
+    "attempt_requested",
+    "heartbeat",
+    "checkpoint_saved",
+    "finding",
+    "state_changed",
+    "resources_released",
+    "manual_action",
+)
+"""The subject names (`lanes.job.*.<name>`) recovery folds."""
 
-SERVICE = ServiceDefinition(name="recovery", migrations=None, consumers=((EVENTS, record_only),))
+EVENTS = ConsumerSpec(
+    durable="recovery",
+    stream=JOBS,
+    subjects=tuple(f"lanes.job.*.{name}" for name in RECOVERY_INPUTS),
+    batch=1,
+    max_ack_pending=1,
+)
+
+
+def recovery_service(
+    policy: Callable[[], Policy] = configured_policy,
+    *,
+    consumer: ConsumerSpec = EVENTS,
+    tick_s: float = 0.5,
+) -> ServiceDefinition:
+    """The recovery service under a policy (default: LANES_RECOVERY_POLICY, else the shipped one)."""
+    recovery = Recovery(policy)
+
+    def timers(ctx: RunnerContext) -> RecoveryTimers:
+        return RecoveryTimers(ctx.nc, ctx.pool, recovery, tick_s=tick_s)
+
+    return ServiceDefinition(
+        name="recovery",
+        migrations=migrations_of("lanes_recovery.adapters"),
+        consumers=((consumer, recovery.handle_job_event),),
+        runners=(timers,),
+    )
+
+
+def consumer_for_jobs(job_ids: tuple[str, ...], durable: str) -> ConsumerSpec:
+    """Recovery's consumer restricted to some jobs (tests on a shared server, per-tenant deployments)."""
+    subjects = tuple(f"lanes.job.{job}.{name}" for job in job_ids for name in RECOVERY_INPUTS)
+    return dataclasses.replace(EVENTS, durable=durable, subjects=subjects)
+
+
+SERVICE = recovery_service()

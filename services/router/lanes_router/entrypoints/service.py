@@ -1,14 +1,13 @@
-"""The router as the composition root sees it.
-
-The router watches placements (inference replicas); routing comes with the router issue.
-"""
+"""The router as the composition root sees it: a runner that serves the OpenAI-compatible HTTP front."""
 
 from __future__ import annotations
 
-from lanes_common.consumer import ConsumerSpec, record_only
-from lanes_common.service import ServiceDefinition
-from lanes_common.streams import JOBS
+from lanes_common.service import RunnerContext, ServiceDefinition
+from lanes_router.entrypoints.runner import RouterRunner
 
-EVENTS = ConsumerSpec(durable="router", stream=JOBS, subjects=("lanes.job.*.placed",))
 
-SERVICE = ServiceDefinition(name="router", migrations=None, consumers=((EVENTS, record_only),))
+def _router(context: RunnerContext) -> RouterRunner:
+    return RouterRunner(context.nc, context.redis)
+
+
+SERVICE = ServiceDefinition(name="router", migrations=None, consumers=(), runners=(_router,))

@@ -1,0 +1,65 @@
+"""The router's settings, from `LANES_ROUTER_*` environment variables (listed in lanes_common.settings.ENV_VARS)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How one router process listens, retries, times out, leases and probes."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    """0 picks a free port (the runner logs the URL and exposes it)."""
+    strict_port: bool = False
+    """Fail when `port` is taken. Set when LANES_ROUTER_PORT is given; otherwise (`lanes up`, the demo, several
+    stacks on one machine) a taken default port falls back to a free one, with a warning naming it."""
+    max_attempts: int = 3
+    """Tries of one request on different replicas, while nothing has reached the client."""
+    connect_timeout_s: float = 2.0
+    first_token_timeout_s: float = 30.0
+    """A stream whose first byte takes longer is a slow first token: tried elsewhere."""
+    request_timeout_s: float = 600.0
+    """A non-streaming answer that takes longer is a timeout: tried elsewhere."""
+    stream_idle_timeout_s: float = 60.0
+    """A stream silent this long mid-way is a failed replica: the client gets an error event."""
+    lease_ttl_s: float = 10.0
+    probe_interval_s: float = 1.0
+    ready_probe_interval_s: float = 5.0
+    probe_timeout_s: float = 2.0
+    failures_to_eject: int = 2
+    penalty_base_s: float = 1.0
+    penalty_max_s: float = 30.0
+    prefix_affinity: bool = False
+    shutdown_timeout_s: float = 30.0
+    """How long a stopping router lets in-flight requests finish."""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> RouterConfig:
+        """Read `LANES_ROUTER_<FIELD>` for each field (e.g. LANES_ROUTER_PORT); a bad value is a clear error."""
+        env = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for field in fields(cls):
+            name = f"LANES_ROUTER_{field.name.upper()}"
+            raw = env.get(name)
+            if raw is None or raw == "":
+                continue
+            kind: type[Any] = type(field.default)
+            try:
+                if kind is bool:
+                    values[field.name] = raw.lower() in {"1", "true", "yes", "on"}
+                elif kind is int:
+                    values[field.name] = int(raw)
+                elif kind is float:
+                    values[field.name] = float(raw)
+                else:
+                    values[field.name] = raw
+            except ValueError:
+                msg = f"{name} must be of type {kind.__name__}, not {raw!r}"
+                raise ValueError(msg) from None
+        values.setdefault("strict_port", "port" in values)
+        return cls(**values)  # type: ignore[arg-type]

@@ -1,0 +1,511 @@
+"""The router's HTTP front: the OpenAI-compatible API of vLLM-like servers, proxied to replicas.
+
+`/v1/chat/completions` and `/v1/completions` (streaming over SSE or not; bodies passed through),
+`/v1/models`, `/healthz`, `/readyz`, `/metrics`. A request is tried on another replica while no byte has
+reached the client (bounded by `max_attempts`); once the answer has started, a failing replica ends the
+client's stream with an SSE error event and `[DONE]`. Every request leaves one `RequestServed` event,
+built and published off the request's path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from lanes_common.events import (
+    UNROUTED,
+    RequestAttempt,
+    RequestServed,
+    RequestServedData,
+    utc_now,
+)
+from lanes_common.ids import new_event_id
+from lanes_router.adapters.metrics import RouterMetrics
+from lanes_router.domain.health import Outcome, counts_against_replica
+from lanes_router.domain.replicas import Replica, ReplicaRegistry
+from lanes_router.domain.requests import (
+    VERSION_HEADER,
+    BadRequestError,
+    InferenceRequest,
+    Refusal,
+    parse_inference_request,
+)
+from lanes_router.entrypoints.config import RouterConfig
+from lanes_router.service_layer.dispatch import Dispatcher, Granted
+from lanes_router.service_layer.health import HealthMonitor
+
+REQUEST_ID_HEADER = "X-Request-Id"
+REPLICA_HEADER = "X-Lanes-Replica"
+_PASSED_HEADERS = ("Authorization", "Accept", "traceparent")
+_DONE = b"data: [DONE]\n\n"
+_BUSY = frozenset({429, 503})
+
+
+def error_body(http_status: int, error_type: str, message: str) -> dict[str, Any]:
+    """The OpenAI error shape: `{"error": {"message", "type", "param", "code"}}`."""
+    return {"error": {"message": message, "type": error_type, "param": None, "code": http_status}}
+
+
+def error_response(http_status: int, error_type: str, message: str, retry_after_s: int | None = None) -> web.Response:
+    """A JSON error answer, with `Retry-After` when the client should come back."""
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
+    return web.json_response(error_body(http_status, error_type, message), status=http_status, headers=headers)
+
+
+@dataclass
+class _Served:
+    """What one client request went through, filled in as it goes (becomes its `RequestServed`)."""
+
+    request_id: str
+    route: str
+    received_at: datetime
+    started: float
+    model: str = ""
+    version: str | None = None
+    stream: bool = False
+    replica: Replica | None = None
+    status: str = "failed"
+    http_status: int = 500
+    error: str = ""
+    attempts: list[RequestAttempt] = field(default_factory=list)
+    first_byte: float | None = None
+    finished: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+class _StreamMeter:
+    """Reads token counts out of SSE chunks as they pass: the `usage` event when sent, else the event count."""
+
+    def __init__(self) -> None:
+        self.events = 0
+        self.usage: dict[str, Any] | None = None
+        self.done = False
+        self._partial = b""
+
+    def feed(self, chunk: bytes) -> None:
+        if not self._partial and chunk.endswith(b"\n\n") and b'"usage"' not in chunk and b"[DONE]" not in chunk:
+            self.events += chunk.count(b"data:")  # the common case: whole token events, nothing to parse
+            return
+        data = self._partial + chunk
+        lines = data.split(b"\n")
+        self._partial = lines.pop()
+        for line in lines:
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                self.done = True
+                continue
+            self.events += 1
+            if b'"usage"' in payload:
+                try:
+                    usage = json.loads(payload).get("usage")
+                except (ValueError, AttributeError):
+                    continue
+                if isinstance(usage, dict):
+                    self.usage = usage
+
+
+class RouterHttp:
+    """The aiohttp application of one router process."""
+
+    def __init__(
+        self,
+        *,
+        config: RouterConfig,
+        registry: ReplicaRegistry,
+        dispatcher: Dispatcher,
+        health: HealthMonitor,
+        submit_provenance: Callable[[Callable[[], RequestServed]], None],
+        metrics: RouterMetrics,
+        source: str,
+        router_name: str,
+        ready: Callable[[], bool],
+    ) -> None:
+        self._config = config
+        self._registry = registry
+        self._dispatcher = dispatcher
+        self._health = health
+        self._submit = submit_provenance
+        self._metrics = metrics
+        self._source = source
+        self._router_name = router_name
+        self._ready = ready
+        self._session: aiohttp.ClientSession | None = None
+        connect = config.connect_timeout_s
+        self._stream_timeout = aiohttp.ClientTimeout(sock_connect=connect, sock_read=config.stream_idle_timeout_s)
+        self._whole_timeout = aiohttp.ClientTimeout(sock_connect=connect)
+
+    def application(self) -> web.Application:
+        """The routes, and one keep-alive client session for the upstream calls (closed with the app)."""
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
+        app.router.add_get("/metrics", self._metrics_text)
+        app.on_startup.append(self._open_session)
+        app.on_cleanup.append(self._close_session)
+        return app
+
+    async def _open_session(self, _app: web.Application) -> None:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
+        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+
+    async def _close_session(self, _app: web.Application) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "/v1/chat/completions")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "/v1/completions")
+
+    async def _healthz(self, _request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _readyz(self, _request: web.Request) -> web.Response:
+        ready = self._ready()
+        replicas = self._registry.all()
+        body = {
+            "ready": ready,
+            "replicas": len(replicas),
+            "routable": sum(1 for r in replicas if r.routable),
+        }
+        return web.json_response(body, status=200 if ready else 503)
+
+    async def _metrics_text(self, _request: web.Request) -> web.Response:
+        return web.Response(text=self._metrics.render(), content_type="text/plain", charset="utf-8")
+
+    async def _models(self, _request: web.Request) -> web.Response:
+        data = []
+        for model in self._registry.models():
+            replicas = self._registry.of_model(model)
+            versions: dict[str, dict[str, int]] = {}
+            for replica in replicas:
+                counts = versions.setdefault(replica.version, {"ready": 0, "replicas": 0, "weight": 0})
+                counts["replicas"] += 1
+                counts["ready"] += int(replica.routable)
+                counts["weight"] = replica.serving.weight
+            data.append({"id": model, "object": "model", "created": 0, "owned_by": "lanes", "versions": versions})
+        return web.json_response({"object": "list", "data": data})
+
+    # --- the proxy -------------------------------------------------------------------------------------
+
+    async def _serve(self, request: web.Request, route: str) -> web.StreamResponse:
+        served = _Served(self._request_id(request), route, utc_now(), time.perf_counter())
+        body = await request.read()
+        try:
+            parsed = parse_inference_request(
+                body, request.headers.get(VERSION_HEADER), affinity=self._config.prefix_affinity
+            )
+        except BadRequestError as exc:
+            # Bad input gets its answer here and never reaches the log.
+            return error_response(400, "invalid_request_error", str(exc))
+        served.model, served.version, served.stream = parsed.model, parsed.version, parsed.stream
+        self._metrics.in_flight += 1
+        try:
+            return await self._route(request, parsed, served)
+        except asyncio.CancelledError:
+            served.status, served.http_status = "client_closed", 499
+            raise
+        finally:
+            self._metrics.in_flight -= 1
+            served.finished = time.perf_counter()
+            self._submit(lambda: self._provenance(served))
+
+    async def _route(self, request: web.Request, parsed: InferenceRequest, served: _Served) -> web.StreamResponse:
+        tried: set[str] = set()
+        while len(served.attempts) < self._config.max_attempts:
+            granted = await self._dispatcher.acquire(parsed, frozenset(tried))
+            if isinstance(granted, Refusal):
+                # After failed tries the protection mode still answers (no other replica has room), and the
+                # message says what the tries met.
+                message = granted.message + (f"; {_last_failure(served)}" if served.attempts else "")
+                served.status, served.http_status, served.error = "rejected", granted.http_status, message
+                return error_response(granted.http_status, granted.error_type, message, granted.retry_after_s)
+            try:
+                answered = await self._forward(request, parsed, granted, served)
+            finally:
+                self._dispatcher.release(granted)
+            if answered is not None:
+                return answered
+            tried.add(granted.replica.replica_id)
+        message = f"no replica could answer in {len(served.attempts)} tries; {_last_failure(served)}"
+        served.status, served.http_status, served.error = "failed", 502, message
+        return error_response(502, "upstream_failed", message)
+
+    def _attempt(
+        self,
+        served: _Served,
+        replica: Replica,
+        outcome: Outcome,
+        started: float,
+        *,
+        http_status: int | None = None,
+        detail: str = "",
+    ) -> None:
+        served.attempts.append(
+            RequestAttempt(
+                replica=replica.replica_id,
+                node=replica.node,
+                outcome=outcome,
+                detail=detail[:500],
+                http_status=http_status,
+                elapsed_ms=(time.perf_counter() - started) * 1000,
+            )
+        )
+        self._metrics.attempt_done(replica.model, replica.replica_id, outcome)
+        self._health.report(replica, outcome, counts=counts_against_replica(outcome, http_status))
+
+    async def _forward(
+        self, request: web.Request, parsed: InferenceRequest, granted: Granted, served: _Served
+    ) -> web.StreamResponse | None:
+        """Send the request to the granted replica; None when it failed before any byte reached the client."""
+        replica = granted.replica
+        assert replica.endpoint is not None  # noqa: S101 - only routable replicas are granted
+        assert self._session is not None  # noqa: S101 - opened on startup
+        headers = {"Content-Type": "application/json", REQUEST_ID_HEADER: served.request_id}
+        for name in _PASSED_HEADERS:
+            if (value := request.headers.get(name)) is not None:
+                headers[name] = value
+        limit = self._config.first_token_timeout_s if parsed.stream else self._config.request_timeout_s
+        started = time.perf_counter()
+        upstream: aiohttp.ClientResponse | None = None
+        first: bytes | None = None
+        payload = b""
+        try:
+            async with asyncio.timeout(limit):
+                upstream = await self._session.post(
+                    replica.endpoint + served.route,
+                    data=parsed.body,
+                    headers=headers,
+                    timeout=self._stream_timeout if parsed.stream else self._whole_timeout,
+                )
+                if parsed.stream and upstream.status == 200:  # noqa: PLR2004 - HTTP OK
+                    first = await upstream.content.readany()
+                    if not first:
+                        raise aiohttp.ServerDisconnectedError("the stream ended before its first event")
+                else:
+                    payload = await upstream.read()
+        except (aiohttp.ClientConnectorError, ConnectionRefusedError) as exc:
+            outcome: Outcome = "timeout" if isinstance(exc, TimeoutError) else "refused"
+            self._attempt(served, replica, outcome, started, detail=str(exc) or type(exc).__name__)
+        except TimeoutError:
+            outcome = "slow_first_token" if parsed.stream else "timeout"
+            self._attempt(served, replica, outcome, started, detail=f"no answer within {limit:g}s")
+        except aiohttp.ClientError as exc:
+            self._attempt(served, replica, "error", started, detail=str(exc) or type(exc).__name__)
+        else:
+            try:
+                if first is not None:
+                    return await self._relay_stream(
+                        request=request, upstream=upstream, first=first, granted=granted, served=served, started=started
+                    )
+                return self._relay_whole(upstream, payload, granted, served, started)
+            finally:
+                upstream.release()
+        if upstream is not None:
+            upstream.close()
+        return None
+
+    def _relay_whole(
+        self, upstream: aiohttp.ClientResponse, payload: bytes, granted: Granted, served: _Served, started: float
+    ) -> web.Response | None:
+        replica = granted.replica
+        status = upstream.status
+        if status >= 500 or status in _BUSY:  # noqa: PLR2004 - server errors
+            outcome: Outcome = "refused" if status in _BUSY else "error"
+            self._attempt(
+                served, replica, outcome, started, http_status=status, detail=payload[:300].decode(errors="replace")
+            )
+            return None
+        self._attempt(served, replica, "ok", started, http_status=status)
+        served.first_byte = time.perf_counter()
+        served.replica, served.http_status = replica, status
+        served.status = "ok" if status < 400 else "failed"  # noqa: PLR2004 - HTTP client errors pass through
+        if served.status == "failed":
+            served.error = payload[:300].decode(errors="replace")
+        elif b'"usage"' in payload:
+            self._read_usage(served, payload)
+        return web.Response(
+            body=payload,
+            status=status,
+            headers={
+                "Content-Type": upstream.headers.get("Content-Type", "application/json"),
+                REPLICA_HEADER: replica.replica_id,
+                VERSION_HEADER: replica.version,
+                REQUEST_ID_HEADER: served.request_id,
+            },
+        )
+
+    @staticmethod
+    def _read_usage(served: _Served, payload: bytes) -> None:
+        try:
+            usage = json.loads(payload).get("usage")
+        except (ValueError, AttributeError):
+            return
+        if isinstance(usage, dict):
+            served.prompt_tokens = _count(usage.get("prompt_tokens"))
+            served.completion_tokens = _count(usage.get("completion_tokens"))
+
+    async def _relay_stream(
+        self,
+        *,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        first: bytes,
+        granted: Granted,
+        served: _Served,
+        started: float,
+    ) -> web.StreamResponse:
+        replica = granted.replica
+        response = web.StreamResponse(
+            status=200,
+            headers={
+                "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
+                "Cache-Control": "no-cache",
+                REPLICA_HEADER: replica.replica_id,
+                VERSION_HEADER: replica.version,
+                REQUEST_ID_HEADER: served.request_id,
+            },
+        )
+        served.replica, served.http_status = replica, 200
+        meter = _StreamMeter()
+        chunk = first
+        try:
+            await response.prepare(request)
+        except ConnectionResetError:
+            return self._client_closed(response, replica, served, meter, started)
+        served.first_byte = time.perf_counter()
+        while chunk:
+            meter.feed(chunk)
+            try:
+                await response.write(chunk)
+            except ConnectionResetError:
+                return self._client_closed(response, replica, served, meter, started)
+            try:
+                # A silent replica is caught by the session's read timeout (`sock_read`), not a timer per chunk.
+                chunk = await upstream.content.readany()
+            except (aiohttp.ClientError, ConnectionResetError, TimeoutError) as exc:
+                detail = str(exc) or type(exc).__name__
+                return await self._end_stream_with_error(
+                    response=response, replica=replica, served=served, meter=meter, started=started, detail=detail
+                )
+        if not meter.done:
+            detail = "the replica closed the stream before [DONE]"
+            return await self._end_stream_with_error(
+                response=response, replica=replica, served=served, meter=meter, started=started, detail=detail
+            )
+        served.status = "ok"
+        self._attempt(served, replica, "ok", started, http_status=200)
+        self._usage_from(meter, served)
+        try:
+            await response.write_eof()
+        except ConnectionResetError:
+            served.status = "client_closed"
+        return response
+
+    def _client_closed(
+        self, response: web.StreamResponse, replica: Replica, served: _Served, meter: _StreamMeter, started: float
+    ) -> web.StreamResponse:
+        served.status = "client_closed"
+        self._attempt(served, replica, "client_closed", started, http_status=200)
+        self._usage_from(meter, served)
+        return response
+
+    async def _end_stream_with_error(
+        self,
+        *,
+        response: web.StreamResponse,
+        replica: Replica,
+        served: _Served,
+        meter: _StreamMeter,
+        started: float,
+        detail: str,
+    ) -> web.StreamResponse:
+        message = f"replica {replica.replica_id} failed mid-stream: {detail}"
+        served.status, served.error = "failed", message
+        self._attempt(served, replica, "failed_mid_stream", started, http_status=200, detail=detail)
+        self._usage_from(meter, served)
+        error = json.dumps(error_body(502, "upstream_failed", message))
+        try:
+            await response.write(f"data: {error}\n\n".encode() + _DONE)
+            await response.write_eof()
+        except ConnectionResetError:
+            served.status = "client_closed"
+        return response
+
+    @staticmethod
+    def _usage_from(meter: _StreamMeter, served: _Served) -> None:
+        if meter.usage is not None:
+            served.prompt_tokens = _count(meter.usage.get("prompt_tokens"))
+            served.completion_tokens = _count(meter.usage.get("completion_tokens"))
+        else:
+            # No usage event was asked for: one SSE event carries one token in vLLM's streams.
+            served.completion_tokens = meter.events
+
+    # --- provenance ------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _request_id(request: web.Request) -> str:
+        given = request.headers.get(REQUEST_ID_HEADER)
+        if given and len(given) <= 128 and given.isprintable():  # noqa: PLR2004 - the event's limit
+            return given
+        return new_event_id()
+
+    def _provenance(self, served: _Served) -> RequestServed:
+        finished = served.finished or time.perf_counter()
+        latency_s = finished - served.started
+        ttft_s = None if served.first_byte is None else served.first_byte - served.started
+        self._metrics.request_done(served.model, served.status, served.http_status, latency_s, ttft_s)
+        replica = served.replica
+        if replica is None and served.attempts:
+            replica = self._registry.get(served.attempts[-1].replica)
+        return RequestServed(
+            source=self._source,
+            jobid=None if replica is None else replica.replica_id,
+            attempt=None if replica is None else replica.attempt,
+            node=None if replica is None else replica.node,
+            time=served.received_at,
+            data=RequestServedData(
+                request_id=served.request_id,
+                model=served.model,
+                version=served.version if replica is None else replica.version,
+                replica=UNROUTED if replica is None else replica.replica_id,
+                gpus=() if replica is None else replica.gpus,
+                endpoint=None if replica is None else replica.endpoint,
+                route=served.route,
+                stream=served.stream,
+                status=served.status,  # type: ignore[arg-type]
+                http_status=served.http_status,
+                error=served.error[:1000],
+                attempts=tuple(served.attempts),
+                received_at=served.received_at,
+                ttft_ms=None if ttft_s is None else ttft_s * 1000,
+                latency_ms=latency_s * 1000,
+                prompt_tokens=served.prompt_tokens,
+                completion_tokens=served.completion_tokens,
+                router=self._router_name,
+            ),
+        )
+
+
+def _last_failure(served: _Served) -> str:
+    last = served.attempts[-1]
+    return f"last try: {last.replica} {last.outcome}" + (f" ({last.detail})" if last.detail else "")
+
+
+def _count(value: object) -> int | None:
+    return value if isinstance(value, int) and value >= 0 else None
