@@ -25,16 +25,20 @@ from lanes_common.events import JobStateChanged, JobSubmitted, JobSubmittedData,
 from lanes_common.ids import new_event_id
 from lanes_common.jobs import JobSpec, JobState, WorkloadClass
 from lanes_common.settings import ServerUrls
+from lanes_common.streams import REQUESTS
 from lanes_lifecycle.adapters import repository as lifecycle_jobs
 from lanes_ops.bootstrap import SERVICES, Connections, connected, prepare_services, run_consumers
 from lanes_ops.incident import bundle
 from lanes_ops.launcher import LocalLauncher
 from lanes_ops.poc import CapabilityResult, scorecard
+from lanes_ops.replay import Selection
+from lanes_ops.scenarios.inference import InferenceDemo, replica_node_fails
 from lanes_ops.scenarios.lifecycle import cancelled_while_starting, one_rank_fails
 from lanes_ops.scenarios.telemetry import oom_killed_rank
 from lanes_ops.scenarios.topology import topology_wait_then_placed
 from lanes_ops.scheduling import scheduling_view
-from lanes_ops.timeline import TimelineEntry, job_timeline
+from lanes_ops.timeline import TimelineEntry, job_timeline, read_stream
+from lanes_router.entrypoints.runner import RouterRunner
 
 SOURCE = "lanes/demo"
 _T = TypeVar("_T")
@@ -100,16 +104,35 @@ class DemoRun:
     oom_job_id: str
     topology_job_id: str
     scorecard: list[CapabilityResult]
+    manual_job_id: str
+    inference: InferenceDemo
+    requests: list[dict[str, Any]]
+    """Every inference request's provenance row (`lanes.req.>`)."""
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        """One job's report."""
+        return next(job for job in self.jobs if job["job_id"] == job_id)
 
     def incident(self) -> dict[str, Any]:
         """The fault bundle of the OOM-killed job."""
-        return bundle(next(job for job in self.jobs if job["job_id"] == self.oom_job_id))
+        return bundle(self.job(self.oom_job_id))
+
+    def replica_incident(self) -> dict[str, Any]:
+        """The fault bundle of the replica whose node failed, with the requests the fault touched."""
+        return bundle(self.job(self.inference.replica_job_ids[0]), self.requests)
 
     def as_json(self) -> dict[str, Any]:
         """`lanes demo --json`."""
         return {
             "jobs": self.jobs,
             "incident": self.incident(),
+            "manual": bundle(self.job(self.manual_job_id))["decision_chain"],
+            "inference": {
+                "replicas": list(self.inference.replica_job_ids),
+                "failed_node": self.inference.failed_node,
+                "clients": self.inference.clients,
+                "incident": self.replica_incident(),
+            },
             "poc": [result.as_json() for result in self.scorecard],
         }
 
@@ -141,6 +164,7 @@ async def run_demo(urls: ServerUrls, *, timeout_s: float = 120.0) -> DemoRun:
     async with connected(urls, name="lanes-demo") as conns:
         stop = asyncio.Event()
         consumers = await prepare_services(conns, SERVICES)
+        router = next(consumer for consumer in consumers if isinstance(consumer, RouterRunner))
         workers = [
             asyncio.create_task(run_consumers(consumers, stop), name="services"),
             asyncio.create_task(LocalLauncher(conns.nc, frozenset(DEMO_NODES)).run(stop), name="launcher"),
@@ -160,11 +184,17 @@ async def run_demo(urls: ServerUrls, *, timeout_s: float = 120.0) -> DemoRun:
             ]
             topology = await _guarded(topology_wait_then_placed(conns, timeout_s=timeout_s), workers, timeout_s)
             job_ids += [topology.blocker_job_id, topology.job_id]
+            router_url = await _guarded(router.url(), workers, timeout_s)
+            inference = await _guarded(replica_node_fails(conns, router_url, timeout_s=timeout_s), workers, timeout_s)
+            job_ids += list(inference.replica_job_ids)
         finally:
             stop.set()
             await asyncio.gather(*workers, return_exceptions=True)
         js = conns.nc.jetstream()
         entries = {job_id: await job_timeline(js, job_id) for job_id in job_ids}
         jobs = [await job_report(conns, job_id, entries[job_id]) for job_id in job_ids]
+        requests = [entry.as_json() for entry in await read_stream(js, Selection(REQUESTS.name, "lanes.req.>"))]
         rows = [row for job in jobs for row in job["timeline"]]
-        return DemoRun(jobs, entries, job_ids[3], topology.job_id, scorecard(rows))
+        return DemoRun(
+            jobs, entries, job_ids[3], topology.job_id, scorecard(rows, requests), job_ids[2], inference, requests
+        )

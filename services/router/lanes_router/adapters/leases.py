@@ -91,6 +91,8 @@ class RedisLeases:
         self._held: set[Lease] = set()
         self._released: list[Lease] = []
         self._release_due = asyncio.Event()
+        self._pending: list[tuple[list[str], list[str | int], asyncio.Future[int]]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
 
     @property
     def held(self) -> int:
@@ -103,12 +105,43 @@ class RedisLeases:
             return None
         lease_id = f"{self._owner}-{next(self._serial)}"
         keys = [lease_key(r) for r in replica_ids]
-        chosen = int(await self._acquire(keys=keys, args=[lease_id, self._ttl_ms, *caps]))
+        answer: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._pending.append((keys, [lease_id, self._ttl_ms, *caps], answer))
+        if len(self._pending) == 1:
+            asyncio.get_running_loop().call_soon(self._send_acquires)
+        chosen = await answer
         if chosen == 0:
             return None
         lease = Lease(replica_ids[chosen - 1], lease_id)
         self._held.add(lease)
         return lease
+
+    def _send_acquires(self) -> None:
+        # Every acquire asked for in this turn of the event loop goes in one pipeline: one round trip for
+        # all of them, which is what keeps a loaded router from queueing on Redis.
+        batch, self._pending = self._pending, []
+        task = asyncio.create_task(self._acquire_batch(batch))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _acquire_batch(self, batch: list[tuple[list[str], list[str | int], asyncio.Future[int]]]) -> None:
+        try:
+            if len(batch) == 1:
+                keys, args, _ = batch[0]
+                results = [await self._acquire(keys=keys, args=args)]
+            else:
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for keys, args, _ in batch:
+                        await self._acquire(keys=keys, args=args, client=pipe)
+                    results = await pipe.execute()
+        except Exception as exc:  # noqa: BLE001 - handed to each waiting request, which fails cleanly
+            for _, _, answer in batch:
+                if not answer.done():
+                    answer.set_exception(exc)
+            return
+        for (_, _, answer), result in zip(batch, results, strict=True):
+            if not answer.done():
+                answer.set_result(int(result))
 
     def release(self, lease: Lease) -> None:
         """Give the slot back; the removal is batched with others and sent by `run` within milliseconds."""
