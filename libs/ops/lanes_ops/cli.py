@@ -78,8 +78,8 @@ def demo(
         out.print_json(json.dumps(run.as_json()))
     else:
         render_demo(out, run)
-    if any(job["state"] != "released" for job in run.jobs):
-        raise typer.Exit(EXIT_FAILED)
+    if problems := run.off_script():
+        fail("; ".join(problems), EXIT_FAILED)
 
 
 @app.command()

@@ -113,6 +113,16 @@ class DemoRun:
         """One job's report."""
         return next(job for job in self.jobs if job["job_id"] == job_id)
 
+    def off_script(self) -> list[str]:
+        """Jobs that did not end as their story says: the failing one waits for its owner, the rest released."""
+        expected = {job["job_id"]: JobState.RELEASED.value for job in self.jobs}
+        expected[self.manual_job_id] = JobState.AWAITING_MANUAL.value
+        return [
+            f"{job['job_id']} ended {job['state']}, not {expected[job['job_id']]}"
+            for job in self.jobs
+            if job["state"] != expected[job["job_id"]]
+        ]
+
     def incident(self) -> dict[str, Any]:
         """The fault bundle of the OOM-killed job."""
         return bundle(self.job(self.oom_job_id))

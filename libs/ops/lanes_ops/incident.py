@@ -55,11 +55,24 @@ def decision_chain(rows: Iterable[Row]) -> list[Row]:
         data = row.get("data") or {}
         if kind not in DECISION_KINDS and not (kind == "replica_state" and data.get("signal") == "recovery"):
             continue
-        keep = ("action", "reason", "owner", "owner_lane", "policy", "policy_version", "expects", "requested_by")
-        chain.append(
-            {"id": row["id"], "time": row["time"], "kind": kind, "attempt": row.get("attempt")}
-            | {key: data[key] for key in keep if data.get(key) not in (None, "")}
+        keep = (
+            "action",
+            "reason",
+            "owner",
+            "owner_lane",
+            "policy",
+            "policy_version",
+            "expects",
+            "requested_by",
+            "cordon",
+            "lost_work",
+            "deadline",
         )
+        step = {"id": row["id"], "time": row["time"], "kind": kind, "attempt": row.get("attempt")}
+        step |= {key: data[key] for key in keep if data.get(key) not in (None, "", [])}
+        if data.get("checkpoint"):
+            step["resume_step"] = data["checkpoint"]["step"]
+        chain.append(step)
     return chain
 
 

@@ -29,6 +29,7 @@ from lanes_common.events import (
     RequestServed,
     ResourcesReleased,
 )
+from lanes_ops.incident import bundle
 from lanes_ops.timeline import TimelineEntry
 
 if TYPE_CHECKING:
@@ -140,6 +141,7 @@ def render_demo(console: Console, run: DemoRun) -> None:
         )
     for lane, items in incident["missing_evidence"].items():
         console.print(escape(f"  pending evidence, {lane} lane: {'; '.join(items)}"), highlight=False, soft_wrap=True)
+    _render_recovery(console, run)
     console.print(f"\n[bold]wait history of {run.topology_job_id}[/bold]")
     topology_job = next(job for job in run.jobs if job["job_id"] == run.topology_job_id)
     for wait in topology_job["scheduling"].get("wait_history", []):
@@ -153,6 +155,45 @@ def render_demo(console: Console, run: DemoRun) -> None:
             highlight=False,
             soft_wrap=True,
         )
+
+
+def _line(console: Console, text: str) -> None:
+    console.print(escape(text), highlight=False, soft_wrap=True)
+
+
+def _render_recovery(console: Console, run: DemoRun) -> None:
+    """The decision chains of the resumed and the held job, then what the inference clients saw."""
+    for title, job_id in (("recovery of", run.oom_job_id), ("manual path of", run.manual_job_id)):
+        job = run.job(job_id)
+        attempts = ", ".join(f"#{a['number']} {a['state']}" for a in job.get("attempts", []))
+        console.print(f"\n[bold]{title} {job_id}[/bold] (now {job['state']}; attempts {attempts})", soft_wrap=True)
+        for step in bundle(job)["decision_chain"]:
+            _line(console, f"  {step['time'][11:23]}  {step['kind']:<17} {_decision_text(step)}")
+    inference = run.inference
+    incident = run.replica_incident()
+    console.print(f"\n[bold]inference: node {inference.failed_node} failed under load[/bold]")
+    _line(console, f"  clients saw: {', '.join(f'{k} {v}' for k, v in inference.clients.items())}")
+    touched = incident.get("requests", {})
+    outcomes = ", ".join(f"{k} {v}" for k, v in touched.get("outcomes", {}).items())
+    _line(console, f"  requests that tried {inference.replica_job_ids[0]}: {touched.get('count', 0)} ({outcomes})")
+    for step in incident["decision_chain"]:
+        _line(console, f"  {step['time'][11:23]}  {step['kind']:<17} {_decision_text(step)}")
+
+
+def _decision_text(step: dict[str, Any]) -> str:
+    """A decision in a few words: the action, what it resumes from, cordons, loses and who owns it."""
+    if not step.get("action"):
+        return str(step.get("reason") or "")[:100]
+    parts = [str(step["action"])]
+    if "resume_step" in step:
+        parts.append(f"from verified step {step['resume_step']}")
+    if step.get("cordon"):
+        parts.append(f"cordon {', '.join(step['cordon'])}")
+    if lost := step.get("lost_work"):
+        parts.append(f"lost {lost['steps']} steps x {lost['gpus']} GPUs")
+    if step.get("owner"):
+        parts.append(f"owner {step['owner']}" + (f" by {step['deadline'][11:19]}" if step.get("deadline") else ""))
+    return "; ".join(parts)
 
 
 def _rows(run: DemoRun, job_id: str) -> list[dict[str, Any]]:

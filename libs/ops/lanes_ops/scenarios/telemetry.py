@@ -80,7 +80,7 @@ def checkpoint(step):
 
 def train_step(step):
     time.sleep(STEP_S)
-    if rank == 0 and step % 10 == 0:
+    if rank == 0 and step % 5 == 0:
         print(f"lanes: step {step}", flush=True)
     if rank == 0 and step % EVERY == 0:
         checkpoint(step)
@@ -91,10 +91,10 @@ if attempt > 1:
     sys.exit(0)
 victim = world - 1
 if rank == victim:
+    ballast = bytearray(256 * 1024 * 1024)  # the allocation that tips the node over
     while not os.path.exists(os.path.join(checkpoints, "step-40.pt")):
         time.sleep(0.005)
-    time.sleep(0.25)
-    ballast = bytearray(256 * 1024 * 1024)  # the allocation that tips the node over
+    time.sleep(0.25)  # half-way to the next checkpoint: the steps since step 40 are lost
     os.kill(os.getpid(), signal.SIGKILL)
 pid_file = os.path.join(where, f"rank{victim}.pid")
 step = 0
