@@ -44,7 +44,9 @@ def load_settings(*, quiet: bool = False) -> Settings:
     return settings
 
 
-def run_async(work: Callable[[], Awaitable[_T]]) -> _T:
+def run_async(
+    work: Callable[[], Awaitable[_T]], *, loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+) -> _T:
     """Run async work; turn server problems into one-line errors and SIGTERM into a clean shutdown."""
 
     def on_sigterm(_signum: int, _frame: object) -> None:
@@ -52,7 +54,8 @@ def run_async(work: Callable[[], Awaitable[_T]]) -> _T:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        return asyncio.run(work())  # type: ignore[arg-type]
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            return runner.run(work())  # type: ignore[arg-type]
     except (ServerUnavailableError, UnsupportedServerError) as exc:
         fail(str(exc), EXIT_SERVER)
     except LanesError as exc:
