@@ -17,7 +17,7 @@ import pytest
 from cli_support import run_lanes_async
 
 from lanes_common.bus import LanesClient
-from lanes_common.events import AttemptRequested, JobStateChanged, TransitionRejected
+from lanes_common.events import AttemptRequested, Event, JobStateChanged, TransitionRejected
 from lanes_common.settings import ServerUrls
 from lanes_ops.bootstrap import SERVICES, Connections, connected, prepare_services, run_consumers
 from lanes_ops.demo import DEMO_NODES, register_nodes, wait_for_nodes
@@ -62,6 +62,17 @@ async def _states(conns: Connections, job_id: str) -> list[str]:
     ]
 
 
+async def _once_on_timeline(conns: Connections, job_id: str, kind: type[Event]) -> list[Event]:
+    """The job's events, read again until one of `kind` is among them."""
+    for _ in range(200):
+        events = [e.event for e in await job_timeline(conns.nc.jetstream(), job_id) if e.event is not None]
+        if any(isinstance(e, kind) for e in events):
+            return events
+        await asyncio.sleep(0.1)
+    msg = f"no {kind.__name__} on the timeline of {job_id}"
+    raise AssertionError(msg)
+
+
 async def _wait_for_state(urls: ServerUrls, job_id: str, *states: str) -> dict[str, Any]:
     for _ in range(300):
         shown = await run_lanes_async(urls, "job", job_id, "--json")
@@ -99,26 +110,24 @@ async def test_the_demo_scenarios_show_every_state_with_its_cause_and_the_cli_re
     assert "demo-user" in text.stdout
     assert "time in state:" in text.stdout
 
-    listed = await run_lanes_async(own_urls, "jobs", "--state", "released", "--json")
+    listed = await run_lanes_async(own_urls, "jobs", "--state", "released", "--state", "awaiting_manual", "--json")
     assert listed.returncode == 0, listed.stderr
     rows = {row["job_id"]: row for row in json.loads(listed.stdout)["jobs"]}
     assert rows[failed]["cause"] == "user_code_error"
+    assert rows[failed]["state"] == "awaiting_manual"  # recovery does not retry an algorithm-lane error
     assert rows[cancelled]["cause"] == "user_cancel"
     none = await run_lanes_async(own_urls, "jobs", "--state", "running", "--json")
     assert json.loads(none.stdout)["jobs"] == []
     assert (await run_lanes_async(own_urls, "jobs", "--state", "nonsense")).returncode == 2
 
-    # A cancel of a finished job is refused, visibly; a retry opens attempt 2 of the same job.
-    assert (await run_lanes_async(own_urls, "cancel", failed, "--by", "bob")).returncode == 0
+    # A cancel of a finished job is refused, visibly; the owner's retry opens attempt 2 of the failed job.
+    assert (await run_lanes_async(own_urls, "cancel", cancelled, "--by", "bob")).returncode == 0
     retried = await run_lanes_async(own_urls, "retry", failed, "--attempt", "1", "--reason", "fixed the bug")
     assert retried.returncode == 0, retried.stderr
-    js = stack.nc.jetstream()
-    for _ in range(200):
-        events = [e.event for e in await job_timeline(js, failed)]
-        if any(isinstance(e, AttemptRequested) for e in events):
-            break
-        await asyncio.sleep(0.1)
-    rejections = [e for e in events if isinstance(e, TransitionRejected)]
+    events = await _once_on_timeline(stack, failed, AttemptRequested)
+    rejections = [
+        e for e in await _once_on_timeline(stack, cancelled, TransitionRejected) if isinstance(e, TransitionRejected)
+    ]
     assert [r.data.event_type for r in rejections] == ["io.lanes.job.cancel_requested.v1"]
     assert rejections[0].data.state == "released"
     (requested,) = [e for e in events if isinstance(e, AttemptRequested)]

@@ -1,9 +1,9 @@
 """Lifecycle scenarios for `lanes demo`: a job cancelled while starting, and a job whose one rank fails.
 
 Each scenario runs against a stack that is already up (services consuming, a LocalLauncher running,
-nodes registered), submits its own job, drives it and returns the job id once the job's GPUs are released,
-so the caller can read its timeline. Both fit on one node with two free GPUs; on a busier cluster they wait in
-the queue first, which only makes them slower.
+nodes registered), submits its own job, drives it and returns the job id once the job's GPUs are released
+(the failing one then waits for its owner), so the caller can read its timeline. Both fit on one node
+with two free GPUs; on a busier cluster they wait in the queue first, which only makes them slower.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from lanes_common.events import (
     JobStateChanged,
     JobSubmitted,
     JobSubmittedData,
-    ResourcesReleased,
 )
 from lanes_common.ids import new_event_id
 from lanes_common.jobs import JobSpec, JobState, Owners, WorkloadClass
@@ -46,10 +45,12 @@ ONE_RANK_FAILS = (
     JobState.RUNNING,
     JobState.PARTIALLY_FAILED,
     JobState.FAILED,
+    JobState.RELEASED,
+    JobState.AWAITING_MANUAL,
 )
-"""The state sequences the two scenarios produce (what a test of the wired demo can assert). After
-`failed`, recovery puts the failing job on the manual path (an algorithm-lane error is not retried): it
-ends `awaiting_manual`, with `released` between the two when the GPUs were freed before the hold."""
+"""The state sequences the two scenarios produce (what a test of the wired demo can assert). Once the
+failed job's GPUs are released, recovery puts it on the manual path: an algorithm-lane error is not
+retried, so it waits for its owner."""
 
 # Never prints the launcher's ready marker: the ranks sit in communicator init until they are stopped.
 _STUCK_IN_INIT = "import time\ntime.sleep(120)\n"
@@ -69,34 +70,30 @@ _RANK_1_FAILS = (
 
 
 class _States:
-    """The job's state changes (and resource release) as published, subscribed to before the job is submitted."""
+    """The job's state changes as they are published, subscribed to before the job is submitted."""
 
     def __init__(self) -> None:
         self.seen: list[JobState] = []
-        self.freed = False
         self._changed = asyncio.Condition()
 
     async def on_message(self, msg: Msg) -> None:
         with contextlib.suppress(DecodeError):
             event = decode(msg.subject, msg.headers, msg.data)
-            if isinstance(event, JobStateChanged | ResourcesReleased):
+            if isinstance(event, JobStateChanged):
                 async with self._changed:
-                    if isinstance(event, JobStateChanged):
-                        self.seen.append(event.data.to_state)
-                    else:
-                        self.freed = True
+                    self.seen.append(event.data.to_state)
                     self._changed.notify_all()
 
-    async def reached(self, states: Iterable[JobState], timeout_s: float, *, freed: bool = False) -> JobState:
+    async def reached(self, states: Iterable[JobState], timeout_s: float) -> JobState:
         wanted = frozenset(states)
         async with asyncio.timeout(timeout_s), self._changed:
-            await self._changed.wait_for(lambda: bool(wanted & set(self.seen)) and (self.freed or not freed))
+            await self._changed.wait_for(lambda: bool(wanted & set(self.seen)))
         return next(s for s in self.seen if s in wanted)
 
 
 async def _submit(conns: Connections, job_id: str, spec: JobSpec) -> _States:
     states = _States()
-    await conns.nc.subscribe(f"lanes.job.{job_id}.>", cb=states.on_message)
+    await conns.nc.subscribe(f"lanes.job.{job_id}.state_changed", cb=states.on_message)
     client = LanesClient(conns.nc, SOURCE)
     await client.publish(JobSubmitted(source=SOURCE, jobid=job_id, attempt=1, data=JobSubmittedData(spec=spec)))
     return states
@@ -133,7 +130,7 @@ async def one_rank_fails(conns: Connections, *, timeout_s: float = 60.0) -> str:
     The lifecycle marks it `partially_failed` (the job is not decided while rank 0 runs), the launcher
     tears down the rest of the gang as torchrun's agent would, and once every rank has ended it is `failed`
     with cause user_code_error naming rank 1. Recovery does not retry an algorithm-lane error: the job
-    goes to `awaiting_manual` for its algorithm owner; the scenario returns once its GPUs are released too.
+    goes to `awaiting_manual` for its algorithm owner once its GPUs are released.
     """
     job_id = f"demo-fail-{new_event_id()[-12:]}"
     spec = JobSpec(
@@ -144,5 +141,5 @@ async def one_rank_fails(conns: Connections, *, timeout_s: float = 60.0) -> str:
         owners=Owners(algorithm="ml-oncall"),
     )
     states = await _submit(conns, job_id, spec)
-    await states.reached({JobState.AWAITING_MANUAL}, timeout_s, freed=True)
+    await states.reached({JobState.AWAITING_MANUAL}, timeout_s)
     return job_id
