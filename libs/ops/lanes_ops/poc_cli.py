@@ -35,9 +35,16 @@ async def compute(
         subject = f"lanes.job.{job}.>" if job else "lanes.job.>"
         jobs = dataclasses.replace(Selection(JOBS.name, subject), since=since, until=until)
         requests = dataclasses.replace(Selection(REQUESTS.name, "lanes.req.>"), since=since, until=until)
-        return scorecard(await rows_of(js, jobs), await rows_of(js, requests))
+        request_rows = await rows_of(js, requests)
+        if job:  # one job's scorecard counts only the requests that tried it (it is a replica)
+            request_rows = [row for row in request_rows if job in _replicas_tried(row)]
+        return scorecard(await rows_of(js, jobs), request_rows)
     finally:
         await nc.close()
+
+
+def _replicas_tried(request: Row) -> set[str]:
+    return {str(attempt.get("replica")) for attempt in (request.get("data") or {}).get("attempts", [])}
 
 
 def print_scorecard(results: list[CapabilityResult]) -> None:
