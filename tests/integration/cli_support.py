@@ -1,14 +1,21 @@
-"""Running the `lanes` command against a given set of servers, for the CLI tests."""
+"""Running the `lanes` command against a given set of servers, and a stack of services, for the CLI tests."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
+from lanes_common.bus import LanesClient
 from lanes_common.settings import ServerUrls
+from lanes_ops.bootstrap import Connections, connected, prepare_services, run_consumers
+from lanes_ops.demo import DEMO_NODES, register_nodes, wait_for_nodes
+from lanes_ops.job_api import JobApi
+from lanes_ops.launcher import LocalLauncher
 
 LANES = str(Path(sys.executable).parent / "lanes")
 
@@ -28,3 +35,26 @@ def run_lanes(urls: ServerUrls, *args: str) -> subprocess.CompletedProcess[str]:
 async def run_lanes_async(urls: ServerUrls, *args: str) -> subprocess.CompletedProcess[str]:
     """`run_lanes` without blocking the event loop (services may be running in it)."""
     return await asyncio.to_thread(run_lanes, urls, *args)
+
+
+@contextlib.asynccontextmanager
+async def local_stack(
+    urls: ServerUrls, services: Iterable[str], *, nodes: bool = True, job_api: bool = False
+) -> AsyncIterator[Connections]:
+    """Services as `lanes up` runs them; with `nodes`, a local launcher on the demo's nodes, registered."""
+    async with connected(urls, name="cli-tests") as conns:
+        stop = asyncio.Event()
+        consumers = await prepare_services(conns, services)
+        tasks = [asyncio.create_task(run_consumers(consumers, stop))]
+        if nodes:
+            tasks.append(asyncio.create_task(LocalLauncher(conns.nc, frozenset(DEMO_NODES)).run(stop)))
+        if job_api:
+            tasks.append(asyncio.create_task(JobApi(conns.nc, conns.pool).run(stop)))
+        try:
+            if nodes:
+                await register_nodes(LanesClient(conns.nc, "tests"), DEMO_NODES)
+                await wait_for_nodes(conns, len(DEMO_NODES), 30)
+            yield conns
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)

@@ -13,7 +13,6 @@ from typing import Any, TypeVar
 from contract_support import eventually
 
 from lanes_common.bus import LanesClient
-from lanes_common.consumer import EventConsumer
 from lanes_common.events import (
     CheckpointSaved,
     CheckpointSavedData,
@@ -35,11 +34,9 @@ from lanes_common.events import (
     RendezvousDoneData,
 )
 from lanes_common.jobs import JobSpec
-from lanes_common.service import Runner, RunnerContext, ServiceDefinition
 from lanes_common.settings import ServerUrls
-from lanes_common.store import apply_migrations
 from lanes_common.streams import JOBS, NODES
-from lanes_ops.bootstrap import SERVICES, Connections, connected, run_consumers
+from lanes_ops.bootstrap import SERVICES, Connections, connected, prepare_services, run_consumers
 from lanes_ops.replay import Selection
 from lanes_ops.timeline import read_stream
 from lanes_recovery.domain.policy import Policy, parse_policy
@@ -65,30 +62,13 @@ def inline_policy(text: str) -> Policy:
     return parse_policy(text, origin="test")
 
 
-async def prepare(conns: Connections, definitions: Sequence[ServiceDefinition]) -> list[Runner]:
-    """Migrations and consumers of some services, as the composition root prepares them."""
-    runners: list[Runner] = []
-    for service in definitions:
-        if service.migrations is not None:
-            await apply_migrations(conns.pool, service.name, service.migrations)
-        for spec, handler in service.consumers:
-            consumer = EventConsumer(conns.nc, conns.pool, spec, handler)
-            await consumer.provision()
-            runners.append(consumer)
-        for make in service.runners:
-            runner = make(RunnerContext(conns.nc, conns.pool, conns.redis))
-            await runner.provision()
-            runners.append(runner)
-    return runners
-
-
 @contextlib.asynccontextmanager
 async def stack(urls: ServerUrls, recovery_policy: Policy, *others: str) -> AsyncIterator[Connections]:
     """Real services on real servers: recovery under `recovery_policy` plus `others` (scheduler, lifecycle...)."""
     async with connected(urls, name="recovery-tests") as conns:
         definitions = [SERVICES[name] for name in others]
         definitions.append(recovery_service(lambda: recovery_policy, tick_s=0.1))
-        runners = await prepare(conns, definitions)
+        runners = await prepare_services(conns, definitions)
         stop = asyncio.Event()
         task = asyncio.create_task(run_consumers(runners, stop))
         try:

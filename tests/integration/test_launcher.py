@@ -5,11 +5,11 @@ Real scheduler and lifecycle consumers, a real launcher and real rank processes 
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from collections.abc import AsyncIterator
 
 import pytest
+from cli_support import local_stack
 from contract_support import eventually
 
 from lanes_common.bus import LanesClient
@@ -27,9 +27,8 @@ from lanes_common.events import (
 )
 from lanes_common.jobs import JobSpec, JobState, ServingSpec, WorkloadClass
 from lanes_common.settings import ServerUrls
-from lanes_ops.bootstrap import Connections, connected, prepare_services, run_consumers
-from lanes_ops.demo import DEMO_NODES, register_nodes, wait_for_nodes
-from lanes_ops.launcher import LocalLauncher
+from lanes_ops.bootstrap import Connections
+from lanes_ops.demo import DEMO_NODES
 from lanes_ops.timeline import job_timeline
 
 pytestmark = pytest.mark.real_servers
@@ -54,20 +53,8 @@ _SERVER = "print('INFO:     Uvicorn running on http://0.0.0.0:8123 (Press CTRL+C
 @pytest.fixture
 async def stack(own_urls: ServerUrls) -> AsyncIterator[Connections]:
     """Scheduler, lifecycle and a launcher for the demo's nodes."""
-    async with connected(own_urls, name="launcher-tests") as conns:
-        stop = asyncio.Event()
-        consumers = await prepare_services(conns, ["scheduler", "lifecycle"])
-        tasks = [
-            asyncio.create_task(run_consumers(consumers, stop)),
-            asyncio.create_task(LocalLauncher(conns.nc, frozenset(DEMO_NODES)).run(stop)),
-        ]
-        await register_nodes(LanesClient(conns.nc, "tests"), DEMO_NODES)
-        await wait_for_nodes(conns, len(DEMO_NODES), 30)
-        try:
-            yield conns
-        finally:
-            stop.set()
-            await asyncio.gather(*tasks)
+    async with local_stack(own_urls, ["scheduler", "lifecycle"]) as conns:
+        yield conns
 
 
 async def _events(conns: Connections, job_id: str) -> list[Event]:

@@ -14,15 +14,11 @@ from typing import Any
 
 import asyncpg
 import pytest
-from cli_support import run_lanes_async
+from cli_support import local_stack, run_lanes_async
 
-from lanes_common.bus import LanesClient
 from lanes_common.events import AttemptRequested, Event, JobStateChanged, TransitionRejected
 from lanes_common.settings import ServerUrls
-from lanes_ops.bootstrap import SERVICES, Connections, connected, prepare_services, run_consumers
-from lanes_ops.demo import DEMO_NODES, register_nodes, wait_for_nodes
-from lanes_ops.job_api import JobApi
-from lanes_ops.launcher import LocalLauncher
+from lanes_ops.bootstrap import SERVICES, Connections
 from lanes_ops.scenarios.lifecycle import (
     CANCELLED_WHILE_STARTING,
     ONE_RANK_FAILS,
@@ -36,22 +32,9 @@ pytestmark = pytest.mark.real_servers
 
 @pytest.fixture
 async def stack(own_urls: ServerUrls) -> AsyncIterator[Connections]:
-    """Every service and a local launcher on two simulated nodes, as `lanes up` runs them."""
-    async with connected(own_urls, name="lifecycle-cli-tests") as conns:
-        stop = asyncio.Event()
-        consumers = await prepare_services(conns, SERVICES)
-        tasks = [
-            asyncio.create_task(run_consumers(consumers, stop)),
-            asyncio.create_task(LocalLauncher(conns.nc, frozenset(DEMO_NODES)).run(stop)),
-            asyncio.create_task(JobApi(conns.nc, conns.pool).run(stop)),
-        ]
-        await register_nodes(LanesClient(conns.nc, "tests"), DEMO_NODES)
-        await wait_for_nodes(conns, len(DEMO_NODES), 30)
-        try:
-            yield conns
-        finally:
-            stop.set()
-            await asyncio.gather(*tasks)
+    """Every service, the job API and a local launcher on the demo's nodes, as `lanes up` runs them."""
+    async with local_stack(own_urls, SERVICES, job_api=True) as conns:
+        yield conns
 
 
 async def _states(conns: Connections, job_id: str) -> list[str]:

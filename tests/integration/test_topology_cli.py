@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from cli_support import run_lanes, run_lanes_async
+from cli_support import local_stack, run_lanes, run_lanes_async
 
 from lanes_common.settings import ServerUrls
-from lanes_ops.bootstrap import SERVICES, Connections, connected, prepare_services, run_consumers
+from lanes_ops.bootstrap import SERVICES, Connections
 from lanes_ops.scenarios.topology import TOPOLOGY_NODES, topology_wait_then_placed
 
 pytestmark = pytest.mark.real_servers
@@ -20,15 +19,8 @@ DATA = Path(__file__).resolve().parent.parent / "data" / "topology"
 
 @pytest.fixture
 async def stack(own_urls: ServerUrls) -> AsyncIterator[Connections]:
-    async with connected(own_urls, name="topology-cli-tests") as conns:
-        stop = asyncio.Event()
-        consumers = await prepare_services(conns, SERVICES)
-        task = asyncio.create_task(run_consumers(consumers, stop))
-        try:
-            yield conns
-        finally:
-            stop.set()
-            await task
+    async with local_stack(own_urls, SERVICES, nodes=False) as conns:
+        yield conns
 
 
 async def test_import_show_export_and_the_topology_demo_with_its_wait_history(

@@ -62,11 +62,14 @@ async def connected(urls: ServerUrls, *, name: str, stream_replicas: int = 1) ->
             await nc.close()
 
 
-async def prepare_services(conns: Connections, names: Iterable[str]) -> list[Runner]:
-    """Apply each service's migrations and provision its consumers; return the consumers, not yet running."""
+async def prepare_services(conns: Connections, services: Iterable[str | ServiceDefinition]) -> list[Runner]:
+    """Apply each service's migrations and provision its consumers; return the consumers, not yet running.
+
+    A service is named (one of `SERVICES`) or given as a definition (e.g. recovery under a test's policy).
+    """
     consumers: list[Runner] = []
-    for name in names:
-        service = SERVICES[name]
+    for named in services:
+        service = SERVICES[named] if isinstance(named, str) else named
         if service.migrations is not None:
             await apply_migrations(conns.pool, service.name, service.migrations)
         for spec, handler in service.consumers:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 from collections import deque
 from collections.abc import Callable
 
@@ -17,7 +16,7 @@ import structlog
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
-from lanes_common.codec import JSON, MSG_ID_HEADER, SPEC_VERSION, EncodedEvent, format_time
+from lanes_common.codec import encode
 from lanes_common.events import RequestServed
 from lanes_common.streams import REQUESTS
 
@@ -101,7 +100,7 @@ class ProvenancePublisher:
         acks: list[asyncio.Future[PubAck]] = []
         try:
             for event in batch:
-                encoded = encode_validated(event)
+                encoded = encode(event, revalidate=False)  # built by its validating constructor
                 acks.append(
                     await self._js.publish_async(
                         encoded.subject, encoded.payload, headers=encoded.headers, stream=REQUESTS.name
@@ -123,27 +122,6 @@ class ProvenancePublisher:
         # Re-sent with the same ids: JetStream drops the ones that were stored after all.
         self._queue.extendleft(functools.partial(_same, event) for event in reversed(failed))
         return False
-
-
-def encode_validated(event: RequestServed) -> EncodedEvent:
-    """`lanes_common.codec.encode` without its re-validation: the event was validated when it was built.
-
-    The codec re-validates because `model_construct` and `model_copy(update=...)` can skip validation; the
-    router only builds events through their constructors, and this is on its busiest path.
-    """
-    fields = event.model_dump(mode="json")
-    data = fields.pop("data")
-    headers = {
-        f"ce-{name}": str(value) for name, value in fields.items() if value is not None and name != "traceparent"
-    }
-    if event.traceparent is not None:
-        headers["traceparent"] = event.traceparent
-    headers["ce-time"] = format_time(event.time)
-    headers["ce-specversion"] = SPEC_VERSION
-    headers["Content-Type"] = JSON
-    headers[MSG_ID_HEADER] = event.id
-    payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
-    return EncodedEvent(subject=event.nats_subject(), headers=headers, payload=payload)
 
 
 def _same(event: RequestServed) -> RequestServed:
