@@ -46,8 +46,8 @@ async def _states(conns: Connections, job_id: str) -> list[str]:
 
 
 async def _once_on_timeline(conns: Connections, job_id: str, kind: type[Event]) -> list[Event]:
-    """The job's events, read again until one of `kind` is among them."""
-    for _ in range(200):
+    """The job's events, read again until one of `kind` is among them (a minute at most)."""
+    for _ in range(600):
         events = [e.event for e in await job_timeline(conns.nc.jetstream(), job_id) if e.event is not None]
         if any(isinstance(e, kind) for e in events):
             return events

@@ -115,9 +115,13 @@ async def test_an_inference_replica_on_a_failed_gpu_leaves_rotation_and_is_repla
         timeline = await sequenced(client, job_id)
         released = next(s for s, e in timeline if isinstance(e, ResourcesReleased) and e.attempt == 1)
         out_of_rotation = next(s for s, e in timeline if isinstance(e, ReplicaStateChanged))
-        retry = next(s for s, e in timeline if isinstance(e, RetryRequested))
+        retry, request = next((s, e) for s, e in timeline if isinstance(e, RetryRequested))
         assert out_of_rotation < retry
         assert released < retry
+        # The shipped inference policy retries with no backoff: the replacement keeps off the failed node
+        # because the request names it, not because the cordon happened to reach the scheduler first.
+        assert request.data.avoid_nodes == (node,)
+        assert [e.data.avoid_nodes for e in await events_of(client, job_id, AttemptRequested)] == [(node,)]
         # The replacement is the same job (same spec, so the same model version), as its next attempt.
         assert [e.attempt for e in await events_of(client, job_id, AttemptRequested)] == [2]
 

@@ -62,6 +62,7 @@ async def test_an_oom_killed_training_job_cordons_the_node_and_resumes_from_its_
 
         requested = (await wait_for(client, job_id, AttemptRequested, attempt=2))[0]
         assert requested.data.resume_step == 100
+        assert requested.data.avoid_nodes == (victim,)  # carried by the request, not left to the cordon's timing
         second_placement = (await wait_for(client, job_id, JobPlaced, attempt=2))[0]
         assert victim not in second_placement.data.nodes  # the cordoned node is avoided
         second = ScriptedLauncher(client, second_placement)
@@ -106,6 +107,7 @@ async def test_an_oom_killed_training_job_cordons_the_node_and_resumes_from_its_
         retry_seq, retry = retries[0]
         assert retry_seq > seq_of_release
         assert (retry.attempt, retry.data.resume_step, retry.data.requested_by) == (1, 100, "lanes/recovery")
+        assert retry.data.avoid_nodes == (victim,)
         assert retry.causationid == decisions[0].id
 
 

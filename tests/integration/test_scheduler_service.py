@@ -23,6 +23,8 @@ from lanes_common.codec import decode
 from lanes_common.consumer import ConsumerSpec, EventConsumer, Outcome
 from lanes_common.embedded import EmbeddedNats
 from lanes_common.events import (
+    AttemptRequested,
+    AttemptRequestedData,
     ClusterPolicySet,
     ClusterPolicySetData,
     Event,
@@ -79,7 +81,9 @@ class Cluster:
 
     def specs(self, suffix: str = "") -> list[tuple[ConsumerSpec, object]]:
         job_subjects = tuple(
-            f"lanes.job.{j}.{name}" for j in self.jobs.values() for name in ("submitted", "state_changed")
+            f"lanes.job.{j}.{name}"
+            for j in self.jobs.values()
+            for name in ("submitted", "attempt_requested", "state_changed")
         )
         node_subjects = tuple(
             f"lanes.node.{n}.{name}" for n in self.nodes.values() for name in ("registered", "state_changed")
@@ -255,6 +259,55 @@ async def test_capacity_short_isolated_and_spec_mismatch_reasons(urls: ServerUrl
         (rejected,) = [e for e in await _job_events(js, c.jobs["b200"]) if e.type == "io.lanes.job.rejected.v1"]
         assert rejected.data.reason == "spec_mismatch"
         assert rejected.data.owner_lane is Lane.ALGORITHM
+
+
+async def test_a_new_attempt_never_goes_on_the_nodes_its_request_says_to_avoid(urls: ServerUrls, unique: str) -> None:
+    async with running(urls, unique, ["j", "hog"], ["n1", "n2", "n3"]) as c:
+        await c.node("n1")
+        await c.node("n2")
+        await c.nodes_known(2)
+        await c.submit("j", workers=1, gpus_per_worker=8)
+        await eventually(lambda: _is(c.status("j"), "placed"), what="j placed")
+        await c.submit("hog", workers=1, gpus_per_worker=8)
+        await eventually(lambda: _is(c.status("hog"), "placed"), what="hog placed")
+        job = c.jobs["j"]
+
+        async def nodes_of(attempt: int) -> set[str]:
+            rows = await c.conns.pool.fetch(
+                "SELECT DISTINCT node_id FROM scheduler_allocations WHERE job_id = $1 AND attempt = $2", job, attempt
+            )
+            return {r["node_id"] for r in rows}
+
+        (failed_node,) = await nodes_of(1)
+        failed = JobStateChangedData(from_state=JobState.RUNNING, to_state=JobState.FAILED, cause_type="tests")
+        await c.client.publish(JobStateChanged(source="tests", jobid=job, attempt=1, data=failed))
+        # The node that failed is free and, as far as the scheduler knows, ready (no cordon has reached it):
+        # only the request itself keeps the new attempt off it, so it waits for the one other node to free up.
+        retry = AttemptRequestedData(reason="resume after a GPU Xid", avoid_nodes=(failed_node,))
+        await c.client.publish(AttemptRequested(source="tests", jobid=job, attempt=2, data=retry))
+
+        async def reason_of_attempt_2() -> str | None:
+            return await c.conns.pool.fetchval(  # type: ignore[no-any-return]
+                "SELECT reason FROM scheduler_waits WHERE job_id = $1 AND attempt = 2 AND ended_at IS NULL", job
+            )
+
+        async def attempt_2_status() -> str | None:
+            return await c.conns.pool.fetchval(  # type: ignore[no-any-return]
+                "SELECT status FROM scheduler_jobs WHERE job_id = $1 AND attempt = 2", job
+            )
+
+        await eventually(lambda: _is(reason_of_attempt_2(), "isolated"), what="attempt 2 isolated by its avoided node")
+        (waiting,) = [e for e in await _job_events(c.conns.nc.jetstream(), job) if e.type == "io.lanes.job.waiting.v1"]
+        assert f"must avoid: {failed_node}" in waiting.data.detail
+        assert [(b.kind, b.id) for b in waiting.data.blocking] == [("node", failed_node)]
+        stored = await c.conns.pool.fetchval(
+            "SELECT avoid_nodes FROM scheduler_jobs WHERE job_id = $1 AND attempt = 2", job
+        )
+        assert stored == [failed_node]
+        # A new node rebuilds the scheduler's view from the projection: the stored avoid list still holds.
+        await c.node("n3")
+        await eventually(lambda: _is(attempt_2_status(), "placed"), what="attempt 2 placed once a node is added")
+        assert await nodes_of(2) == {c.nodes["n3"]}
 
 
 async def test_release_is_exactly_once_and_a_double_release_is_refused_and_logged(

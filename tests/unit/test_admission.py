@@ -41,7 +41,8 @@ def _cluster(spines: int = 1, leaves: int = 2, domains: int = 2, nodes: int = 2,
 
 
 def _gang(job: str, workers: int, gpus: int = 8, **kw: object) -> Gang:
-    return Gang(job_id=job, attempt=1, workers=workers, gpus_per_worker=gpus, **kw)  # type: ignore[arg-type]
+    kw.setdefault("attempt", 1)
+    return Gang(job_id=job, workers=workers, gpus_per_worker=gpus, **kw)  # type: ignore[arg-type]
 
 
 def _view(nodes: list[Node], policy: ClusterPolicy | None = None) -> CapacityView:
@@ -144,6 +145,54 @@ def test_isolated_by_cordoned_nodes_names_them_with_owner_and_reason():
         Lane.HOST,
     )
     assert why.owner_lane is Lane.HOST
+
+
+def test_a_gang_is_never_placed_on_the_nodes_it_must_avoid_even_when_they_fit_best():
+    view = _view(_cluster(leaves=1, domains=1, nodes=2))
+    half = place_gang(view, _gang("half", 1, 4))
+    assert isinstance(half, Placed)
+    view.hold(half.gang, half.assignments)
+    used = half.assignments[0].node
+    best_fit = place_gang(view, _gang("b", 1, 4))
+    assert isinstance(best_fit, Placed)
+    assert best_fit.assignments[0].node == used  # without avoiding, the half-used node is the tightest fit
+    avoiding = place_gang(view, _gang("b", 1, 4, avoid_nodes=frozenset({used})))
+    assert isinstance(avoiding, Placed)
+    assert {a.node for a in avoiding.assignments} == {"s0-l0-d0-n0", "s0-l0-d0-n1"} - {used}
+
+
+def test_a_gang_that_fits_only_on_nodes_it_must_avoid_waits_isolated_naming_them():
+    nodes = [
+        n.model_copy(update={"status": NodeStatus(state=NodeState.CORDONED, reason="xid 79", owner_lane="host")})
+        if n.node_id.endswith("n1")
+        else n
+        for n in _cluster(leaves=1, domains=1, nodes=2)
+    ]
+    view = _view(nodes)
+    gang = _gang("w", 2, attempt=2, avoid_nodes=frozenset({"s0-l0-d0-n1"}))
+    (decision,) = schedule(view, [gang])
+    assert isinstance(decision, Waiting)
+    assert decision.reason is WaitReason.ISOLATED
+    assert "must avoid: s0-l0-d0-n1" in decision.detail  # not "wait until it is ready": it is never to be used
+    assert [(b.kind, b.id, b.state) for b in decision.blocking] == [("node", "s0-l0-d0-n1", "cordoned")]
+    assert decision.figures["avoided_nodes"] == 1
+
+
+def test_a_gang_that_is_short_of_capacity_anyway_is_not_blamed_on_the_nodes_it_avoids():
+    view = _view(_cluster(leaves=1, domains=1, nodes=2))
+    why = explain(view, _gang("w", 3, avoid_nodes=frozenset({"s0-l0-d0-n1"})))
+    assert isinstance(why, Rejected)  # three workers never fit on two nodes, avoided or not
+    view = _view(_cluster(leaves=1, domains=1, nodes=3))
+    view.hold(_gang("x", 1), place_gang(view, _gang("x", 1)).assignments)  # type: ignore[union-attr]
+    why = explain(view, _gang("w", 3, avoid_nodes=frozenset({"s0-l0-d0-n2"})))
+    assert isinstance(why, Waiting)
+    assert why.reason is WaitReason.CAPACITY_SHORT
+
+
+def test_avoiding_a_node_that_is_not_in_the_inventory_changes_nothing():
+    view = _view(_cluster(leaves=1, domains=1, nodes=2))
+    placed = place_gang(view, _gang("w", 2, avoid_nodes=frozenset({"gone-node"})))
+    assert isinstance(placed, Placed)
 
 
 def test_isolated_by_quota_and_by_reserved_pool():

@@ -189,13 +189,19 @@ def _lifecycle_samples() -> list[Event]:
         ev.ArtifactProduced(data=ev.ArtifactProducedData(artifact="model", path="s3://m", digest=digest), **rank_keys),
         ev.Heartbeat(data=ev.HeartbeatData(step=101), **rank_keys),
         ev.CancelRequested(source="lanes/cli", data=command, **_JOB_KEYS),
-        ev.RetryRequested(source="lanes/cli", data=ev.RetryData(reason="r", resume_step=100), **_JOB_KEYS),
+        ev.RetryRequested(
+            source="lanes/recovery",
+            data=ev.RetryData(reason="r", resume_step=100, avoid_nodes=("node-1",)),
+            **_JOB_KEYS,
+        ),
         ev.HoldRequested(source="lanes/cli", data=ev.HoldRequestedData(owner="bob", deadline=TIME), **_JOB_KEYS),
         ev.ResumeRequested(
             source="lanes/cli", data=ev.RetryData(reason="r", requested_by="alice", resume_step=50), **_JOB_KEYS
         ),
         ev.AttemptRequested(
-            source="lanes/lifecycle", data=ev.AttemptRequestedData(reason="r", resume_step=100), **_JOB_KEYS
+            source="lanes/lifecycle",
+            data=ev.AttemptRequestedData(reason="r", resume_step=100, avoid_nodes=("node-1",)),
+            **_JOB_KEYS,
         ),
         ev.TransitionRejected(
             source="lanes/lifecycle",

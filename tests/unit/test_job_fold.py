@@ -383,6 +383,17 @@ def test_retry_creates_a_numbered_attempt_that_resumes_from_the_last_verified_ch
     assert view.current.resume_step == 100
 
 
+def test_a_retry_carries_the_nodes_to_avoid_on_to_the_new_attempt():
+    avoid = retry().model_copy(update={"data": RetryData(reason="node-1 cordoned", avoid_nodes=("node-1",))})
+    _, transition = evolve(_failed(), avoid)
+    assert _moved(transition, JobState.FAILED, JobState.RETRYING).avoid_nodes == ("node-1",)
+
+
+def test_a_retry_that_names_no_nodes_avoids_none():
+    _, transition = evolve(_failed(), retry())
+    assert _moved(transition, JobState.FAILED, JobState.RETRYING).avoid_nodes == ()
+
+
 def test_events_of_an_old_attempt_are_recorded_against_it_and_never_move_the_job():
     view, _ = fold(*START, exited(1, exit_code=1))  # partially failed: rank 0 still runs
     view, _ = evolve(view, cancel(seconds=11))

@@ -284,7 +284,16 @@ def test_a_host_error_cordons_the_node_and_resumes_from_the_last_verified_checkp
     assert (d.policy, d.policy_version) == ("lanes-default", 1)
     assert plan.retry is not None
     assert plan.retry.resume_step == 200
+    assert plan.retry.avoid_nodes == ("node-2",)  # the new attempt is kept off the cordoned node by its request
     assert plan.retry.due_at == _at(40 + 2)  # the first retry waits the policy's base backoff
+
+
+def test_a_retry_that_cordons_nothing_avoids_no_node():
+    known = knowledge(*TRAINING_RUN, finding(Lane.PLATFORM, "preemption"), changed(JobState.FAILED))
+    plan = decide(known)
+    assert plan.cordons == ()
+    assert plan.retry is not None
+    assert plan.retry.avoid_nodes == ()  # only cordoned nodes are avoided; a preempted node stays usable
 
 
 def test_an_algorithm_error_goes_to_its_owner_with_a_deadline_and_no_retry():

@@ -514,6 +514,9 @@ class RetryData(CommandData):
     resume_step: int | None = Field(
         default=None, ge=0, description="The step of the verified checkpoint; unset: the latest saved one."
     )
+    avoid_nodes: tuple[Token, ...] = Field(
+        default=(), description="Nodes the new attempt must not be placed on, e.g. the ones recovery cordoned."
+    )
 
 
 class RetryRequested(Event):
@@ -558,6 +561,9 @@ class AttemptRequestedData(_Data):
 
     reason: str
     resume_step: int | None = None
+    avoid_nodes: tuple[Token, ...] = Field(
+        default=(), description="Nodes the scheduler must never place this attempt on (carried from the retry)."
+    )
 
 
 class AttemptRequested(Event):

@@ -256,6 +256,8 @@ class Transition(BaseModel):
     new_attempt: int | None = None
     """Set when the transition created an attempt (retrying): its number."""
     resume_step: int | None = None
+    avoid_nodes: tuple[str, ...] = ()
+    """Nodes the new attempt must not be placed on, as the retry asked (e.g. the ones recovery cordoned)."""
 
 
 def evolve(view: JobView | None, event: Event) -> tuple[JobView, Transition | None]:
@@ -441,7 +443,8 @@ def _retry(view: JobView, event: RetryRequested | ResumeRequested) -> tuple[JobV
     asked = event.data.reason or ("resumed by its owner" if isinstance(event, ResumeRequested) else "retry requested")
     reopened = view.model_copy(update={"attempts": (*view.attempts, new), "manual": None})
     after, transition = _move(reopened, event, new, JobState.RETRYING, f"attempt {new.number}: {asked}")
-    return after, transition.model_copy(update={"new_attempt": new.number, "resume_step": resume})
+    carried = {"new_attempt": new.number, "resume_step": resume, "avoid_nodes": event.data.avoid_nodes}
+    return after, transition.model_copy(update=carried)
 
 
 def _progress(attempt: Attempt, event: Heartbeat | CheckpointStarted | CheckpointSaved | ArtifactProduced) -> Attempt:

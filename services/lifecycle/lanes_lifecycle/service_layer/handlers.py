@@ -69,5 +69,7 @@ async def handle_job_event(event: Event, ctx: HandlerContext) -> Sequence[Event]
     await repository.save(ctx.conn, after, transition_seq=seq)
     if transition.new_attempt is None:
         return []
-    requested = AttemptRequestedData(reason=transition.reason, resume_step=transition.resume_step)
+    requested = AttemptRequestedData(
+        reason=transition.reason, resume_step=transition.resume_step, avoid_nodes=transition.avoid_nodes
+    )
     return [derive(AttemptRequested, event, source=SOURCE, attempt=transition.new_attempt, data=requested)]

@@ -291,6 +291,7 @@ def _automatic(
         reason=f"{action.value} after {a.first.label} (policy {policy.name} v{policy.version})",
         requested_by=RECOVERY,
         due_at=now + timedelta(seconds=backoff),
+        avoid_nodes=tuple(c.node for c in cordons),
     )
     out = _replica_out(a.spec, a.found) if action is RecoveryAction.REPLACE_REPLICA else None
     return Plan(decision=decision, cordons=cordons, replica_out=out, retry=retry, notes=a.notes)

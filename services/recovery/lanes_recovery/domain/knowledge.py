@@ -141,6 +141,9 @@ class PendingRetry(_Frozen):
     reason: str
     requested_by: str
     due_at: datetime
+    avoid_nodes: tuple[str, ...] = ()
+    """The nodes the decision cordoned: the new attempt must not be placed on them (whatever the scheduler has
+    heard of the cordon by then)."""
 
 
 class ManualWait(_Frozen):

@@ -280,7 +280,12 @@ class Recovery:
         pending = known.pending
         if pending is None or not known.attempt(pending.attempt).released or pending.due_at > now:
             return known, []
-        data = RetryData(reason=pending.reason, requested_by=pending.requested_by, resume_step=pending.resume_step)
+        data = RetryData(
+            reason=pending.reason,
+            requested_by=pending.requested_by,
+            resume_step=pending.resume_step,
+            avoid_nodes=pending.avoid_nodes,
+        )
         command: type[RetryRequested | ResumeRequested] = (
             RetryRequested if pending.command == "retry" else ResumeRequested
         )

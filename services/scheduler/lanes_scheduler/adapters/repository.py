@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -145,8 +146,8 @@ async def holdings(conn: Db) -> list[Holding]:
 # --- job attempts ----------------------------------------------------------------------------------
 
 
-def gang_of(job_id: str, attempt: int, spec: JobSpec, order: int) -> Gang:
-    """The placement request of one attempt of a job."""
+def gang_of(job_id: str, attempt: int, spec: JobSpec, order: int, *, avoid_nodes: Iterable[str] = ()) -> Gang:
+    """The placement request of one attempt of a job, kept off the nodes it must avoid."""
     return Gang(
         job_id=job_id,
         attempt=attempt,
@@ -159,15 +160,18 @@ def gang_of(job_id: str, attempt: int, spec: JobSpec, order: int) -> Gang:
         priority=spec.priority,
         order=order,
         topology=spec.topology,
+        avoid_nodes=frozenset(avoid_nodes),
     )
 
 
-async def add_pending_job(conn: Db, job_id: str, attempt: int, spec: JobSpec, seq: int) -> bool:
-    """Queue a job attempt for placement; False if that attempt is already known."""
+async def add_pending_job(
+    conn: Db, job_id: str, attempt: int, spec: JobSpec, seq: int, *, avoid_nodes: Iterable[str] = ()
+) -> bool:
+    """Queue a job attempt for placement, never to go on `avoid_nodes`; False if that attempt is already known."""
     added = await conn.fetchval(
         """INSERT INTO scheduler_jobs (job_id, attempt, workers, gpus_per_worker, gpu_model, status, submitted_seq,
-                                       spec, tenant, pool, priority)
-           VALUES ($1, $2, $3, $4, $5, 'pending', $6, $7::jsonb, $8, $9, $10)
+                                       spec, tenant, pool, priority, avoid_nodes)
+           VALUES ($1, $2, $3, $4, $5, 'pending', $6, $7::jsonb, $8, $9, $10, $11)
            ON CONFLICT (job_id, attempt) DO NOTHING RETURNING true""",
         job_id,
         attempt,
@@ -179,6 +183,7 @@ async def add_pending_job(conn: Db, job_id: str, attempt: int, spec: JobSpec, se
         spec.tenant,
         spec.pool,
         spec.priority,
+        sorted(set(avoid_nodes)),
     )
     return bool(added)
 
@@ -194,15 +199,21 @@ async def original_spec(conn: Db, job_id: str) -> JobSpec | None:
 async def pending_jobs(conn: Db) -> list[PendingJob]:
     """Job attempts waiting for placement (the order of the queue is the domain's business)."""
     rows = await conn.fetch(
-        """SELECT j.job_id, j.attempt, j.spec, j.submitted_seq, w.reason AS wait_reason, w.detail AS wait_detail,
-                  w.queue_position
+        """SELECT j.job_id, j.attempt, j.spec, j.submitted_seq, j.avoid_nodes, w.reason AS wait_reason,
+                  w.detail AS wait_detail, w.queue_position
            FROM scheduler_jobs j
            LEFT JOIN scheduler_waits w ON w.job_id = j.job_id AND w.attempt = j.attempt AND w.ended_at IS NULL
            WHERE j.status = 'pending' ORDER BY j.submitted_seq"""
     )
     return [
         PendingJob(
-            gang=gang_of(r["job_id"], r["attempt"], JobSpec.model_validate_json(r["spec"]), r["submitted_seq"]),
+            gang=gang_of(
+                r["job_id"],
+                r["attempt"],
+                JobSpec.model_validate_json(r["spec"]),
+                r["submitted_seq"],
+                avoid_nodes=r["avoid_nodes"],
+            ),
             wait_reason=r["wait_reason"],
             wait_detail=r["wait_detail"],
             queue_position=r["queue_position"],

@@ -44,6 +44,8 @@ class Gang:
     priority: int = 0
     order: int = 0
     topology: TopologyConstraint = ANY_TOPOLOGY
+    avoid_nodes: frozenset[str] = frozenset()
+    """Nodes this attempt must never be placed on, whatever their state (e.g. the ones recovery cordoned)."""
 
     @property
     def key(self) -> str:
@@ -107,6 +109,11 @@ class Holding:
     pool: str
     node: str
     gpus: tuple[int, ...]
+
+
+def _avoided(view: CapacityView, gang: Gang) -> frozenset[str]:
+    """The nodes of the view the gang must avoid (a node not in the inventory cannot be placed on anyway)."""
+    return frozenset(n for n in gang.avoid_nodes if n in view.nodes)
 
 
 def _fits_spec(node: Node, gang: Gang) -> bool:
@@ -379,9 +386,13 @@ def _try_domain(
 
 
 def place_gang(view: CapacityView, gang: Gang, excluded: frozenset[str] = frozenset()) -> Placed | None:
-    """The tightest domain that holds the whole gang (fewest free GPUs among those that fit), or None."""
+    """The tightest domain that holds the whole gang (fewest free GPUs among those that fit), or None.
+
+    Neither the `excluded` nodes (a reservation) nor the ones the gang must avoid are used.
+    """
     if not view.policy.pool(gang.pool).admits(gang.tenant):
         return None
+    excluded |= _avoided(view, gang)
     quota = view.policy.tenant(gang.tenant).quota(gang.pool)
     if quota is not None and view.usage.get((gang.tenant, gang.pool), 0) + gang.gpus > quota:
         return None
@@ -477,6 +488,7 @@ def explain(
 ) -> Waiting | Rejected:
     """The most fundamental reason the gang is not placed now (call it after `place_gang` said None)."""
     g = gang.gpus_per_worker
+    avoided = _avoided(view, gang)
     required = gang.topology.required
     spec = f"{g} GPUs of {gang.gpu_model or 'any model'}" + (
         f" with >= {gang.gpu_memory_gib} GiB" if gang.gpu_memory_gib else ""
@@ -545,16 +557,22 @@ def explain(
             (quota_block,),
             {"needed_gpus": gang.gpus, "quota_gpus": quota, "used_gpus": used},
         )
-    free_slots = _free_slots(view, gang, excluded, uniform=fitting_kinds == kinds)
+    if avoided:
+        isolated = _isolated_by_avoided_nodes(view, gang, excluded, avoided)
+        if isolated is not None:
+            return isolated
+    kept_out = excluded | avoided
+    free_slots = _free_slots(view, gang, kept_out, uniform=fitting_kinds == kinds)
     figures = {"needed_gpus": gang.gpus, "free_gpus": free_slots * g}
-    ready_domain, ready_largest = _largest(view, gang, required, excluded, any_state=False, empty=False)
+    ready_domain, ready_largest = _largest(view, gang, required, kept_out, any_state=False, empty=False)
     if ready_largest < gang.workers:
-        _, with_down = _largest(view, gang, required, excluded, any_state=True, empty=False)
+        _, with_down = _largest(view, gang, required, kept_out, any_state=True, empty=False)
         if with_down >= gang.workers:
             down = [
                 n
                 for n in view.nodes.values()
                 if n.pool == gang.pool
+                and n.node_id not in avoided
                 and _fits_spec(n, gang)
                 and n.status.state is not NodeState.READY
                 and view.free[n.node_id]
@@ -581,7 +599,7 @@ def explain(
                 figures | {"not_ready_nodes": len(down)},
             )
     if excluded:
-        _, unreserved = _largest(view, gang, required, frozenset(), any_state=False, empty=False)
+        _, unreserved = _largest(view, gang, required, avoided, any_state=False, empty=False)
         if unreserved >= gang.workers:
             blocking = (
                 BlockingResource(
@@ -646,6 +664,38 @@ def explain(
     )
 
 
+def _isolated_by_avoided_nodes(
+    view: CapacityView, gang: Gang, excluded: frozenset[str], avoided: frozenset[str]
+) -> Waiting | None:
+    """Isolated when the gang would fit (once every node is ready) only by using nodes it must avoid."""
+    required = gang.topology.required
+    _, with_avoided = _largest(view, gang, required, excluded, any_state=True, empty=False)
+    _, without_avoided = _largest(view, gang, required, excluded | avoided, any_state=True, empty=False)
+    if not without_avoided < gang.workers <= with_avoided:
+        return None
+    blocking = tuple(
+        BlockingResource(
+            kind="node",
+            id=n,
+            holders=view.holders_of([n]),
+            free_gpus=len(view.free[n]),
+            state=view.nodes[n].status.state.value,
+            reason="this attempt must avoid it",
+            owner_lane=Lane.PLATFORM,
+        )
+        for n in sorted(avoided)[:MAX_LISTED]
+    )
+    names = ", ".join(b.id for b in blocking[:4])
+    return Waiting(
+        gang,
+        WaitReason.ISOLATED,
+        f"would fit only by using nodes this attempt must avoid: {names}",
+        Lane.PLATFORM,
+        blocking,
+        {"needed_gpus": gang.gpus, "avoided_nodes": len(avoided)},
+    )
+
+
 # --- the queue -------------------------------------------------------------------------------------
 
 
@@ -654,6 +704,7 @@ def reservation(view: CapacityView, gang: Gang) -> frozenset[str]:
 
     The domain is the tightest level's one that could hold the gang when idle and has the most free GPUs.
     """
+    avoided = _avoided(view, gang)
     chosen: tuple[str, Level] | None = None
     for level in _levels_for(gang):
         if view.largest_domain(gang.pool, level) < gang.gpus:
@@ -663,7 +714,9 @@ def reservation(view: CapacityView, gang: Gang) -> frozenset[str]:
             capacity = sum(
                 view.nodes[n].gpus // gang.gpus_per_worker
                 for n in members[domain]
-                if view.nodes[n].status.state is NodeState.READY and _fits_spec(view.nodes[n], gang)
+                if n not in avoided
+                and view.nodes[n].status.state is NodeState.READY
+                and _fits_spec(view.nodes[n], gang)
             )
             if capacity >= gang.workers:
                 chosen = (domain, level)
@@ -677,7 +730,9 @@ def reservation(view: CapacityView, gang: Gang) -> frozenset[str]:
     if gang.topology.slice_workers is not None:
         return frozenset(kept_domain)
     ready = [
-        n for n in kept_domain if view.nodes[n].status.state is NodeState.READY and _fits_spec(view.nodes[n], gang)
+        n
+        for n in kept_domain
+        if n not in avoided and view.nodes[n].status.state is NodeState.READY and _fits_spec(view.nodes[n], gang)
     ]
     kept: list[str] = []
     covered = 0
@@ -716,6 +771,7 @@ def schedule(view: CapacityView, gangs: Iterable[Gang]) -> list[Decision]:
             gang.tenant,
             gang.pool,
             gang.topology,
+            gang.avoid_nodes,
         )
         known = failed.get(shape)
         if known is not None:

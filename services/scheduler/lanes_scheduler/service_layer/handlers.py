@@ -61,10 +61,18 @@ def _put_back(token: str, state: _State | None) -> None:
         _STATES[token] = state
 
 
-async def _queue(ctx: HandlerContext, state: _State | None, job_id: str, attempt: int, spec: JobSpec) -> bool:
-    added = await repository.add_pending_job(ctx.conn, job_id, attempt, spec, ctx.stream_seq)
+async def _queue(
+    ctx: HandlerContext,
+    state: _State | None,
+    job_id: str,
+    attempt: int,
+    spec: JobSpec,
+    *,
+    avoid_nodes: tuple[str, ...] = (),
+) -> bool:
+    added = await repository.add_pending_job(ctx.conn, job_id, attempt, spec, ctx.stream_seq, avoid_nodes=avoid_nodes)
     if added and state is not None:
-        gang = repository.gang_of(job_id, attempt, spec, ctx.stream_seq)
+        gang = repository.gang_of(job_id, attempt, spec, ctx.stream_seq, avoid_nodes=avoid_nodes)
         state.pending[(job_id, attempt)] = repository.PendingJob(gang, None)
     return added
 
@@ -86,7 +94,7 @@ async def handle_job_event(event: Event, ctx: HandlerContext) -> Sequence[Event]
         if spec is None:
             msg = f"attempt {event.attempt} of job {event.jobid} requested, but the job was never submitted"
             raise PoisonEventError(msg)
-        added = await _queue(ctx, state, event.job_key, event.attempt or 1, spec)
+        added = await _queue(ctx, state, event.job_key, event.attempt or 1, spec, avoid_nodes=event.data.avoid_nodes)
         if not added:
             _put_back(token, state)
             return []
