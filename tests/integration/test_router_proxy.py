@@ -118,6 +118,28 @@ async def test_a_pinned_version_never_goes_to_another_version(servers: ServerUrl
     assert all(a.replica == f"c-{unique}" for e in pinned_to_v2 for a in e.data.attempts)
 
 
+async def test_a_client_that_hangs_up_before_a_slow_answer_is_recorded_as_client_closed(
+    servers: ServerUrls, unique: str
+) -> None:
+    model = f"m-{unique}"
+    async with (
+        toys((model, "v1")) as (toy,),
+        aiohttp.ClientSession() as session,
+        lanes_client(servers) as lanes,
+        router_in_process(servers) as (_runner, url),
+    ):
+        await announce_replica(lanes, f"r1-{unique}", serving(model, "v1"), toy.endpoint)
+        await wait_routable(session, url, model, 1)
+        await toy.control(token_delay_ms=300)
+        # 8 tokens x 300 ms: the client gives up long before the replica's whole answer is ready.
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5)) as impatient:
+            with pytest.raises(TimeoutError):
+                await chat(impatient, url, model, headers={"X-Request-Id": f"gone-{unique}"})
+        (event,) = await wait_served(lanes, model, 1)
+    assert event.data.request_id == f"gone-{unique}"
+    assert event.data.status == "client_closed"
+
+
 async def test_failover_before_the_first_byte_is_invisible_to_the_client(servers: ServerUrls, unique: str) -> None:
     model = f"m-{unique}"
     ids = [f"a-{unique}", f"b-{unique}"]

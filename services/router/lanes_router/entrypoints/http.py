@@ -49,6 +49,11 @@ _DONE = b"data: [DONE]\n\n"
 _BUSY = frozenset({429, 503})
 
 
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
 def error_body(http_status: int, error_type: str, message: str) -> dict[str, Any]:
     """The OpenAI error shape: `{"error": {"message", "type", "param", "code"}}`."""
     return {"error": {"message": message, "type": error_type, "param": None, "code": http_status}}
@@ -216,10 +221,15 @@ class RouterHttp:
         served.model, served.version, served.stream = parsed.model, parsed.version, parsed.stream
         self._metrics.in_flight += 1
         try:
-            return await self._route(request, parsed, served)
+            response = await self._route(request, parsed, served)
         except asyncio.CancelledError:
             served.status, served.http_status = "client_closed", 499
             raise
+        else:
+            if not parsed.stream and _client_gone(request):
+                # The client hung up while the replica answered: the answer is computed but nobody gets it.
+                served.status = "client_closed"
+            return response
         finally:
             self._metrics.in_flight -= 1
             served.finished = time.perf_counter()
