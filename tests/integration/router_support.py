@@ -11,11 +11,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from contract_support import eventually
 
 from lanes_common.bus import LanesClient, connect_nats
 from lanes_common.cache import connect_redis
@@ -53,16 +54,6 @@ TEST_CONFIG = {
     "shutdown_timeout_s": 5.0,
 }
 """Short timings so failures show within a test; routers in subprocesses get them as LANES_ROUTER_* variables."""
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], *, timeout_s: float = 20.0, what: str = "condition") -> None:
-    """Wait until `check` holds, polling; fail with `what` if it never does."""
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        if time.monotonic() > deadline:
-            msg = f"timed out waiting for {what}"
-            raise AssertionError(msg)
-        await asyncio.sleep(0.05)
 
 
 @dataclass
@@ -283,3 +274,29 @@ async def wait_served(lanes: LanesClient, model: str, count: int) -> list[Reques
 def preferred_replica(replica_ids: list[str], prompt: str) -> str:
     """Which replica prefix affinity sends a prompt to first (the domain's rendezvous hash)."""
     return max(replica_ids, key=lambda r: affinity_rank(r, prompt))
+
+
+@dataclass
+class Routed:
+    """One toy replica announced and routable behind an in-process router."""
+
+    toy: Toy
+    session: aiohttp.ClientSession
+    lanes: LanesClient
+    url: str
+
+
+@contextlib.asynccontextmanager
+async def routed_replica(
+    urls: ServerUrls, replica_id: str, spec: ServingSpec, **placement: Any
+) -> AsyncIterator[Routed]:
+    """A toy replica serving `spec`, announced as `replica_id` (placement: node, gpus), routable through a router."""
+    async with (
+        toys((spec.model, spec.version)) as (toy,),
+        aiohttp.ClientSession() as session,
+        lanes_client(urls) as lanes,
+        router_in_process(urls) as (_runner, url),
+    ):
+        await announce_replica(lanes, replica_id, spec, toy.endpoint, **placement)
+        await wait_routable(session, url, spec.model, 1)
+        yield Routed(toy, session, lanes, url)

@@ -7,10 +7,10 @@ import json
 import aiohttp
 import pytest
 from cli_support import run_lanes_async
+from contract_support import eventually
 from router_support import (
     announce_replica,
     chat,
-    eventually,
     lanes_client,
     router_in_process,
     serving,

@@ -7,10 +7,10 @@ import asyncio
 
 import aiohttp
 import pytest
+from contract_support import eventually
 from router_support import (
     announce_replica,
     chat,
-    eventually,
     lanes_client,
     router_in_process,
     serving,

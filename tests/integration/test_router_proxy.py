@@ -8,13 +8,14 @@ import json
 
 import aiohttp
 import pytest
+from contract_support import eventually
 from router_support import (
     announce_replica,
     chat,
     end_job,
-    eventually,
     lanes_client,
     preferred_replica,
+    routed_replica,
     router_in_process,
     served_events,
     serving,
@@ -39,14 +40,9 @@ async def test_requests_are_served_streaming_and_not_with_one_provenance_event_e
     servers: ServerUrls, unique: str
 ) -> None:
     model = f"m-{unique}"
-    async with (
-        toys((model, "v1")) as (toy,),
-        aiohttp.ClientSession() as session,
-        lanes_client(servers) as lanes,
-        router_in_process(servers) as (_runner, url),
-    ):
-        await announce_replica(lanes, f"r1-{unique}", serving(model, "v1"), toy.endpoint, node="node-7", gpus=(3,))
-        await wait_routable(session, url, model, 1)
+    spec = serving(model, "v1")
+    async with routed_replica(servers, f"r1-{unique}", spec, node="node-7", gpus=(3,)) as routed:
+        session, lanes, url = routed.session, routed.lanes, routed.url
         status, headers, body = await chat(session, url, model, headers={"X-Request-Id": f"plain-{unique}"})
         assert status == 200, body
         assert headers["X-Lanes-Replica"] == f"r1-{unique}"
@@ -122,15 +118,9 @@ async def test_a_client_that_hangs_up_before_a_slow_answer_is_recorded_as_client
     servers: ServerUrls, unique: str
 ) -> None:
     model = f"m-{unique}"
-    async with (
-        toys((model, "v1")) as (toy,),
-        aiohttp.ClientSession() as session,
-        lanes_client(servers) as lanes,
-        router_in_process(servers) as (_runner, url),
-    ):
-        await announce_replica(lanes, f"r1-{unique}", serving(model, "v1"), toy.endpoint)
-        await wait_routable(session, url, model, 1)
-        await toy.control(token_delay_ms=300)
+    async with routed_replica(servers, f"r1-{unique}", serving(model, "v1")) as routed:
+        lanes, url = routed.lanes, routed.url
+        await routed.toy.control(token_delay_ms=300)
         # 8 tokens x 300 ms: the client gives up long before the replica's whole answer is ready.
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5)) as impatient:
             with pytest.raises(TimeoutError):
@@ -187,15 +177,9 @@ async def test_a_replica_failing_mid_stream_ends_the_stream_with_a_clear_error(
     servers: ServerUrls, unique: str
 ) -> None:
     model = f"m-{unique}"
-    async with (
-        toys((model, "v1")) as (toy,),
-        aiohttp.ClientSession() as session,
-        lanes_client(servers) as lanes,
-        router_in_process(servers) as (_runner, url),
-    ):
-        await announce_replica(lanes, f"r-{unique}", serving(model, "v1"), toy.endpoint)
-        await wait_routable(session, url, model, 1)
-        await toy.control(mode="die_after", after_tokens=3)
+    async with routed_replica(servers, f"r-{unique}", serving(model, "v1")) as routed:
+        session, lanes, url = routed.session, routed.lanes, routed.url
+        await routed.toy.control(mode="die_after", after_tokens=3)
         status, _, body = await chat(session, url, model, stream=True, headers={"X-Request-Id": f"mid-{unique}"})
         assert status == 200
         events = sse_events(body)
@@ -220,14 +204,8 @@ async def test_each_protection_mode_answers_as_specified_when_no_replica_has_roo
 ) -> None:
     model = f"m-{unique}"
     spec = serving(model, "v1", max_concurrency=1, protection=protection, queue_timeout_s=1.0, retry_after_s=7)
-    async with (
-        toys((model, "v1")) as (toy,),
-        aiohttp.ClientSession() as session,
-        lanes_client(servers) as lanes,
-        router_in_process(servers) as (_runner, url),
-    ):
-        await announce_replica(lanes, f"r-{unique}", spec, toy.endpoint)
-        await wait_routable(session, url, model, 1)
+    async with routed_replica(servers, f"r-{unique}", spec) as routed:
+        session, lanes, url, toy = routed.session, routed.lanes, routed.url, routed.toy
         await toy.control(first_token_delay_ms=3000)
         holder = asyncio.create_task(chat(session, url, model))
 
