@@ -20,16 +20,16 @@ import uuid
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from lanes_common.bus import publish_encoded
-from lanes_common.codec import encode
-from lanes_common.consumer import ConsumerSpec, EventConsumer, Outcome, record_only
-from lanes_common.events import JobSubmitted, JobSubmittedData
-from lanes_common.jobs import JobSpec
-from lanes_common.log import configure_logging
-from lanes_common.settings import ServerUrls, Settings
-from lanes_common.streams import JOBS
-from lanes_ops.bootstrap import connected
-from lanes_ops.stack import servers
+from lanes_cli.stack import servers
+from lanes_contract.client import publish_encoded
+from lanes_contract.codec import encode
+from lanes_contract.events import JobSubmitted, JobSubmittedData
+from lanes_contract.jobs import JobSpec
+from lanes_contract.streams import JOBS
+from lanes_runtime.consumer import ConsumerSpec, EventConsumer, Outcome, record_only
+from lanes_runtime.log import configure_logging
+from lanes_runtime.service import connected
+from lanes_runtime.settings import ServerUrls, Settings
 
 
 async def _publish(js: JetStreamContext, job_id: str, count: int) -> None:

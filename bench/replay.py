@@ -20,15 +20,16 @@ import time
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from lanes_common.bus import connect_nats, publish_encoded
-from lanes_common.codec import encode
-from lanes_common.events import JobSubmitted, JobSubmittedData
-from lanes_common.jobs import JobSpec
-from lanes_common.log import configure_logging
-from lanes_common.settings import Settings
-from lanes_common.streams import JOBS, provision_streams
-from lanes_ops.replay import Pace, Selection, iter_stream, write_ndjson
-from lanes_ops.stack import servers
+from lanes_cli.replay import Pace, write_ndjson
+from lanes_cli.stack import servers
+from lanes_contract.client import connect_nats, publish_encoded
+from lanes_contract.codec import encode
+from lanes_contract.events import JobSubmitted, JobSubmittedData
+from lanes_contract.jobs import JobSpec
+from lanes_contract.streams import JOBS, provision_streams
+from lanes_runtime.log import configure_logging
+from lanes_runtime.reader import Selection, iter_stream
+from lanes_runtime.settings import Settings
 
 
 async def fill(nc: NatsClient, events: int, jobs: int, prefix: str) -> None:

@@ -35,9 +35,8 @@ from typing import Any
 
 import aiohttp
 
-from lanes_common.bus import LanesClient
-from lanes_common.embedded import EmbeddedNats, EmbeddedRedis
-from lanes_common.events import (
+from lanes_contract.client import LanesClient
+from lanes_contract.events import (
     JobPlaced,
     JobPlacedData,
     JobSubmitted,
@@ -46,9 +45,10 @@ from lanes_common.events import (
     ReplicaListening,
     ReplicaListeningData,
 )
-from lanes_common.ids import new_event_id
-from lanes_common.jobs import JobSpec, ProtectionMode, ServingSpec, WorkloadClass
-from lanes_common.streams import provision_streams
+from lanes_contract.ids import new_event_id
+from lanes_contract.jobs import JobSpec, ProtectionMode, ServingSpec, WorkloadClass
+from lanes_contract.streams import provision_streams
+from lanes_sandbox.embedded import EmbeddedNats, EmbeddedRedis
 
 MODEL = "bench"
 LISTENING = "Uvicorn running on "
@@ -263,7 +263,17 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         env = os.environ | {"LANES_LOG_LEVEL": "warning", "LANES_LOG_FORMAT": "json"}
         replica = stack.enter_context(
             _process(
-                [sys.executable, "-m", "lanes_ops.toy_replica", "--model", MODEL, "--version", "v1", "--tokens", "16"],
+                [
+                    sys.executable,
+                    "-m",
+                    "lanes_sandbox.toy_replica",
+                    "--model",
+                    MODEL,
+                    "--version",
+                    "v1",
+                    "--tokens",
+                    "16",
+                ],
                 env,
                 core=1,
                 log=logs / "replica.log",

@@ -29,17 +29,17 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from lanes_common.bus import LanesClient
-from lanes_common.consumer import ConsumerSpec, EventConsumer, Outcome
-from lanes_common.events import JobSubmitted, JobSubmittedData, NodeRegistered, NodeRegisteredData
-from lanes_common.jobs import JobSpec
-from lanes_common.log import configure_logging
-from lanes_common.settings import ServerUrls, Settings
-from lanes_common.store import apply_migrations
-from lanes_common.streams import JOBS, NODES
-from lanes_common.topology import ClusterPolicy, Level, Node, TopologyConstraint
-from lanes_ops.bootstrap import connected
-from lanes_ops.stack import servers
+from lanes_cli.stack import servers
+from lanes_contract.client import LanesClient
+from lanes_contract.events import JobSubmitted, JobSubmittedData, NodeRegistered, NodeRegisteredData
+from lanes_contract.jobs import JobSpec
+from lanes_contract.streams import JOBS, NODES
+from lanes_contract.topology import ClusterPolicy, Level, Node, TopologyConstraint
+from lanes_runtime.consumer import ConsumerSpec, EventConsumer, Outcome
+from lanes_runtime.log import configure_logging
+from lanes_runtime.service import connected
+from lanes_runtime.settings import ServerUrls, Settings
+from lanes_runtime.store import apply_migrations
 from lanes_scheduler.domain.admission import (
     CapacityView,
     Gang,

@@ -29,10 +29,10 @@ from datetime import UTC, datetime, timedelta
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from lanes_common.bus import publish_encoded
-from lanes_common.codec import EncodedEvent, decode, encode
-from lanes_common.consumer import ConsumerSpec, EventConsumer, Outcome
-from lanes_common.events import (
+from lanes_cli.stack import servers
+from lanes_contract.client import publish_encoded
+from lanes_contract.codec import EncodedEvent, decode, encode
+from lanes_contract.events import (
     EvidenceCategory,
     EvidenceData,
     JobEvidence,
@@ -42,15 +42,15 @@ from lanes_common.events import (
     RankAssignment,
     derive,
 )
-from lanes_common.log import configure_logging
-from lanes_common.settings import ServerUrls, Settings
-from lanes_common.store import apply_migrations
-from lanes_common.streams import JOBS, TELEMETRY
-from lanes_ops.bootstrap import Connections, connected
-from lanes_ops.stack import servers
+from lanes_contract.streams import JOBS, TELEMETRY
+from lanes_evidence.evidence import Evidence, evidence_event, from_event
+from lanes_runtime.consumer import ConsumerSpec, EventConsumer, Outcome
+from lanes_runtime.log import configure_logging
+from lanes_runtime.service import Connections, connected
+from lanes_runtime.settings import ServerUrls, Settings
+from lanes_runtime.store import apply_migrations
 from lanes_telemetry.adapters import repository
 from lanes_telemetry.domain.election import World, elect_first_error
-from lanes_telemetry.domain.evidence import Evidence, evidence_event, from_event
 from lanes_telemetry.entrypoints.service import SERVICE
 from lanes_telemetry.service_layer.handlers import CORRELATION_SKEW, NOT_ELECTED, handle_evidence, handle_job_event
 

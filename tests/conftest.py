@@ -21,11 +21,11 @@ from typing import Any
 import asyncpg
 import pytest
 
-from lanes_common.bus import connect_nats
-from lanes_common.cache import connect_redis
-from lanes_common.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedRedis
-from lanes_common.errors import LanesError, UnsupportedServerError
-from lanes_common.settings import ServerUrls
+from lanes_contract.client import connect_nats
+from lanes_contract.errors import LanesError, UnsupportedServerError
+from lanes_runtime.cache import connect_redis
+from lanes_runtime.settings import ServerUrls
+from lanes_sandbox.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedRedis
 
 
 def _docker_answers() -> bool:

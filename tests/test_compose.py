@@ -1,7 +1,7 @@
 """Static checks of the compose stack: docker-compose.yml, the Dockerfile and the NATS config it mounts.
 
 No Docker engine is needed: the files are parsed and checked against what the code expects (the service
-names in `lanes_ops.bootstrap.SERVICES`, the variables in `lanes_common.settings.ENV_VARS`).
+names in `lanes_cli.bootstrap.SERVICES`, the variables in `lanes_runtime.settings.ENV_VARS`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from lanes_common.settings import ENV_VARS
-from lanes_ops.bootstrap import SERVICES
+from lanes_cli.bootstrap import SERVICES
+from lanes_runtime.settings import ENV_VARS
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -430,7 +430,7 @@ def test_dockerfile_runs_lanes_as_a_non_root_user():
     assert entrypoints, "no ENTRYPOINT"
     assert entrypoints[-1] == ["lanes"]
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts.get("lanes") == "lanes_ops.cli:main"
+    assert scripts.get("lanes") == "lanes_cli.cli:main"
     users = [args.split(":")[0] for instruction, args in stage if instruction == "USER"]
     assert users, "the image runs as root"
     assert users[-1] not in {"root", "0"}

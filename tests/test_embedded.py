@@ -1,4 +1,4 @@
-"""Tests for ``lanes_common.embedded``: real servers from wheels, real cleanup.
+"""Tests for ``lanes_sandbox.embedded``: real servers from wheels, real cleanup.
 
 Every test talks to real server processes started from the wheels and checks
 that they are gone afterwards: pids, ports and temp dirs.  The crash tests run
@@ -31,8 +31,8 @@ import nats
 import pytest
 import redis.asyncio as aioredis
 
-from lanes_common import embedded
-from lanes_common.embedded import (
+from lanes_sandbox import embedded
+from lanes_sandbox.embedded import (
     EmbeddedNats,
     EmbeddedPostgres,
     EmbeddedRedis,
@@ -413,7 +413,7 @@ def test_root_copies_postgres_binaries_when_nobody_cannot_run_them(
 _CHILD = r"""
 import json, os, signal, sys, time
 from pathlib import Path
-from lanes_common import embedded
+from lanes_sandbox import embedded
 
 mode = sys.argv[1]
 base = Path(sys.argv[2]) if len(sys.argv) > 2 else None

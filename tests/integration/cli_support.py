@@ -10,12 +10,12 @@ import sys
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
-from lanes_common.bus import LanesClient
-from lanes_common.settings import ServerUrls
-from lanes_ops.bootstrap import Connections, connected, prepare_services, run_consumers
-from lanes_ops.demo import DEMO_NODES, register_nodes, wait_for_nodes
-from lanes_ops.job_api import JobApi
-from lanes_ops.launcher import LocalLauncher
+from lanes_agent.launcher import LocalLauncher
+from lanes_cli.bootstrap import prepare_services
+from lanes_cli.demo import DEMO_NODES, register_nodes, wait_for_nodes
+from lanes_contract.client import LanesClient
+from lanes_runtime.service import Connections, connected, run_consumers
+from lanes_runtime.settings import ServerUrls
 
 LANES = str(Path(sys.executable).parent / "lanes")
 
@@ -38,9 +38,7 @@ async def run_lanes_async(urls: ServerUrls, *args: str) -> subprocess.CompletedP
 
 
 @contextlib.asynccontextmanager
-async def local_stack(
-    urls: ServerUrls, services: Iterable[str], *, nodes: bool = True, job_api: bool = False
-) -> AsyncIterator[Connections]:
+async def local_stack(urls: ServerUrls, services: Iterable[str], *, nodes: bool = True) -> AsyncIterator[Connections]:
     """Services as `lanes up` runs them; with `nodes`, a local launcher on the demo's nodes, registered."""
     async with connected(urls, name="cli-tests") as conns:
         stop = asyncio.Event()
@@ -48,8 +46,6 @@ async def local_stack(
         tasks = [asyncio.create_task(run_consumers(consumers, stop))]
         if nodes:
             tasks.append(asyncio.create_task(LocalLauncher(conns.nc, frozenset(DEMO_NODES)).run(stop)))
-        if job_api:
-            tasks.append(asyncio.create_task(JobApi(conns.nc, conns.pool).run(stop)))
         try:
             if nodes:
                 await register_nodes(LanesClient(conns.nc, "tests"), DEMO_NODES)

@@ -9,11 +9,11 @@ from collections.abc import Awaitable, Callable, Sequence
 import asyncpg
 from nats.js import JetStreamContext
 
-from lanes_common.consumer import ConsumerSpec, HandlerContext
-from lanes_common.events import Event, JobSubmitted, JobSubmittedData, JobWaiting, JobWaitingData, derive
-from lanes_common.jobs import JobSpec
-from lanes_common.store import Db
-from lanes_common.streams import JOBS
+from lanes_contract.events import Event, JobSubmitted, JobSubmittedData, JobWaiting, JobWaitingData, derive
+from lanes_contract.jobs import JobSpec
+from lanes_contract.streams import JOBS
+from lanes_runtime.consumer import ConsumerSpec, HandlerContext
+from lanes_runtime.store import Db
 
 EFFECTS_DDL = "CREATE TABLE IF NOT EXISTS effects (id bigserial PRIMARY KEY, event_id text NOT NULL)"
 

@@ -19,9 +19,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from contract_support import EFFECTS_DDL, record_effect, spec_for
 from nats.aio.msg import Msg
 
-import lanes_common.consumer as consumer_module
-from lanes_common.bus import connect_nats
-from lanes_common.store import apply_migrations, create_pool, migrations_of
+import lanes_runtime.consumer as consumer_module
+from lanes_contract.client import connect_nats
+from lanes_runtime.store import apply_runtime_migrations, create_pool
 
 
 def die(*_args: Any, **_kwargs: Any) -> Any:
@@ -31,7 +31,7 @@ def die(*_args: Any, **_kwargs: Any) -> Any:
 async def main(nats_url: str, database_url: str, job_id: str, point: str) -> None:
     nc = await connect_nats(nats_url, name="crash-child")
     pool = await create_pool(database_url)
-    await apply_migrations(pool, "lanes_common", migrations_of("lanes_common"))
+    await apply_runtime_migrations(pool)
     await pool.execute(EFFECTS_DDL)
     if point == "ack":
         Msg.ack = die  # type: ignore[method-assign]

@@ -22,14 +22,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from lifecycle_support import lifecycle_spec
 from nats.aio.msg import Msg
 
-import lanes_common.consumer as consumer_module
-from lanes_common.bus import connect_nats, publish_encoded
-from lanes_common.consumer import EventConsumer, HandlerContext
-from lanes_common.events import Event
-from lanes_common.store import apply_migrations, create_pool, migrations_of
+import lanes_runtime.consumer as consumer_module
+from lanes_contract.client import connect_nats, publish_encoded
+from lanes_contract.events import Event
 from lanes_lifecycle.entrypoints.service import SERVICE
 from lanes_lifecycle.service_layer import handlers as handlers_module
 from lanes_lifecycle.service_layer.handlers import handle_job_event
+from lanes_runtime.consumer import EventConsumer, HandlerContext
+from lanes_runtime.store import apply_migrations, apply_runtime_migrations, create_pool
 
 
 def main() -> None:
@@ -72,7 +72,7 @@ def main() -> None:
     async def run() -> None:
         nc = await connect_nats(nats_url, name=f"lifecycle-child-{os.getpid()}")
         pool = await create_pool(database_url)
-        await apply_migrations(pool, "lanes_common", migrations_of("lanes_common"))
+        await apply_runtime_migrations(pool)
         assert SERVICE.migrations is not None
         await apply_migrations(pool, "lifecycle", SERVICE.migrations)
         print("ready", flush=True)  # noqa: T201 - the parent waits for this line

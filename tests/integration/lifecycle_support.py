@@ -6,8 +6,7 @@ import dataclasses
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from lanes_common.consumer import ConsumerSpec
-from lanes_common.events import (
+from lanes_contract.events import (
     CheckpointSaved,
     CheckpointSavedData,
     CheckpointStarted,
@@ -36,9 +35,10 @@ from lanes_common.events import (
     RetryData,
     RetryRequested,
 )
-from lanes_common.jobs import JobSpec
+from lanes_contract.jobs import JobSpec
 from lanes_lifecycle.domain.job import IllegalTransitionError, JobView, Transition, evolve
 from lanes_lifecycle.entrypoints.service import JOB_EVENTS, LIFECYCLE_INPUTS
+from lanes_runtime.consumer import ConsumerSpec
 
 WORKERS = 4
 T0 = datetime(2026, 12, 2, 10, 0, 0, tzinfo=UTC)

@@ -20,15 +20,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import lanes_common.consumer as consumer_module
-from lanes_common.bus import connect_nats, publish_encoded
-from lanes_common.consumer import EventConsumer
-from lanes_common.store import apply_migrations, create_pool, migrations_of
+import lanes_runtime.consumer as consumer_module
+from lanes_contract.client import connect_nats, publish_encoded
 from lanes_recovery.adapters import repository
 from lanes_recovery.adapters.policies import default_policy
 from lanes_recovery.entrypoints.service import consumer_for_jobs, recovery_service
 from lanes_recovery.entrypoints.timers import RecoveryTimers
 from lanes_recovery.service_layer.handlers import Recovery
+from lanes_runtime.consumer import EventConsumer
+from lanes_runtime.store import apply_migrations, apply_runtime_migrations, create_pool
 
 
 def die() -> None:
@@ -62,7 +62,7 @@ async def main(nats_url: str, database_url: str, durable: str, job_ids: str, poi
     arm(point)
     nc = await connect_nats(nats_url, name=f"recovery-child-{os.getpid()}")
     pool = await create_pool(database_url)
-    await apply_migrations(pool, "lanes_common", migrations_of("lanes_common"))
+    await apply_runtime_migrations(pool)
     service = recovery_service(default_policy)
     assert service.migrations is not None
     await apply_migrations(pool, service.name, service.migrations)

@@ -12,8 +12,10 @@ from typing import Any, TypeVar
 
 from contract_support import eventually
 
-from lanes_common.bus import LanesClient
-from lanes_common.events import (
+from lanes_cli.bootstrap import SERVICES, prepare_services
+from lanes_cli.timeline import read_stream
+from lanes_contract.client import LanesClient
+from lanes_contract.events import (
     CheckpointSaved,
     CheckpointSavedData,
     CommunicatorReady,
@@ -33,14 +35,13 @@ from lanes_common.events import (
     RendezvousDone,
     RendezvousDoneData,
 )
-from lanes_common.jobs import JobSpec
-from lanes_common.settings import ServerUrls
-from lanes_common.streams import JOBS, NODES
-from lanes_ops.bootstrap import SERVICES, Connections, connected, prepare_services, run_consumers
-from lanes_ops.replay import Selection
-from lanes_ops.timeline import read_stream
+from lanes_contract.jobs import JobSpec
+from lanes_contract.streams import JOBS, NODES
 from lanes_recovery.domain.policy import Policy, parse_policy
 from lanes_recovery.entrypoints.service import recovery_service
+from lanes_runtime.reader import Selection
+from lanes_runtime.service import Connections, connected, run_consumers
+from lanes_runtime.settings import ServerUrls
 
 _E = TypeVar("_E", bound=Event)
 MODEL = "sha256:" + "11" * 32

@@ -18,10 +18,10 @@ from typing import Any
 import aiohttp
 from contract_support import eventually
 
-from lanes_common.bus import LanesClient, connect_nats
-from lanes_common.cache import connect_redis
-from lanes_common.codec import decode
-from lanes_common.events import (
+from lanes_agent.launcher import listening_endpoint
+from lanes_contract.client import LanesClient, connect_nats
+from lanes_contract.codec import decode
+from lanes_contract.events import (
     JobPlaced,
     JobPlacedData,
     JobStateChanged,
@@ -33,14 +33,14 @@ from lanes_common.events import (
     ReplicaListeningData,
     RequestServed,
 )
-from lanes_common.jobs import JobSpec, JobState, ServingSpec, WorkloadClass
-from lanes_common.settings import ServerUrls
-from lanes_common.streams import REQUESTS, provision_streams
-from lanes_ops.launcher import listening_endpoint
-from lanes_ops.replay import Selection, iter_stream
+from lanes_contract.jobs import JobSpec, JobState, ServingSpec, WorkloadClass
+from lanes_contract.streams import REQUESTS, provision_streams
 from lanes_router.domain.routing import affinity_rank
 from lanes_router.entrypoints.config import RouterConfig
 from lanes_router.entrypoints.runner import RouterRunner
+from lanes_runtime.cache import connect_redis
+from lanes_runtime.reader import Selection, iter_stream
+from lanes_runtime.settings import ServerUrls
 
 LISTENING = "Uvicorn running on "
 TEST_CONFIG = {
@@ -79,9 +79,9 @@ class Toy:
 
 
 def start_toy(model: str, version: str, *extra: str) -> Toy:
-    """Start `python -m lanes_ops.toy_replica` and read its endpoint from the line it prints."""
+    """Start `python -m lanes_sandbox.toy_replica` and read its endpoint from the line it prints."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "lanes_ops.toy_replica", "--model", model, "--version", version, *extra],
+        [sys.executable, "-m", "lanes_sandbox.toy_replica", "--model", model, "--version", version, *extra],
         stdout=subprocess.PIPE,
         text=True,
     )

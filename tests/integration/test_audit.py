@@ -13,12 +13,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from lanes_audit.adapters.signing import Signer
 from lanes_audit.domain.chain import ProblemKind
 from lanes_audit.entrypoints.recorder import AuditRecorder
-from lanes_common.bus import LanesClient, publish_encoded
-from lanes_common.codec import encode
-from lanes_common.settings import ServerUrls
-from lanes_common.store import apply_migrations, create_pool, migrations_of
-from lanes_common.streams import JOBS, provision_streams
-from lanes_ops.audit_cli import verify
+from lanes_cli.audit_cli import verify
+from lanes_contract.client import LanesClient, publish_encoded
+from lanes_contract.codec import encode
+from lanes_contract.streams import JOBS, provision_streams
+from lanes_runtime.settings import ServerUrls
+from lanes_runtime.store import apply_migrations, create_pool, migrations_of
 
 pytestmark = pytest.mark.real_servers
 

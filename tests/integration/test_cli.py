@@ -18,7 +18,7 @@ import asyncpg
 import pytest
 from test_servers_and_streams import _server_announcing
 
-from lanes_common.settings import ServerUrls
+from lanes_runtime.settings import ServerUrls
 
 pytestmark = pytest.mark.real_servers
 LANES = str(Path(sys.executable).parent / "lanes")

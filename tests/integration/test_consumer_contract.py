@@ -14,8 +14,11 @@ import pytest
 from contract_support import EFFECTS_DDL, effects, eventually, record_effect, spec_for, stored, submission
 from nats.js.errors import APIError
 
-from lanes_common.bus import LanesClient, connect_nats
-from lanes_common.consumer import (
+from lanes_contract.client import LanesClient, connect_nats
+from lanes_contract.errors import InvalidEventError, PoisonEventError
+from lanes_contract.events import Event, JobSubmitted
+from lanes_contract.streams import DEAD, JOBS, provision_streams
+from lanes_runtime.consumer import (
     DEAD_CONSUMER,
     DEAD_REASON,
     DEAD_SEQUENCE,
@@ -25,11 +28,8 @@ from lanes_common.consumer import (
     HandlerContext,
     Outcome,
 )
-from lanes_common.errors import InvalidEventError, PoisonEventError
-from lanes_common.events import Event, JobSubmitted
-from lanes_common.settings import ServerUrls
-from lanes_common.store import apply_migrations, create_pool, migrations_of
-from lanes_common.streams import DEAD, JOBS, provision_streams
+from lanes_runtime.settings import ServerUrls
+from lanes_runtime.store import apply_runtime_migrations, create_pool
 
 pytestmark = pytest.mark.real_servers
 
@@ -45,7 +45,7 @@ async def lanes(urls: ServerUrls) -> AsyncIterator[LanesClient]:
 @pytest.fixture
 async def pool(urls: ServerUrls) -> AsyncIterator[asyncpg.Pool]:
     db = await create_pool(urls.database_url)
-    await apply_migrations(db, "lanes_common", migrations_of("lanes_common"))
+    await apply_runtime_migrations(db)
     await db.execute(EFFECTS_DDL)
     yield db
     await db.close()
@@ -254,7 +254,7 @@ async def test_provisioning_twice_is_a_no_op(lanes: LanesClient, pool: asyncpg.P
     await consumer.provision()
     after = await lanes.js.consumer_info(JOBS.name, consumer.spec.durable)
     assert before.config == after.config
-    assert await apply_migrations(pool, "lanes_common", migrations_of("lanes_common")) == []
+    assert await apply_runtime_migrations(pool) == []
 
 
 async def test_the_max_deliveries_advisory_dead_letters_an_abandoned_message(

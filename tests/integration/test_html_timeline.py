@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lanes_ops.html import LANE_ORDER, render_page
+from lanes_cli.html import LANE_ORDER, render_page
 
 LANES = str(Path(sys.executable).parent / "lanes")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from lanes_common.bus import LanesClient
-from lanes_common.embedded import EmbeddedNats
-from lanes_common.events import (
+from lanes_contract.client import LanesClient
+from lanes_contract.events import (
     JobPlaced,
     JobPlacedData,
     JobSubmitted,
@@ -24,9 +23,10 @@ from lanes_common.events import (
     RankStarted,
     RankStartedData,
 )
-from lanes_common.jobs import JobSpec
-from lanes_common.settings import ServerUrls
-from lanes_common.streams import provision_streams
+from lanes_contract.jobs import JobSpec
+from lanes_contract.streams import provision_streams
+from lanes_runtime.settings import ServerUrls
+from lanes_sandbox.embedded import EmbeddedNats
 
 pytestmark = pytest.mark.real_servers
 LANES = str(Path(sys.executable).parent / "lanes")

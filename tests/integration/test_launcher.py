@@ -12,8 +12,10 @@ import pytest
 from cli_support import local_stack
 from contract_support import eventually
 
-from lanes_common.bus import LanesClient
-from lanes_common.events import (
+from lanes_cli.demo import DEMO_NODES
+from lanes_cli.timeline import job_timeline
+from lanes_contract.client import LanesClient
+from lanes_contract.events import (
     CheckpointSaved,
     CommunicatorReady,
     Event,
@@ -25,11 +27,9 @@ from lanes_common.events import (
     RetryData,
     RetryRequested,
 )
-from lanes_common.jobs import JobSpec, JobState, ServingSpec, WorkloadClass
-from lanes_common.settings import ServerUrls
-from lanes_ops.bootstrap import Connections
-from lanes_ops.demo import DEMO_NODES
-from lanes_ops.timeline import job_timeline
+from lanes_contract.jobs import JobSpec, JobState, ServingSpec, WorkloadClass
+from lanes_runtime.service import Connections
+from lanes_runtime.settings import ServerUrls
 
 pytestmark = pytest.mark.real_servers
 

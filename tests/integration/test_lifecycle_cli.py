@@ -16,16 +16,17 @@ import asyncpg
 import pytest
 from cli_support import local_stack, run_lanes_async
 
-from lanes_common.events import AttemptRequested, Event, JobStateChanged, TransitionRejected
-from lanes_common.settings import ServerUrls
-from lanes_ops.bootstrap import SERVICES, Connections
-from lanes_ops.scenarios.lifecycle import (
+from lanes_cli.bootstrap import SERVICES
+from lanes_cli.scenarios.lifecycle import (
     CANCELLED_WHILE_STARTING,
     ONE_RANK_FAILS,
     cancelled_while_starting,
     one_rank_fails,
 )
-from lanes_ops.timeline import job_timeline
+from lanes_cli.timeline import job_timeline
+from lanes_contract.events import AttemptRequested, Event, JobStateChanged, TransitionRejected
+from lanes_runtime.service import Connections
+from lanes_runtime.settings import ServerUrls
 
 pytestmark = pytest.mark.real_servers
 
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.real_servers
 @pytest.fixture
 async def stack(own_urls: ServerUrls) -> AsyncIterator[Connections]:
     """Every service, the job API and a local launcher on the demo's nodes, as `lanes up` runs them."""
-    async with local_stack(own_urls, SERVICES, job_api=True) as conns:
+    async with local_stack(own_urls, SERVICES) as conns:
         yield conns
 
 

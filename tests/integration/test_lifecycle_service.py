@@ -19,9 +19,9 @@ import pytest
 from contract_support import eventually
 from lifecycle_support import clean_run, lifecycle_spec, long_story
 
-from lanes_common.bus import LanesClient
-from lanes_common.consumer import EventConsumer, HandlerContext
-from lanes_common.events import (
+from lanes_cli.timeline import read_stream
+from lanes_contract.client import LanesClient
+from lanes_contract.events import (
     CancelRequested,
     CommandData,
     Event,
@@ -30,16 +30,16 @@ from lanes_common.events import (
     RankExitedData,
     TransitionRejected,
 )
-from lanes_common.jobs import JobState
-from lanes_common.settings import ServerUrls
-from lanes_common.store import apply_migrations, create_pool, migrations_of
-from lanes_common.streams import DEAD, JOBS, provision_streams
+from lanes_contract.jobs import JobState
+from lanes_contract.streams import DEAD, JOBS, provision_streams
 from lanes_lifecycle.adapters import repository
 from lanes_lifecycle.adapters.transitions import TransitionConflictError
 from lanes_lifecycle.entrypoints.service import SERVICE
 from lanes_lifecycle.service_layer.handlers import handle_job_event
-from lanes_ops.replay import Selection
-from lanes_ops.timeline import read_stream
+from lanes_runtime.consumer import EventConsumer, HandlerContext
+from lanes_runtime.reader import Selection
+from lanes_runtime.settings import ServerUrls
+from lanes_runtime.store import apply_migrations, apply_runtime_migrations, create_pool
 
 pytestmark = pytest.mark.real_servers
 CHILD = Path(__file__).parent / "lifecycle_child.py"
@@ -55,7 +55,7 @@ async def lanes(urls: ServerUrls) -> AsyncIterator[LanesClient]:
 
 async def _pool(url: str) -> asyncpg.Pool:
     pool = await create_pool(url)
-    await apply_migrations(pool, "lanes_common", migrations_of("lanes_common"))
+    await apply_runtime_migrations(pool)
     assert SERVICE.migrations is not None
     await apply_migrations(pool, "lifecycle", SERVICE.migrations)
     return pool

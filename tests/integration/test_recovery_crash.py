@@ -23,8 +23,8 @@ import pytest
 from contract_support import eventually
 from recovery_support import events_of, node_events, spec, submit
 
-from lanes_common.bus import LanesClient
-from lanes_common.events import (
+from lanes_contract.client import LanesClient
+from lanes_contract.events import (
     CheckpointSaved,
     CheckpointSavedData,
     FindingCause,
@@ -44,10 +44,10 @@ from lanes_common.events import (
     ResourcesReleasedData,
     RetryRequested,
 )
-from lanes_common.jobs import FailureCause, JobState
-from lanes_common.settings import ServerUrls
-from lanes_common.store import create_pool
-from lanes_common.streams import provision_streams
+from lanes_contract.jobs import FailureCause, JobState
+from lanes_contract.streams import provision_streams
+from lanes_runtime.settings import ServerUrls
+from lanes_runtime.store import create_pool
 
 pytestmark = pytest.mark.real_servers
 CHILD = Path(__file__).parent / "recovery_child.py"

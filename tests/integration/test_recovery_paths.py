@@ -29,8 +29,8 @@ from recovery_support import (
     write_checkpoint,
 )
 
-from lanes_common.bus import LanesClient
-from lanes_common.events import (
+from lanes_contract.client import LanesClient
+from lanes_contract.events import (
     AttemptRequested,
     CancelRequested,
     EvidenceCategory,
@@ -59,10 +59,10 @@ from lanes_common.events import (
     RetryRequested,
     TransitionRejected,
 )
-from lanes_common.jobs import JobSpec, JobState, ProtectionMode, ServingSpec, WorkloadClass
-from lanes_common.settings import ServerUrls
+from lanes_contract.jobs import JobSpec, JobState, ProtectionMode, ServingSpec, WorkloadClass
 from lanes_recovery.entrypoints.timers import RecoveryTimers
 from lanes_recovery.service_layer.handlers import Recovery
+from lanes_runtime.settings import ServerUrls
 
 pytestmark = pytest.mark.real_servers
 NODES = ("gpu-a", "gpu-b", "gpu-c", "gpu-d")

@@ -28,8 +28,8 @@ from recovery_support import (
     write_checkpoint,
 )
 
-from lanes_common.bus import LanesClient
-from lanes_common.events import (
+from lanes_contract.client import LanesClient
+from lanes_contract.events import (
     AttemptRequested,
     EvidenceCategory,
     EvidenceData,
@@ -42,9 +42,9 @@ from lanes_common.events import (
     ResourcesReleased,
     RetryRequested,
 )
-from lanes_common.jobs import JobState
-from lanes_common.settings import ServerUrls
-from lanes_common.topology import NodeState
+from lanes_contract.jobs import JobState
+from lanes_contract.topology import NodeState
+from lanes_runtime.settings import ServerUrls
 
 pytestmark = pytest.mark.real_servers
 NODES = ("gpu-a", "gpu-b", "gpu-c", "gpu-d")
@@ -115,7 +115,7 @@ async def test_a_new_attempt_is_never_requested_before_the_failed_attempts_resou
     own_urls: ServerUrls, unique: str
 ) -> None:
     """Without the scheduler nothing releases attempt 1: the decision is made, the retry waits for the release."""
-    from lanes_common.events import (  # noqa: PLC0415 - only this test plays the scheduler and telemetry
+    from lanes_contract.events import (  # noqa: PLC0415 - only this test plays the scheduler and telemetry
         FindingCause,
         JobFinding,
         JobFindingData,

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from contract_support import submission
 
-from lanes_common.bus import LanesClient
-from lanes_common.codec import decode
-from lanes_common.events import NodeRegistered, NodeRegisteredData
-from lanes_common.settings import ServerUrls
-from lanes_common.streams import JOBS, provision_streams
+from lanes_contract.client import LanesClient
+from lanes_contract.codec import decode
+from lanes_contract.events import NodeRegistered, NodeRegisteredData
+from lanes_contract.streams import JOBS, provision_streams
+from lanes_runtime.settings import ServerUrls
 
 pytestmark = pytest.mark.real_servers
 LANES = str(Path(sys.executable).parent / "lanes")

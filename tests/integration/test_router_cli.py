@@ -19,7 +19,7 @@ from router_support import (
     wait_served,
 )
 
-from lanes_common.settings import ServerUrls
+from lanes_runtime.settings import ServerUrls
 
 pytestmark = pytest.mark.real_servers
 

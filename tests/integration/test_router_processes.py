@@ -19,12 +19,12 @@ from router_support import (
     wait_routable,
 )
 
-from lanes_common.cache import connect_redis
-from lanes_common.codec import decode
-from lanes_common.events import NodeRegistered, NodeRegisteredData, ReplicaState, ReplicaStateChanged
-from lanes_common.settings import ServerUrls
-from lanes_ops.replay import Selection, iter_stream
+from lanes_contract.codec import decode
+from lanes_contract.events import NodeRegistered, NodeRegisteredData, ReplicaState, ReplicaStateChanged
 from lanes_router.adapters.leases import lease_key
+from lanes_runtime.cache import connect_redis
+from lanes_runtime.reader import Selection, iter_stream
+from lanes_runtime.settings import ServerUrls
 
 pytestmark = pytest.mark.real_servers
 

@@ -25,9 +25,9 @@ from router_support import (
     wait_served,
 )
 
-from lanes_common.events import ReplicaState, ReplicaStateChanged, ReplicaStateChangedData
-from lanes_common.jobs import JobState
-from lanes_common.settings import ServerUrls
+from lanes_contract.events import ReplicaState, ReplicaStateChanged, ReplicaStateChangedData
+from lanes_contract.jobs import JobState
+from lanes_runtime.settings import ServerUrls
 
 pytestmark = pytest.mark.real_servers
 

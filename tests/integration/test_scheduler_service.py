@@ -18,11 +18,9 @@ import pytest
 from contract_support import eventually
 from nats.js import JetStreamContext
 
-from lanes_common.bus import LanesClient
-from lanes_common.codec import decode
-from lanes_common.consumer import ConsumerSpec, EventConsumer, Outcome
-from lanes_common.embedded import EmbeddedNats
-from lanes_common.events import (
+from lanes_contract.client import LanesClient
+from lanes_contract.codec import decode
+from lanes_contract.events import (
     AttemptRequested,
     AttemptRequestedData,
     ClusterPolicySet,
@@ -39,13 +37,15 @@ from lanes_common.events import (
     NodeStateChangedData,
     RankAssignment,
 )
-from lanes_common.jobs import JobSpec, JobState
-from lanes_common.settings import ServerUrls
-from lanes_common.store import apply_migrations
-from lanes_common.streams import JOBS, NODES
-from lanes_common.topology import ClusterPolicy, Level, NodeState, Tenant, TopologyConstraint
+from lanes_contract.jobs import JobSpec, JobState
+from lanes_contract.streams import JOBS, NODES
+from lanes_contract.topology import ClusterPolicy, Level, NodeState, Tenant, TopologyConstraint
 from lanes_lifecycle.entrypoints.service import SERVICE as LIFECYCLE
-from lanes_ops.bootstrap import Connections, connected
+from lanes_runtime.consumer import ConsumerSpec, EventConsumer, Outcome
+from lanes_runtime.service import Connections, connected
+from lanes_runtime.settings import ServerUrls
+from lanes_runtime.store import apply_migrations
+from lanes_sandbox.embedded import EmbeddedNats
 from lanes_scheduler.adapters import repository
 from lanes_scheduler.entrypoints.service import SERVICE as SCHEDULER
 from lanes_scheduler.service_layer.handlers import handle_job_event, handle_node_event
@@ -200,7 +200,7 @@ async def _is(value: Awaitable[object], expected: str) -> bool:
 
 
 async def _history(urls: ServerUrls, job_id: str) -> list[dict[str, Any]]:
-    from lanes_ops.scheduling import scheduling_view  # noqa: PLC0415
+    from lanes_cli.scheduling import scheduling_view  # noqa: PLC0415
 
     async with connected(urls, name="history") as conns, conns.pool.acquire() as conn:
         view = await scheduling_view(conn, job_id)

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from nats.js.api import RetentionPolicy
 
-from lanes_common.bus import MIN_NATS_VERSION, connect_nats
-from lanes_common.errors import ServerUnavailableError, StreamConflictError, UnsupportedServerError
-from lanes_common.settings import ServerUrls
-from lanes_common.streams import StreamSpec, provision_streams
+from lanes_contract.client import MIN_NATS_VERSION, connect_nats
+from lanes_contract.errors import ServerUnavailableError, StreamConflictError, UnsupportedServerError
+from lanes_contract.streams import StreamSpec, provision_streams
+from lanes_runtime.settings import ServerUrls
 
 pytestmark = pytest.mark.real_servers
 

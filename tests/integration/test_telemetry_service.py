@@ -17,10 +17,10 @@ import pytest
 from contract_support import eventually
 from nats.js import JetStreamContext
 
-from lanes_common.bus import LanesClient
-from lanes_common.codec import decode
-from lanes_common.consumer import ConsumerSpec, EventConsumer
-from lanes_common.events import (
+from lanes_cli.analyze_cli import load_evidence
+from lanes_contract.client import LanesClient
+from lanes_contract.codec import decode
+from lanes_contract.events import (
     Event,
     EvidenceCategory,
     EvidenceData,
@@ -35,12 +35,12 @@ from lanes_common.events import (
     ResourcesReleased,
     ResourcesReleasedData,
 )
-from lanes_common.settings import ServerUrls
-from lanes_common.store import apply_migrations
-from lanes_common.streams import JOBS
-from lanes_ops.analyze_cli import load_evidence
-from lanes_ops.bootstrap import Connections, connected
-from lanes_telemetry.domain.evidence import evidence_event
+from lanes_contract.streams import JOBS
+from lanes_evidence.evidence import evidence_event
+from lanes_runtime.consumer import ConsumerSpec, EventConsumer
+from lanes_runtime.service import Connections, connected
+from lanes_runtime.settings import ServerUrls
+from lanes_runtime.store import apply_migrations
 from lanes_telemetry.entrypoints.service import SERVICE
 from lanes_telemetry.service_layer.handlers import handle_evidence, handle_job_event
 

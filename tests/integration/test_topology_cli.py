@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 from cli_support import local_stack, run_lanes, run_lanes_async
 
-from lanes_common.settings import ServerUrls
-from lanes_ops.bootstrap import SERVICES, Connections
-from lanes_ops.scenarios.topology import TOPOLOGY_NODES, topology_wait_then_placed
+from lanes_cli.bootstrap import SERVICES
+from lanes_cli.scenarios.topology import TOPOLOGY_NODES, topology_wait_then_placed
+from lanes_runtime.service import Connections
+from lanes_runtime.settings import ServerUrls
 
 pytestmark = pytest.mark.real_servers
 DATA = Path(__file__).resolve().parent.parent / "data" / "topology"

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lanes_common.events import Lane, RankAssignment
-from lanes_common.topology import ClusterPolicy, Level, Node, NodeState, NodeStatus, Pool, Tenant, TopologyConstraint
+from lanes_contract.events import Lane, RankAssignment
+from lanes_contract.topology import ClusterPolicy, Level, Node, NodeState, NodeStatus, Pool, Tenant, TopologyConstraint
 from lanes_scheduler.domain.admission import (
     CapacityView,
     Gang,
@@ -364,8 +364,8 @@ def test_backfill_never_touches_the_nodes_reserved_for_the_head_of_line_gang(run
 
 
 def test_events_and_specs_written_before_the_scheduler_fields_still_read() -> None:
-    from lanes_common.events import JobWaitingData, NodeRegisteredData  # noqa: PLC0415
-    from lanes_common.jobs import JobSpec  # noqa: PLC0415
+    from lanes_contract.events import JobWaitingData, NodeRegisteredData  # noqa: PLC0415
+    from lanes_contract.jobs import JobSpec  # noqa: PLC0415
 
     waiting = JobWaitingData.model_validate({"reason": "capacity_short", "detail": "d", "queue_position": 2})
     assert (waiting.blocking, waiting.owner_lane, waiting.figures) == ((), None, {})

@@ -1,4 +1,4 @@
-"""Unit tests for ``lanes_common.codec``: CloudEvents 1.0 binary mode out, binary or structured mode in."""
+"""Unit tests for ``lanes_contract.codec``: CloudEvents 1.0 binary mode out, binary or structured mode in."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from lanes_common import codec
-from lanes_common.codec import (
+from lanes_contract import codec
+from lanes_contract.codec import (
     MSG_ID_HEADER,
     STRUCTURED_JSON,
     EncodedEvent,
@@ -22,8 +22,8 @@ from lanes_common.codec import (
     register_upcaster,
     to_structured,
 )
-from lanes_common.errors import DecodeError, InvalidEventError
-from lanes_common.events import (
+from lanes_contract.errors import DecodeError, InvalidEventError
+from lanes_contract.events import (
     EVENT_TYPES,
     Event,
     Family,
@@ -46,7 +46,7 @@ from lanes_common.events import (
     ResourcesReleased,
     ResourcesReleasedData,
 )
-from lanes_common.jobs import JobSpec, JobState, ProtectionMode
+from lanes_contract.jobs import JobSpec, JobState, ProtectionMode
 
 TIME = datetime(2026, 12, 2, 10, 20, 11, 123456, tzinfo=UTC)
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -152,8 +152,8 @@ def _samples() -> dict[str, Event]:
 
 
 def _scheduler_samples() -> list[Event]:
-    from lanes_common import events as ev  # noqa: PLC0415 - keeps the scheduler's samples in one place
-    from lanes_common.topology import ClusterPolicy, NodeState, Pool, Tenant  # noqa: PLC0415
+    from lanes_contract import events as ev  # noqa: PLC0415 - keeps the scheduler's samples in one place
+    from lanes_contract.topology import ClusterPolicy, NodeState, Pool, Tenant  # noqa: PLC0415
 
     policy = ClusterPolicy(
         pools=(Pool(name="reserved", reserved_for=("research",)),),
@@ -176,7 +176,7 @@ def _scheduler_samples() -> list[Event]:
 
 
 def _lifecycle_samples() -> list[Event]:
-    from lanes_common import events as ev  # noqa: PLC0415 - keeps the lifecycle's samples in one place
+    from lanes_contract import events as ev  # noqa: PLC0415 - keeps the lifecycle's samples in one place
 
     rank_keys = _JOB_KEYS | {"source": "agent/node-1", "node": "node-1", "rank": 0}
     digest = "sha256:" + "ab" * 32
@@ -213,7 +213,7 @@ def _lifecycle_samples() -> list[Event]:
 
 
 def _telemetry_samples() -> list[Event]:
-    from lanes_common import events as ev  # noqa: PLC0415 - keeps the telemetry's samples in one place
+    from lanes_contract import events as ev  # noqa: PLC0415 - keeps the telemetry's samples in one place
 
     tel_keys: dict[str, Any] = {"time": TIME, "source": "agent/node-1", "node": "node-1", "traceparent": TRACEPARENT}
     timeout = ev.EvidenceData(
@@ -262,7 +262,7 @@ def _telemetry_samples() -> list[Event]:
 
 
 def _router_samples() -> list[Event]:
-    from lanes_common import events as ev  # noqa: PLC0415 - keeps the router's samples in one place
+    from lanes_contract import events as ev  # noqa: PLC0415 - keeps the router's samples in one place
 
     replica = ev.ReplicaStateChangedData(
         replica="chat-a",
@@ -312,7 +312,7 @@ def _router_samples() -> list[Event]:
 
 
 def _recovery_samples() -> list[Event]:
-    from lanes_common import events as ev  # noqa: PLC0415 - keeps the recovery's samples in one place
+    from lanes_contract import events as ev  # noqa: PLC0415 - keeps the recovery's samples in one place
 
     digest = "sha256:" + "cd" * 32
     checkpoint = ev.CheckpointRef(attempt=1, step=200, path="/ckpt/200", digest=digest)

@@ -1,4 +1,4 @@
-"""Unit tests for ``lanes_common.ids``: UUIDv7 event ids, deterministic derived ids, subject-safe tokens."""
+"""Unit tests for ``lanes_contract.ids``: UUIDv7 event ids, deterministic derived ids, subject-safe tokens."""
 
 from __future__ import annotations
 
@@ -12,10 +12,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from lanes_common import ids
-from lanes_common.events import JobPlaced, JobStateChanged, JobStateChangedData, JobSubmitted, JobSubmittedData, derive
-from lanes_common.ids import derived_event_id, is_valid_token, new_event_id, validate_token
-from lanes_common.jobs import JobSpec, JobState
+from lanes_contract import ids
+from lanes_contract.events import (
+    JobPlaced,
+    JobStateChanged,
+    JobStateChangedData,
+    JobSubmitted,
+    JobSubmittedData,
+    derive,
+)
+from lanes_contract.ids import derived_event_id, is_valid_token, new_event_id, validate_token
+from lanes_contract.jobs import JobSpec, JobState
 
 
 def _unix_ms(event_id: str) -> int:

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lanes_ops.incident import bundle, write_bundle
+from lanes_cli.incident import bundle, write_bundle
 
 
 def _row(seq: int, kind: str, lane: str = "platform", second: int | None = None, **fields: Any) -> dict[str, Any]:

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from lanes_common.errors import PoisonEventError
-from lanes_common.events import (
+from lanes_contract.errors import PoisonEventError
+from lanes_contract.events import (
     ArtifactProduced,
     ArtifactProducedData,
     CancelRequested,
@@ -53,7 +53,7 @@ from lanes_common.events import (
     RetryData,
     RetryRequested,
 )
-from lanes_common.jobs import FailureCause, JobSpec, JobState, Owners, SuccessCriteria
+from lanes_contract.jobs import FailureCause, JobSpec, JobState, Owners, SuccessCriteria
 from lanes_lifecycle.domain.job import IllegalTransitionError, JobFlag, JobView, Transition, evolve
 
 T0 = datetime(2026, 12, 2, 10, 0, 0, tzinfo=UTC)

@@ -14,7 +14,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lanes_common.events import (
+from lanes_contract.events import (
     ArtifactProduced,
     ArtifactProducedData,
     CancelRequested,
@@ -55,7 +55,7 @@ from lanes_common.events import (
     RetryData,
     RetryRequested,
 )
-from lanes_common.jobs import JobSpec, JobState, SuccessCriteria
+from lanes_contract.jobs import JobSpec, JobState, SuccessCriteria
 from lanes_lifecycle.domain.job import ACTIVE, TERMINAL, UNPLACED, IllegalTransitionError, JobFlag, JobView, evolve
 
 JOB = "prop-job"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from lanes_common.jobs import FailureCause, JobSpec, Owners, SuccessCriteria
+from lanes_contract.jobs import FailureCause, JobSpec, Owners, SuccessCriteria
 
 
 def test_a_spec_from_before_the_lifecycle_fields_is_still_valid_with_defaults():

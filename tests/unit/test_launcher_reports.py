@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lanes_common.events import CheckpointSavedData, HeartbeatData
-from lanes_ops.launcher import listening_endpoint, progress_report
+from lanes_agent.launcher import listening_endpoint, progress_report
+from lanes_contract.events import CheckpointSavedData, HeartbeatData
 
 DIGEST = "sha256:" + "ab" * 32
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lanes_common.events import RankAssignment
+from lanes_contract.events import RankAssignment
 from lanes_scheduler.domain.placement import Blocked, GangRequest, NodeCapacity, WaitReason, place_first_fit
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from lanes_ops.poc import Verdict, scorecard
+from lanes_cli.poc import Verdict, scorecard
 
 Row = dict[str, Any]
 

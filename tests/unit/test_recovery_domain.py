@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from lanes_common.events import (
+from lanes_contract.events import (
     AttemptRequested,
     AttemptRequestedData,
     CheckpointSaved,
@@ -31,7 +31,7 @@ from lanes_common.events import (
     ResourcesReleased,
     ResourcesReleasedData,
 )
-from lanes_common.jobs import FailureCause, JobSpec, JobState, Owners, ProtectionMode, ServingSpec, WorkloadClass
+from lanes_contract.jobs import FailureCause, JobSpec, JobState, Owners, ProtectionMode, ServingSpec, WorkloadClass
 from lanes_recovery.adapters.policies import default_policy
 from lanes_recovery.domain.checkpoints import DigestVerdict, Verified, verify_checkpoints
 from lanes_recovery.domain.decisions import Plan, Refusal, decide_failure, decide_manual, lost_work

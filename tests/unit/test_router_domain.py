@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from lanes_common.events import (
+from lanes_contract.events import (
     AttemptRequested,
     AttemptRequestedData,
     JobPlaced,
@@ -25,8 +25,8 @@ from lanes_common.events import (
     ReplicaStateChanged,
     ReplicaStateChangedData,
 )
-from lanes_common.jobs import JobSpec, JobState, ProtectionMode, ServingSpec, WorkloadClass
-from lanes_common.topology import NodeState
+from lanes_contract.jobs import JobSpec, JobState, ProtectionMode, ServingSpec, WorkloadClass
+from lanes_contract.topology import NodeState
 from lanes_router.domain.health import PenaltyPolicy, counts_against_replica
 from lanes_router.domain.replicas import Replica, ReplicaRegistry
 from lanes_router.domain.requests import BadRequestError, parse_inference_request, protection_refusal

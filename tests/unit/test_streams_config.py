@@ -1,4 +1,4 @@
-"""Unit tests for ``lanes_common.streams.strengthened``: provisioning only ever strengthens a stream."""
+"""Unit tests for ``lanes_contract.streams.strengthened``: provisioning only ever strengthens a stream."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 
-from lanes_common.errors import StreamConflictError
-from lanes_common.streams import ALL_STREAMS, JOBS, NODES, TELEMETRY, strengthened
+from lanes_contract.errors import StreamConflictError
+from lanes_contract.streams import ALL_STREAMS, JOBS, NODES, TELEMETRY, strengthened
 
 _DAY = 86_400.0
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from lanes_ops.analyze_cli import context_of
-from lanes_ops.cli import app
+from lanes_cli.analyze_cli import context_of
+from lanes_cli.cli import app
 
 LOGS = Path(__file__).resolve().parent.parent / "data" / "logs"
 runner = CliRunner()

@@ -8,12 +8,12 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lanes_common.events import EvidenceCategory as C
-from lanes_common.events import EvidenceData, Lane
-from lanes_ops.analyze_cli import load_evidence
+from lanes_cli.analyze_cli import load_evidence
+from lanes_contract.events import EvidenceCategory as C
+from lanes_contract.events import EvidenceData, Lane
+from lanes_evidence.evidence import Evidence
+from lanes_evidence.parsers import SourceContext, parse_text
 from lanes_telemetry.domain.election import Stage, World, elect_first_error, may_be_cause
-from lanes_telemetry.domain.evidence import Evidence
-from lanes_telemetry.domain.parsers import SourceContext, parse_text
 
 LOGS = Path(__file__).resolve().parent.parent / "data" / "logs"
 EIGHT_RANKS = World(ranks={r: f"node-{r // 2 + 1}" for r in range(8)})

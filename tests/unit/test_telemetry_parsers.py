@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lanes_common.events import EvidenceCategory as C
-from lanes_telemetry.domain.evidence import Evidence
-from lanes_telemetry.domain.parsers import (
+from lanes_contract.events import EvidenceCategory as C
+from lanes_evidence.evidence import Evidence
+from lanes_evidence.parsers import (
     LINE_PARSERS,
     MAX_LINE,
     LogParser,

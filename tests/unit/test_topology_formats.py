@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lanes_common.topology import Level
-from lanes_common.topology_formats import (
+from lanes_cli.topology_formats import (
     TopologyFormatError,
     compress_hostlist,
     expand_hostlist,
@@ -18,6 +17,7 @@ from lanes_common.topology_formats import (
     parse_nvidia_smi,
     parse_slurm,
 )
+from lanes_contract.topology import Level
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "topology"
 

@@ -12,12 +12,12 @@ import signal
 import sys
 from collections.abc import Callable
 
-from lanes_common.bus import connect_nats
-from lanes_common.cache import connect_redis
-from lanes_common.errors import LanesError
-from lanes_common.log import configure_logging
+from lanes_contract.client import connect_nats
+from lanes_contract.errors import LanesError
 from lanes_router.entrypoints.config import RouterConfig
 from lanes_router.entrypoints.runner import RouterRunner
+from lanes_runtime.cache import connect_redis
+from lanes_runtime.log import configure_logging
 
 
 async def serve(nats_url: str, redis_url: str, config: RouterConfig) -> None:

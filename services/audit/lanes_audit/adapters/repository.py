@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lanes_audit.domain.chain import GENESIS, Link
-from lanes_common.store import Db
+from lanes_runtime.store import Db
 
 # Appends read the chain head and then write after it; one lock keeps two recorders from forking the chain.
 _APPEND_LOCK = 0x4155444954  # "AUDIT"

@@ -24,7 +24,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from lanes_audit.adapters import repository
 from lanes_audit.adapters.signing import Signer
 from lanes_audit.domain.chain import Link, canonical_bytes, link_hash
-from lanes_common.streams import AUDIT, JOBS
+from lanes_contract.streams import AUDIT, JOBS
 
 log = structlog.get_logger(__name__)
 RETRY_DELAY_S = 1.0

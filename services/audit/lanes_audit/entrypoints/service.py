@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from lanes_audit.entrypoints.recorder import AuditRecorder
-from lanes_common.service import RunnerContext, ServiceDefinition
-from lanes_common.store import migrations_of
+from lanes_runtime.service import RunnerContext, ServiceDefinition
+from lanes_runtime.store import migrations_of
 
 
 def _recorder(context: RunnerContext) -> AuditRecorder:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lanes_common.store import Db
 from lanes_lifecycle.domain.job import JobView
+from lanes_runtime.store import Db
 
 PROJECTION_TABLES = ("lifecycle_jobs", "lifecycle_attempts", "lifecycle_ranks", "lifecycle_state_spans")
 

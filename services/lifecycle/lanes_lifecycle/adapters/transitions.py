@@ -12,11 +12,11 @@ from __future__ import annotations
 from nats.js import JetStreamContext
 from nats.js.errors import APIError
 
-from lanes_common.bus import publish_encoded
-from lanes_common.codec import MSG_ID_HEADER, encode
-from lanes_common.errors import TransientError
-from lanes_common.events import JobStateChanged
-from lanes_common.streams import JOBS
+from lanes_contract.client import publish_encoded
+from lanes_contract.codec import MSG_ID_HEADER, encode
+from lanes_contract.errors import TransientError
+from lanes_contract.events import JobStateChanged
+from lanes_contract.streams import JOBS
 
 WRONG_LAST_SEQUENCE = 10071
 """JetStream's error code when the expected last subject sequence does not match."""

@@ -23,8 +23,8 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, computed_field
 
-from lanes_common.errors import PoisonEventError
-from lanes_common.events import (
+from lanes_contract.errors import PoisonEventError
+from lanes_contract.events import (
     ArtifactProduced,
     CancelRequested,
     CheckpointSaved,
@@ -47,7 +47,7 @@ from lanes_common.events import (
     ResumeRequested,
     RetryRequested,
 )
-from lanes_common.jobs import FailureCause, JobSpec, JobState
+from lanes_contract.jobs import FailureCause, JobSpec, JobState
 
 
 class IllegalTransitionError(PoisonEventError):

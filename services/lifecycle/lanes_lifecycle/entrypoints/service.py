@@ -1,12 +1,13 @@
-"""The lifecycle as the composition root sees it: migrations and consumers."""
+"""The lifecycle as the composition root sees it: migrations, the job-event consumer and the job API."""
 
 from __future__ import annotations
 
-from lanes_common.consumer import ConsumerSpec
-from lanes_common.service import ServiceDefinition
-from lanes_common.store import migrations_of
-from lanes_common.streams import JOBS
+from lanes_contract.streams import JOBS
+from lanes_lifecycle.entrypoints.job_api import JobApi
 from lanes_lifecycle.service_layer.handlers import handle_job_event
+from lanes_runtime.consumer import ConsumerSpec
+from lanes_runtime.service import ServiceDefinition
+from lanes_runtime.store import migrations_of
 
 LIFECYCLE_INPUTS = (
     "submitted",
@@ -44,4 +45,6 @@ SERVICE = ServiceDefinition(
     name="lifecycle",
     migrations=migrations_of("lanes_lifecycle.adapters"),
     consumers=((JOB_EVENTS, handle_job_event),),
+    # The process that owns the projection also answers `lanes.api.job.*` (submit, cancel, retry, get).
+    runners=(lambda context: JobApi(context.nc, context.pool),),
 )

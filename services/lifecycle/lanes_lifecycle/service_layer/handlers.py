@@ -10,9 +10,8 @@ from collections.abc import Sequence
 
 import structlog
 
-from lanes_common.consumer import HandlerContext
-from lanes_common.errors import TransientError
-from lanes_common.events import (
+from lanes_contract.errors import TransientError
+from lanes_contract.events import (
     AttemptRequested,
     AttemptRequestedData,
     Event,
@@ -25,6 +24,7 @@ from lanes_common.events import (
 from lanes_lifecycle.adapters import repository
 from lanes_lifecycle.adapters.transitions import publish_transition
 from lanes_lifecycle.domain.job import IllegalTransitionError, JobView, Transition, evolve
+from lanes_runtime.consumer import HandlerContext
 
 SOURCE = "lanes/lifecycle"
 log = structlog.get_logger(__name__)

@@ -13,11 +13,11 @@ from datetime import datetime
 
 import asyncpg
 
-from lanes_common.codec import encode
-from lanes_common.events import Event, RecoveryDecided
-from lanes_common.store import Db
-from lanes_common.streams import STREAM_OF_FAMILY
+from lanes_contract.codec import encode
+from lanes_contract.events import Event, RecoveryDecided
+from lanes_contract.streams import STREAM_OF_FAMILY
 from lanes_recovery.domain.knowledge import JobKnowledge
+from lanes_runtime.store import Db
 
 Executor = Db | asyncpg.Pool
 """A connection, or the pool for a statement that needs no transaction."""

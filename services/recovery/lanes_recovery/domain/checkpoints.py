@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from lanes_common.events import RefusedCheckpoint
-from lanes_common.jobs import JobSpec
+from lanes_contract.events import RefusedCheckpoint
+from lanes_contract.jobs import JobSpec
 from lanes_recovery.domain.knowledge import AttemptFacts, SavedCheckpoint
 
 VERSION_FIELDS = ("model_version", "data_version", "config_version", "image")

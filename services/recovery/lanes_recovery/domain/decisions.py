@@ -13,15 +13,15 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from lanes_common.events import (
+from lanes_contract.events import (
     Lane,
     LostWork,
     ManualAction,
     RecoveryAction,
     RecoveryDecidedData,
 )
-from lanes_common.ids import is_valid_token
-from lanes_common.jobs import JobSpec, WorkloadClass
+from lanes_contract.ids import is_valid_token
+from lanes_contract.jobs import JobSpec, WorkloadClass
 from lanes_recovery.domain.checkpoints import Verified
 from lanes_recovery.domain.knowledge import (
     AttemptFacts,

@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from lanes_common.events import (
+from lanes_contract.events import (
     AttemptRequested,
     CheckpointRef,
     CheckpointSaved,
@@ -28,7 +28,7 @@ from lanes_common.events import (
     RecoveryAction,
     ResourcesReleased,
 )
-from lanes_common.jobs import FailureCause, JobSpec, JobState
+from lanes_contract.jobs import FailureCause, JobSpec, JobState
 
 
 class _Frozen(BaseModel):

@@ -12,8 +12,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from lanes_common.events import Lane, RecoveryAction
-from lanes_common.jobs import WorkloadClass
+from lanes_contract.events import Lane, RecoveryAction
+from lanes_contract.jobs import WorkloadClass
 
 ANY: Literal["*"] = "*"
 NO_FINDING = "unknown"

@@ -10,14 +10,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from lanes_common.consumer import ConsumerSpec
-from lanes_common.service import RunnerContext, ServiceDefinition
-from lanes_common.store import migrations_of
-from lanes_common.streams import JOBS
+from lanes_contract.streams import JOBS
 from lanes_recovery.adapters.policies import configured_policy
 from lanes_recovery.domain.policy import Policy
 from lanes_recovery.entrypoints.timers import RecoveryTimers
 from lanes_recovery.service_layer.handlers import Recovery
+from lanes_runtime.consumer import ConsumerSpec
+from lanes_runtime.service import RunnerContext, ServiceDefinition
+from lanes_runtime.store import migrations_of
 
 RECOVERY_INPUTS = (
     "submitted",

@@ -15,8 +15,8 @@ import asyncpg
 import structlog
 from nats.aio.client import Client as NatsClient
 
-from lanes_common.bus import publish_encoded
-from lanes_common.codec import EncodedEvent
+from lanes_contract.client import publish_encoded
+from lanes_contract.codec import EncodedEvent
 from lanes_recovery.adapters import repository
 from lanes_recovery.service_layer.handlers import Recovery
 

@@ -20,8 +20,7 @@ from typing import Any, TypeVar
 
 import structlog
 
-from lanes_common.consumer import HandlerContext
-from lanes_common.events import (
+from lanes_contract.events import (
     CancelRequested,
     CommandData,
     Event,
@@ -43,9 +42,8 @@ from lanes_common.events import (
     TransitionRejectedData,
     utc_now,
 )
-from lanes_common.ids import derived_event_id
-from lanes_common.store import Db
-from lanes_common.topology import NodeState
+from lanes_contract.ids import derived_event_id
+from lanes_contract.topology import NodeState
 from lanes_recovery.adapters import repository
 from lanes_recovery.adapters.digests import verify_all
 from lanes_recovery.domain.checkpoints import DigestVerdict, Verified, verify_checkpoints
@@ -59,6 +57,8 @@ from lanes_recovery.domain.decisions import (
 )
 from lanes_recovery.domain.knowledge import DecisionRecord, JobKnowledge, SavedCheckpoint, fold
 from lanes_recovery.domain.policy import Policy
+from lanes_runtime.consumer import HandlerContext
+from lanes_runtime.store import Db
 
 SOURCE = RECOVERY
 log = structlog.get_logger(__name__)

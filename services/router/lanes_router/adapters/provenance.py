@@ -16,9 +16,9 @@ import structlog
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
-from lanes_common.codec import encode
-from lanes_common.events import RequestServed
-from lanes_common.streams import REQUESTS
+from lanes_contract.codec import encode
+from lanes_contract.events import RequestServed
+from lanes_contract.streams import REQUESTS
 
 log = structlog.get_logger(__name__)
 ACK_TIMEOUT_S = 10.0

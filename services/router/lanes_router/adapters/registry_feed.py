@@ -18,10 +18,10 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from lanes_common.codec import decode
-from lanes_common.errors import DecodeError
-from lanes_common.events import Event
-from lanes_common.streams import JOBS, NODES
+from lanes_contract.codec import decode
+from lanes_contract.errors import DecodeError
+from lanes_contract.events import Event
+from lanes_contract.streams import JOBS, NODES
 
 log = structlog.get_logger(__name__)
 JOB_SUBJECTS = tuple(

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from lanes_common.events import (
+from lanes_contract.events import (
     AttemptRequested,
     Event,
     JobPlaced,
@@ -23,8 +23,8 @@ from lanes_common.events import (
     ReplicaState,
     ReplicaStateChanged,
 )
-from lanes_common.jobs import JobState, ServingSpec
-from lanes_common.topology import NodeState
+from lanes_contract.jobs import JobState, ServingSpec
+from lanes_contract.topology import NodeState
 
 GONE_ON = frozenset(
     {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.RELEASED, JobState.PARTIALLY_FAILED}

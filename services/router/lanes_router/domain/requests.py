@@ -12,8 +12,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from lanes_common.ids import is_valid_token
-from lanes_common.jobs import ProtectionMode, ServingSpec
+from lanes_contract.ids import is_valid_token
+from lanes_contract.jobs import ProtectionMode, ServingSpec
 
 VERSION_HEADER = "X-Lanes-Model-Version"
 AFFINITY_PREFIX_CHARS = 256

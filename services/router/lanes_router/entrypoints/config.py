@@ -1,4 +1,4 @@
-"""The router's settings, from `LANES_ROUTER_*` environment variables (listed in lanes_common.settings.ENV_VARS)."""
+"""The router's settings, from `LANES_ROUTER_*` environment variables (listed in lanes_runtime.settings.ENV_VARS)."""
 
 from __future__ import annotations
 

@@ -20,14 +20,14 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from lanes_common.events import (
+from lanes_contract.events import (
     UNROUTED,
     RequestAttempt,
     RequestServed,
     RequestServedData,
     utc_now,
 )
-from lanes_common.ids import new_event_id
+from lanes_contract.ids import new_event_id
 from lanes_router.adapters.metrics import RouterMetrics
 from lanes_router.domain.health import Outcome, counts_against_replica
 from lanes_router.domain.replicas import Replica, ReplicaRegistry

@@ -19,9 +19,9 @@ import structlog
 from aiohttp import web
 from nats.aio.client import Client as NatsClient
 
-from lanes_common.bus import LanesClient
-from lanes_common.events import Event
-from lanes_common.streams import JOBS, NODES, REQUESTS, provision_streams
+from lanes_contract.client import LanesClient
+from lanes_contract.events import Event
+from lanes_contract.streams import JOBS, NODES, REQUESTS, provision_streams
 from lanes_router.adapters.health_store import RedisFailureCounter
 from lanes_router.adapters.leases import RedisLeases
 from lanes_router.adapters.metrics import Labels, RouterMetrics

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from lanes_common.service import RunnerContext, ServiceDefinition
 from lanes_router.entrypoints.runner import RouterRunner
+from lanes_runtime.service import RunnerContext, ServiceDefinition
 
 
 def _router(context: RunnerContext) -> RouterRunner:

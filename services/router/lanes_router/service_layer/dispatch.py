@@ -6,7 +6,7 @@ import asyncio
 import random
 from dataclasses import dataclass
 
-from lanes_common.jobs import ProtectionMode
+from lanes_contract.jobs import ProtectionMode
 from lanes_router.domain.replicas import Replica, ReplicaRegistry
 from lanes_router.domain.requests import InferenceRequest, Refusal, protection_refusal, unknown_model
 from lanes_router.domain.routing import Lease, RouteTarget, candidates, pick_version

@@ -16,8 +16,8 @@ from typing import Literal
 
 import structlog
 
-from lanes_common.events import ReplicaState, ReplicaStateChanged, ReplicaStateChangedData
-from lanes_common.ids import derived_event_id
+from lanes_contract.events import ReplicaState, ReplicaStateChanged, ReplicaStateChangedData
+from lanes_contract.ids import derived_event_id
 from lanes_router.domain.health import Outcome, PenaltyPolicy
 from lanes_router.domain.replicas import Replica, ReplicaRegistry, Transition
 from lanes_router.service_layer.ports import EventPublisher, FailureCounter

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from lanes_common.events import Event, RequestServed
+from lanes_contract.events import Event, RequestServed
 from lanes_router.domain.routing import Lease
 
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import structlog
 
-from lanes_common.events import NodeRegisteredData, RankAssignment
-from lanes_common.jobs import JobSpec
-from lanes_common.store import Db
-from lanes_common.topology import ClusterPolicy, Node, NodeState, NodeStatus
+from lanes_contract.events import NodeRegisteredData, RankAssignment
+from lanes_contract.jobs import JobSpec
+from lanes_contract.topology import ClusterPolicy, Node, NodeState, NodeStatus
+from lanes_runtime.store import Db
 from lanes_scheduler.domain.admission import Gang, Holding, Waiting
 
 log = structlog.get_logger(__name__)

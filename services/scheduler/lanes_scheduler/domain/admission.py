@@ -12,8 +12,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
-from lanes_common.events import BlockingResource, Lane, RankAssignment
-from lanes_common.topology import CLUSTER_DOMAIN, LEVELS, ClusterPolicy, Level, Node, NodeState, TopologyConstraint
+from lanes_contract.events import BlockingResource, Lane, RankAssignment
+from lanes_contract.topology import CLUSTER_DOMAIN, LEVELS, ClusterPolicy, Level, Node, NodeState, TopologyConstraint
 
 ANY_TOPOLOGY = TopologyConstraint()
 MAX_LISTED = 16

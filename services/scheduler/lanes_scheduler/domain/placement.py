@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from lanes_common.events import RankAssignment
+from lanes_contract.events import RankAssignment
 
 
 class WaitReason(StrEnum):

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from lanes_common.consumer import ConsumerSpec
-from lanes_common.service import ServiceDefinition
-from lanes_common.store import migrations_of
-from lanes_common.streams import JOBS, NODES
+from lanes_contract.streams import JOBS, NODES
+from lanes_runtime.consumer import ConsumerSpec
+from lanes_runtime.service import ServiceDefinition
+from lanes_runtime.store import migrations_of
 from lanes_scheduler.service_layer.handlers import handle_job_event, handle_node_event
 
 JOB_EVENTS = ConsumerSpec(

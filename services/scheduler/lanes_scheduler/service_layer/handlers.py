@@ -8,9 +8,8 @@ from dataclasses import dataclass, replace
 
 import structlog
 
-from lanes_common.consumer import HandlerContext
-from lanes_common.errors import PoisonEventError
-from lanes_common.events import (
+from lanes_contract.errors import PoisonEventError
+from lanes_contract.events import (
     AttemptRequested,
     ClusterPolicySet,
     Event,
@@ -28,8 +27,9 @@ from lanes_common.events import (
     ResourcesReleasedData,
     derive,
 )
-from lanes_common.jobs import JobSpec, JobState
-from lanes_common.topology import NodeStatus
+from lanes_contract.jobs import JobSpec, JobState
+from lanes_contract.topology import NodeStatus
+from lanes_runtime.consumer import HandlerContext
 from lanes_scheduler.adapters import repository
 from lanes_scheduler.domain.admission import CapacityView, Placed, Rejected, schedule
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from lanes_common.events import EvidenceData, JobFindingData, RankAssignment
-from lanes_common.store import Db
-from lanes_telemetry.domain.evidence import Evidence
+from lanes_contract.events import EvidenceData, JobFindingData, RankAssignment
+from lanes_evidence.evidence import Evidence
+from lanes_runtime.store import Db
 
 NO_RANK = -1
 """The rank column of node-level evidence in `telemetry_reporters` (a primary key cannot hold NULL)."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from enum import StrEnum
 
-from lanes_common.events import (
+from lanes_contract.events import (
     ConsequenceGroup,
     EvidenceCategory,
     FindingCause,
@@ -32,8 +32,8 @@ from lanes_common.events import (
     Lane,
     MissingEvidence,
 )
-from lanes_common.ids import is_valid_token
-from lanes_telemetry.domain.evidence import LANE_OF_CATEGORY, Evidence
+from lanes_contract.ids import is_valid_token
+from lanes_evidence.evidence import LANE_OF_CATEGORY, Evidence
 
 C = EvidenceCategory
 DEFAULT_SKEW_TOLERANCE = timedelta(seconds=2)

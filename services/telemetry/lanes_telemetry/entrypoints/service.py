@@ -6,10 +6,10 @@ where each rank runs, read from the job stream (services never read each other's
 
 from __future__ import annotations
 
-from lanes_common.consumer import ConsumerSpec
-from lanes_common.service import ServiceDefinition
-from lanes_common.store import migrations_of
-from lanes_common.streams import JOBS, TELEMETRY
+from lanes_contract.streams import JOBS, TELEMETRY
+from lanes_runtime.consumer import ConsumerSpec
+from lanes_runtime.service import ServiceDefinition
+from lanes_runtime.store import migrations_of
 from lanes_telemetry.service_layer.handlers import handle_evidence, handle_job_event
 
 EVENTS = ConsumerSpec(durable="telemetry", stream=TELEMETRY, subjects=("lanes.tel.>",))

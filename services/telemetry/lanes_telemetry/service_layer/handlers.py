@@ -16,8 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import timedelta
 
-from lanes_common.consumer import HandlerContext
-from lanes_common.events import (
+from lanes_contract.events import (
     Event,
     JobEvidence,
     JobEvidenceData,
@@ -27,8 +26,10 @@ from lanes_common.events import (
     ResourcesReleased,
     derive,
 )
-from lanes_common.ids import is_valid_token
-from lanes_common.store import Db
+from lanes_contract.ids import is_valid_token
+from lanes_evidence.evidence import Evidence, from_event
+from lanes_runtime.consumer import HandlerContext
+from lanes_runtime.store import Db
 from lanes_telemetry.adapters import repository
 from lanes_telemetry.domain.election import (
     ALWAYS_REELECT_UP_TO,
@@ -40,7 +41,6 @@ from lanes_telemetry.domain.election import (
 from lanes_telemetry.domain.election import (
     NOT_ELECTED as NOT_ELECTED_CATEGORIES,
 )
-from lanes_telemetry.domain.evidence import Evidence, from_event
 
 SOURCE = "lanes/telemetry"
 CORRELATION_SKEW = timedelta(seconds=2)

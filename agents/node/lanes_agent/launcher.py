@@ -1,0 +1,304 @@
+"""A local launcher: the node agent of `lanes demo` and `lanes up`, running each rank as a real process.
+
+It reads placements from the job timeline, starts one OS process per rank with the usual torchrun-style
+environment (RANK, WORLD_SIZE, LOCAL_RANK, LANES_JOB_ID) and publishes each rank's start, rendezvous,
+communicator readiness (the rank prints READY_MARKER) and exit. It terminates an attempt's ranks when
+the lifecycle cancels it or declares it partially failed. Event ids derive from the placement, so a
+placement redelivered after a crash publishes the same ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import sys
+from typing import Any
+
+import structlog
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import APIError
+
+from lanes_contract.client import publish_encoded
+from lanes_contract.codec import decode, encode
+from lanes_contract.errors import DecodeError
+from lanes_contract.events import (
+    AttemptRequested,
+    CheckpointSaved,
+    CheckpointSavedData,
+    CommunicatorReady,
+    CommunicatorReadyData,
+    Event,
+    EvidenceCategory,
+    Heartbeat,
+    HeartbeatData,
+    JobPlaced,
+    JobStateChanged,
+    JobSubmitted,
+    RankAssignment,
+    RankExited,
+    RankExitedData,
+    RankStarted,
+    RankStartedData,
+    RendezvousDone,
+    RendezvousDoneData,
+    ReplicaListening,
+    ReplicaListeningData,
+    derive,
+    utc_now,
+)
+from lanes_contract.ids import derived_event_id
+from lanes_contract.jobs import JobSpec, JobState
+from lanes_contract.streams import JOBS, TELEMETRY
+from lanes_evidence.evidence import Evidence, evidence_event
+from lanes_evidence.parsers import LogParser, SourceContext
+
+READY_MARKER = "lanes: communicator ready"
+"""A rank prints this line once its collective communicator is initialised; the launcher reports it."""
+_LISTENING = re.compile(r"Uvicorn running on (?P<scheme>https?)://(?P<host>[^\s:/]+):(?P<port>\d+)")
+"""The line an OpenAI-compatible server (vLLM, the toy replica) prints once it accepts requests."""
+_STEP = re.compile(r"^lanes: step (?P<step>\d+)\s*$")
+_CHECKPOINT = re.compile(r"^lanes: checkpoint saved (?P<fields>(?:\w+=\S+\s*)+)$")
+_CHECKPOINT_FIELDS = frozenset({"step", "path", "digest", "model_version", "data_version", "config_version", "image"})
+# What a rank runs when the spec names no command: ready at once, a little real CPU work, a clean exit.
+DEFAULT_RANK_PROGRAM = (
+    "import os, hashlib\n"
+    f"print({READY_MARKER!r}, flush=True)\n"
+    "rank = int(os.environ['RANK'])\n"
+    "digest = b'lanes'\n"
+    "for _ in range(20000):\n"
+    "    digest = hashlib.sha256(digest + bytes([rank % 256])).digest()\n"
+    "print(f\"rank {rank}/{os.environ['WORLD_SIZE']} done {digest.hex()[:12]}\")\n"
+)
+_STOP_RANKS = frozenset({JobState.CANCELLING, JobState.CANCELLED, JobState.PARTIALLY_FAILED, JobState.FAILED})
+"""States in which the launcher terminates the attempt's ranks (and starts none of those not yet started):
+cancelled, or (like torchrun's elastic agent) a rank failed, so the rest of the gang is torn down."""
+log = structlog.get_logger(__name__)
+
+
+def listening_endpoint(line: str) -> str | None:
+    """The endpoint a server's "running on" line announces; a wildcard host becomes loopback (local nodes)."""
+    found = _LISTENING.search(line)
+    if found is None:
+        return None
+    host = "127.0.0.1" if found["host"] in {"0.0.0.0", "::", "[::]"} else found["host"]  # noqa: S104 - parsed, not bound
+    return f"{found['scheme']}://{host}:{found['port']}"
+
+
+def progress_report(line: str) -> HeartbeatData | CheckpointSavedData | None:
+    """A rank's progress line: `lanes: step N`, or `lanes: checkpoint saved step=N path=P digest=D [versions]`.
+
+    These are the lines a training script's Lanes hook prints; the versions it trained with travel with the
+    checkpoint, so recovery can refuse to resume a run from a checkpoint of another model, data or config.
+    """
+    if step := _STEP.match(line.strip()):
+        return HeartbeatData(step=int(step["step"]))
+    if saved := _CHECKPOINT.match(line.strip()):
+        fields = dict(pair.split("=", 1) for pair in saved["fields"].split())
+        unknown = set(fields) - _CHECKPOINT_FIELDS
+        if unknown:
+            msg = f"unknown checkpoint field(s) {sorted(unknown)} in {line.strip()!r}"
+            raise ValueError(msg)
+        return CheckpointSavedData.model_validate(fields)
+    return None
+
+
+class LocalLauncher:
+    """Runs the ranks placed on a set of (simulated) nodes as local processes."""
+
+    def __init__(self, nc: NatsClient, nodes: frozenset[str], *, durable: str = "launcher-local") -> None:
+        self._nc = nc
+        self._js = nc.jetstream()
+        self._nodes = nodes
+        self._durable = durable
+        self._specs: dict[str, JobSpec] = {}
+        self._resume_steps: dict[tuple[str, int], int] = {}
+        self._procs: dict[tuple[str, int], set[asyncio.subprocess.Process]] = {}
+        self._stopping: set[tuple[str, int]] = set()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Launch the ranks of every placement on our nodes until `stop` is set."""
+        config = ConsumerConfig(
+            durable_name=self._durable,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=30,
+            max_deliver=3,
+            filter_subjects=[
+                "lanes.job.*.submitted",
+                "lanes.job.*.attempt_requested",
+                "lanes.job.*.placed",
+                "lanes.job.*.state_changed",
+            ],
+        )
+        with contextlib.suppress(APIError):
+            await self._js.add_consumer(JOBS.name, config=config)
+        sub = await self._js.pull_subscribe_bind(self._durable, stream=JOBS.name)
+        running: set[asyncio.Task[None]] = set()
+        try:
+            while not stop.is_set():
+                try:
+                    msgs = await sub.fetch(16, timeout=0.5)
+                except TimeoutError:  # nats-py raises its own subclass or the builtin, depending on the path
+                    continue
+                for msg in msgs:
+                    task = asyncio.create_task(self._handle(msg))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+        finally:
+            for attempt_key in list(self._procs):
+                self._stop_attempt(attempt_key)  # no rank outlives its launcher
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+
+    async def _handle(self, msg: Msg) -> None:
+        try:
+            event = decode(msg.subject, msg.headers, msg.data)
+        except DecodeError as exc:
+            # Not ours to dead-letter: the services' consumers see the same message and dead-letter it.
+            log.warning("launcher skips an undecodable message", error=str(exc))
+            await msg.ack()
+            return
+        if isinstance(event, JobSubmitted):
+            self._specs[str(event.jobid)] = event.data.spec
+        elif isinstance(event, AttemptRequested) and event.data.resume_step is not None:
+            self._resume_steps[(event.job_key, event.attempt or 1)] = event.data.resume_step
+        elif isinstance(event, JobStateChanged) and event.data.to_state in _STOP_RANKS:
+            self._stop_attempt((str(event.jobid), event.attempt or 1))
+        elif isinstance(event, JobPlaced):
+            mine = [a for a in event.data.assignments if a.node in self._nodes]
+            spec = self._specs.get(str(event.jobid))
+            if mine and spec is not None:
+                world = len(event.data.assignments)
+                await asyncio.gather(*(self._run_rank(event, spec, a, world, msg) for a in mine))
+        await msg.ack()
+
+    async def _run_rank(
+        self, placed: JobPlaced, spec: JobSpec, assignment: RankAssignment, world: int, msg: Msg
+    ) -> None:
+        command = list(spec.command) or [sys.executable, "-c", DEFAULT_RANK_PROGRAM]
+        local_rank = [a.rank for a in placed.data.assignments if a.node == assignment.node].index(assignment.rank)
+        env = os.environ | {
+            "RANK": str(assignment.rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(local_rank),
+            "LANES_JOB_ID": str(placed.jobid),
+            "LANES_ATTEMPT": str(placed.attempt or 1),
+            "LANES_NODE": assignment.node,
+            "CUDA_VISIBLE_DEVICES": ",".join(map(str, assignment.gpus)),
+        }
+        env |= _spec_environment(spec, self._resume_steps.get((placed.job_key, placed.attempt or 1)))
+        keys = {"source": f"agent/{assignment.node}", "node": assignment.node, "rank": assignment.rank}
+        attempt_key = (str(placed.jobid), placed.attempt or 1)
+        if attempt_key in self._stopping:
+            return  # cancelled before this rank was started: never start it
+        proc = await asyncio.create_subprocess_exec(
+            *command, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        )
+        self._procs.setdefault(attempt_key, set()).add(proc)
+        if attempt_key in self._stopping:  # stopped while this process was being spawned
+            proc.terminate()
+        rank_key = str(assignment.rank)
+        started = derive(RankStarted, placed, key=rank_key, data=RankStartedData(pid=proc.pid), **keys)
+        await publish_encoded(self._js, encode(started), stream=JOBS.name)
+        # The local launcher's rendezvous is static: RANK and WORLD_SIZE are known when the process starts.
+        met = derive(RendezvousDone, placed, key=rank_key, data=RendezvousDoneData(world_size=world), **keys)
+        await publish_encoded(self._js, encode(met), stream=JOBS.name)
+        reader = asyncio.create_task(self._watch_output(proc, placed, assignment, keys))
+        while True:
+            try:
+                code = await asyncio.wait_for(proc.wait(), timeout=10)
+                break
+            except TimeoutError:
+                await msg.in_progress()  # a long rank must not make JetStream redeliver its placement
+        await reader  # its events come before the exit, as they happened
+        self._procs[attempt_key].discard(proc)
+        exit_data = (
+            RankExitedData(exit_code=code, signal=None) if code >= 0 else RankExitedData(exit_code=None, signal=-code)
+        )
+        exited = derive(RankExited, placed, key=str(assignment.rank), data=exit_data, **keys)
+        await publish_encoded(self._js, encode(exited), stream=JOBS.name)
+        log.info("rank finished", job_id=placed.jobid, rank=assignment.rank, node=assignment.node, exit_code=code)
+
+    async def _watch_output(
+        self, proc: asyncio.subprocess.Process, placed: JobPlaced, assignment: RankAssignment, keys: dict[str, Any]
+    ) -> None:
+        """Tail the rank's output as a node agent tails logs: the ready marker, and evidence for telemetry."""
+        assert proc.stdout is not None  # noqa: S101 - the process is always started with pipes
+        assert proc.stderr is not None  # noqa: S101
+        rank_key = str(assignment.rank)
+        context = SourceContext(
+            origin=f"{placed.jobid}/rank{assignment.rank}", node=assignment.node, rank=assignment.rank
+        )
+        parser = LogParser(context)
+        lines = 0
+
+        async def report(found: list[Evidence]) -> None:
+            nonlocal lines
+            for evidence in found:
+                lines += 1
+                if evidence.category is EvidenceCategory.RAW:
+                    continue  # plain output is not evidence; keep the telemetry stream for what is
+                event = evidence_event(evidence, source=keys["source"], node=assignment.node, time=utc_now())
+                event = event.model_copy(update={"id": derived_event_id(placed.id, event.type, f"{rank_key}:{lines}")})
+                await publish_encoded(self._js, encode(event), stream=TELEMETRY.name)
+
+        async def publish(kind: type[Event], data: Any, key: str) -> None:
+            event = derive(kind, placed, key=f"{rank_key}:{key}", data=data, **keys)
+            await publish_encoded(self._js, encode(event), stream=JOBS.name)
+
+        async def follow(stream: asyncio.StreamReader, *, watch_ready: bool) -> None:
+            reported = False
+            async for raw in stream:
+                line = raw.decode(errors="replace")
+                endpoint = listening_endpoint(line) if watch_ready else None
+                if watch_ready and not reported and (line.strip() == READY_MARKER or endpoint):
+                    # A serving replica is ready when its server listens; a training rank when it says so.
+                    if endpoint:
+                        await publish(
+                            ReplicaListening, ReplicaListeningData(endpoint=endpoint, rank=assignment.rank), ""
+                        )
+                    await publish(CommunicatorReady, CommunicatorReadyData(backend="http" if endpoint else ""), "")
+                    reported = True
+                    continue
+                try:
+                    progress = progress_report(line) if watch_ready else None
+                except ValueError as exc:  # a malformed hook line is the rank's bug: say so, keep tailing
+                    log.warning("rank printed a malformed progress line", job_id=placed.jobid, error=str(exc))
+                    progress = None
+                if isinstance(progress, HeartbeatData):
+                    await publish(Heartbeat, progress, f"step:{progress.step}")
+                elif isinstance(progress, CheckpointSavedData):
+                    await publish(CheckpointSaved, progress, f"checkpoint:{progress.step}")
+                else:
+                    await report(parser.feed(line))
+
+        await asyncio.gather(follow(proc.stdout, watch_ready=True), follow(proc.stderr, watch_ready=False))
+        await report(parser.finish())
+
+    def _stop_attempt(self, attempt_key: tuple[str, int]) -> None:
+        """Terminate the ranks of a cancelled attempt; their exits (signal 15) end the cancellation."""
+        self._stopping.add(attempt_key)
+        for proc in self._procs.get(attempt_key, set()):
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.terminate()
+
+
+def _spec_environment(spec: JobSpec, resume_step: int | None) -> dict[str, str]:
+    """What a rank learns from its spec: the versions it must train with and the step it resumes from."""
+    optional = {
+        "LANES_MODEL_VERSION": spec.model_version,
+        "LANES_DATA_VERSION": spec.data_version,
+        "LANES_CONFIG_VERSION": spec.config_version,
+        "LANES_CHECKPOINT_DIR": spec.checkpoint_location,
+        "LANES_RESUME_STEP": None if resume_step is None else str(resume_step),
+    }
+    env = {"LANES_IMAGE": spec.image} | {name: value for name, value in optional.items() if value is not None}
+    if spec.serving is not None:
+        env |= {"LANES_MODEL": spec.serving.model, "LANES_MODEL_VERSION_SERVED": spec.serving.version}
+    return env

@@ -1,0 +1,138 @@
+"""`lanes analyze FILE...`: the parsers and the first-error election, offline, on raw log files.
+
+Files may be one per rank (`rank3.log`, `node-2.rank3.log`), one per node (`node-2.log`, `node-2/kern.log`)
+or one combined torchrun log. In a directory, a sub-directory names the node of the files inside it, and
+an empty rank file still counts: that rank was expected and reported nothing (pending evidence).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+
+from lanes_cli.console import EXIT_BAD_INPUT, EXIT_FAILED, fail, out
+from lanes_contract.events import JobFindingData
+from lanes_contract.ids import is_valid_token
+from lanes_evidence.evidence import Evidence
+from lanes_evidence.parsers import SourceContext, parse_bytes
+from lanes_telemetry.views import World, elect_first_error
+
+_RANK_TOKEN = re.compile(r"^rank[_-]?(\d{1,7})$", re.IGNORECASE)
+_MAX_FILE_BYTES = 256 * 1024 * 1024
+
+
+def context_of(path: Path, root: Path | None, year: int) -> SourceContext:
+    """What a file's place says about it: the node (its directory or name) and the rank (its name)."""
+    rank: int | None = None
+    node: str | None = None
+    for token in path.name.split("."):
+        if m := _RANK_TOKEN.match(token):
+            rank = int(m[1])
+        elif node is None and token.lower().startswith("node") and is_valid_token(token):
+            node = token
+    if root is not None and path.parent != root and is_valid_token(path.parent.name):
+        node = path.parent.name
+    origin = str(path.relative_to(root)) if root is not None else path.name
+    return SourceContext(origin=origin, node=node, rank=rank, year=year)
+
+
+def _files(paths: Iterable[Path]) -> list[tuple[Path, Path | None]]:
+    found: list[tuple[Path, Path | None]] = []
+    for path in paths:
+        if path.is_dir():
+            found.extend((f, path) for f in sorted(path.rglob("*")) if f.is_file())
+        elif path.is_file():
+            found.append((path, None))
+        else:
+            fail(f"{path}: no such file or directory", EXIT_BAD_INPUT)
+    return found
+
+
+def load_evidence(paths: Iterable[Path], *, year: int | None = None) -> tuple[list[Evidence], World]:
+    """Parse every file; the world is every rank and node the files' names and contents mention."""
+    year = year or datetime.now(UTC).year
+    evidence: list[Evidence] = []
+    ranks: dict[int, str | None] = {}
+    nodes: set[str] = set()
+    for path, root in _files(paths):
+        context = context_of(path, root, year)
+        try:
+            with path.open("rb") as handle:
+                data = handle.read(_MAX_FILE_BYTES)
+        except OSError as exc:
+            fail(f"cannot read {path}: {exc.strerror}", EXIT_BAD_INPUT)
+        if context.rank is not None:
+            ranks[context.rank] = context.node
+        if context.node is not None:
+            nodes.add(context.node)
+        evidence.extend(parse_bytes(data, context))
+    for e in evidence:
+        if e.rank is not None:
+            ranks.setdefault(e.rank, e.node)
+            if ranks[e.rank] is None and e.node is not None:
+                ranks[e.rank] = e.node
+        if e.node is not None:
+            nodes.add(e.node)
+    return evidence, World(ranks=ranks, nodes=frozenset(nodes))
+
+
+def finding_json(finding: JobFindingData) -> dict[str, Any]:
+    """The finding as `lanes analyze --json` prints it (the live one is `data` of `lanes.job.<job>.finding`)."""
+    body: dict[str, Any] = finding.model_dump(mode="json")
+    body.pop("version", None)
+    return body
+
+
+def register(app: typer.Typer) -> None:
+    """Add `lanes analyze` to the CLI."""
+    app.command()(analyze)
+
+
+def analyze(
+    files: Annotated[list[Path], typer.Argument(help="Log files, or directories of per-rank / per-node logs.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the finding as one JSON object.")] = False,
+    year: Annotated[int | None, typer.Option(help="Year for timestamps that carry none (default: this year).")] = None,
+) -> None:
+    """Elect the first error in raw logs, offline; exit 1 when no first error can be elected."""
+    evidence, world = load_evidence(files, year=year)
+    finding = elect_first_error(evidence, world=world)
+    if as_json:
+        out.print_json(json.dumps(finding_json(finding)))
+    else:
+        render_finding(finding)
+    if finding.first_error is None:
+        raise typer.Exit(EXIT_FAILED)
+
+
+def render_finding(finding: JobFindingData) -> None:
+    """The finding for a person: first error, its evidence, the grouped consequences, what is missing."""
+    first = finding.first_error
+    if first is None:
+        out.print("[bold]No first error[/bold]: no cause and no consequence in the evidence.")
+    else:
+        where = ", ".join(p for p in (first.node or "", f"rank {first.rank}" if first.rank is not None else "") if p)
+        out.print(
+            f"[bold]First error[/bold] {escape(f'[{first.lane.value}]')} {first.category} {where} "
+            f"at {first.time.isoformat() if first.time else 'unknown time'} (confidence {finding.confidence:.2f})",
+            highlight=False,
+        )
+        out.print(f"  {escape(first.summary)}", highlight=False, soft_wrap=True)
+        for line in first.evidence:
+            out.print(f"  [dim]> {escape(line)}[/dim]", highlight=False, soft_wrap=True)
+    out.print(f"[bold]Stage[/bold] {finding.stage}", highlight=False)
+    if finding.consequences:
+        out.print("[bold]Consequences[/bold]")
+        for group in finding.consequences:
+            out.print(f"  {escape(group.summary)}", highlight=False, soft_wrap=True)
+    if finding.missing_evidence:
+        out.print("[bold]Pending evidence[/bold]")
+        for item in finding.missing_evidence:
+            out.print(f"  [{item.lane.value}] {item.what}", highlight=False, markup=False)
+    out.print(f"[bold]Call next[/bold] {finding.owner}", highlight=False)

@@ -1,0 +1,303 @@
+"""The `lanes` command line: demo, up, serve, submit, job, timeline, replay (exit codes: lanes_cli.console)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Any
+
+import asyncpg
+import typer
+import uvloop
+import yaml
+from pydantic import ValidationError
+
+from lanes_agent.launcher import LocalLauncher
+from lanes_cli import analyze_cli, audit_cli, import_cli, incident_cli, jobs_cli, poc_cli, recover_cli, router_cli
+from lanes_cli.bootstrap import SERVICES, prepare_services
+from lanes_cli.console import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_NOT_FOUND,
+    as_utc,
+    err,
+    fail,
+    load_settings,
+    out,
+    require,
+    run_async,
+)
+from lanes_cli.demo import local_nodes, register_nodes, run_demo
+from lanes_cli.html import render_page
+from lanes_cli.render import render_demo, render_job
+from lanes_cli.replay import Pace, merged, selections, write_ndjson
+from lanes_cli.scheduling import scheduling_view
+from lanes_cli.stack import servers
+from lanes_cli.timeline import job_timeline
+from lanes_cli.topology_cli import app as topology_app
+from lanes_contract.client import LanesClient, connect_nats
+from lanes_contract.events import JobSubmitted, JobSubmittedData
+from lanes_contract.ids import derived_event_id, is_valid_token, new_event_id
+from lanes_contract.jobs import JobSpec
+from lanes_lifecycle import views as lifecycle_jobs
+from lanes_router.entrypoints.runner import RouterRunner
+from lanes_runtime.reader import count
+from lanes_runtime.service import connected, run_consumers, stop_on_signals
+from lanes_runtime.service import serve as serve_service
+from lanes_runtime.settings import ENV_VARS, ServerUrls
+from lanes_runtime.store import create_pool
+
+_ENV_HELP = "\n".join(f"  {name}: {meaning}" for name, meaning in ENV_VARS.items())
+
+app = typer.Typer(
+    help=f"Lanes: the control plane and shared fault timeline for multi-node GPU work.\n\nEnvironment:\n\n{_ENV_HELP}",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(topology_app, name="topology")
+jobs_cli.register(app)
+analyze_cli.register(app)
+recover_cli.register(app)
+router_cli.register(app)
+
+
+@app.command()
+def demo(
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the swimlanes.")] = False,
+) -> None:
+    """Start embedded servers and every service, run the scripted multi-node scenario, print what happened."""
+    settings = load_settings(quiet=True)
+    try:
+        with servers(settings) as urls:
+            run = run_async(lambda: run_demo(urls))
+    except KeyboardInterrupt:
+        fail("interrupted; embedded servers stopped", 130)
+    if as_json:
+        out.print_json(json.dumps(run.as_json()))
+    else:
+        render_demo(out, run)
+    if problems := run.off_script():
+        fail("; ".join(problems), EXIT_FAILED)
+
+
+@app.command()
+def up(
+    nodes: Annotated[int, typer.Option(help="Simulated local nodes for the local launcher.", min=0)] = 2,
+    gpus: Annotated[int, typer.Option(help="GPUs per simulated node.", min=1, max=64)] = 4,
+) -> None:
+    """Start embedded servers (unless the environment names yours) and every service, until Ctrl-C."""
+    settings = load_settings()
+
+    async def serve_all(urls: ServerUrls) -> None:
+        async with connected(urls, name="lanes-up", stream_replicas=settings.stream_replicas) as conns:
+            stop = stop_on_signals()
+            fleet = local_nodes(nodes, gpus)
+            await register_nodes(LanesClient(conns.nc, "lanes/up"), fleet)
+            for name, value in (
+                ("NATS_URL", urls.nats_url),
+                ("DATABASE_URL", urls.database_url),
+                ("REDIS_URL", urls.redis_url),
+            ):
+                out.print(f"export {name}={value}", highlight=False, soft_wrap=True)
+            out.print(f"[dim]{len(fleet)} local nodes x {gpus} GPUs; Ctrl-C to stop[/dim]")
+            consumers = await prepare_services(conns, SERVICES)
+            launcher = LocalLauncher(conns.nc, frozenset(fleet))
+            router = next(consumer for consumer in consumers if isinstance(consumer, RouterRunner))
+
+            async def announce_router() -> None:
+                url = await router.url()
+                out.print(f"router (OpenAI-compatible): {url}/v1/chat/completions", highlight=False, soft_wrap=True)
+
+            await asyncio.gather(run_consumers(consumers, stop), launcher.run(stop), announce_router())
+
+    try:
+        with servers(settings) as urls:
+            run_async(lambda: serve_all(urls))
+    except KeyboardInterrupt:
+        err.print("stopped")
+
+
+@app.command()
+def serve(service: Annotated[str, typer.Argument(help=f"One of: {', '.join(SERVICES)}.")]) -> None:
+    """Run one service against NATS_URL, DATABASE_URL and REDIS_URL until SIGTERM or Ctrl-C."""
+    if service not in SERVICES:
+        fail(f"unknown service {service!r}; choose one of {', '.join(SERVICES)}", EXIT_BAD_INPUT)
+    settings = load_settings()
+    urls = ServerUrls(
+        require(settings.nats_url, "NATS_URL"),
+        require(settings.database_url, "DATABASE_URL"),
+        require(settings.redis_url, "REDIS_URL"),
+    )
+
+    # The router proxies every inference request: uvloop roughly halves its cost per request (bench/router.py).
+    loop_factory = uvloop.new_event_loop if service == "router" else None
+    try:
+        run_async(
+            lambda: serve_service(urls, SERVICES[service], stream_replicas=settings.stream_replicas),
+            loop_factory=loop_factory,
+        )
+    except KeyboardInterrupt:
+        err.print("stopped")
+
+
+def load_spec(path: Path) -> tuple[str | None, JobSpec]:
+    """Read a job spec file (YAML or JSON); return its optional `job_id` and the validated spec."""
+    try:
+        raw: Any = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        fail(f"cannot read {path}: {exc.strerror}", EXIT_BAD_INPUT)
+    except yaml.YAMLError as exc:
+        fail(f"{path} is not valid YAML: {exc}", EXIT_BAD_INPUT)
+    if not isinstance(raw, dict):
+        fail(f"{path} must hold a mapping of job fields, not {type(raw).__name__}", EXIT_BAD_INPUT)
+    job_id = raw.pop("job_id", None)
+    if job_id is not None and not (isinstance(job_id, str) and is_valid_token(job_id)):
+        fail(f"{path}: job_id {job_id!r} must be 1-128 characters from A-Z a-z 0-9 _ -", EXIT_BAD_INPUT)
+    try:
+        return job_id, JobSpec.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'spec'}: {e['msg']}" for e in exc.errors())
+        fail(f"{path}: {problems}", EXIT_BAD_INPUT)
+
+
+@app.command()
+def submit(spec_file: Annotated[Path, typer.Argument(help="Job spec, YAML or JSON.")]) -> None:
+    """Submit a job. With `job_id` in the spec, submitting it again is a no-op."""
+    settings = load_settings(quiet=True)
+    job_id, spec = load_spec(spec_file)
+    job_id = job_id or f"{spec.name}-{new_event_id()[-12:]}"
+    nats_url = require(settings.nats_url, "NATS_URL")
+
+    async def send() -> int:
+        async with await LanesClient.connect(nats_url, source="lanes/cli") as client:
+            event_id = derived_event_id(job_id, JobSubmitted.model_fields["type"].default)
+            event = JobSubmitted(
+                id=event_id, source=client.source, jobid=job_id, attempt=1, data=JobSubmittedData(spec=spec)
+            )
+            return await client.publish(event)
+
+    seq = run_async(send)
+    out.print_json(json.dumps({"job_id": job_id, "seq": seq}))
+
+
+@app.command()
+def job(
+    job_id: str,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Show a job's state and attempts from the lifecycle projection."""
+    settings = load_settings(quiet=True)
+    database_url = require(settings.database_url, "DATABASE_URL")
+
+    async def load() -> dict[str, Any] | None:
+        pool = await create_pool(database_url, max_size=1)
+        try:
+            async with pool.acquire() as conn:
+                view = await lifecycle_jobs.load(conn, job_id)
+                scheduling = await scheduling_view(conn, job_id)
+        except asyncpg.UndefinedTableError:
+            fail("DATABASE_URL holds no Lanes projection yet: no lifecycle service has run against it", EXIT_NOT_FOUND)
+        finally:
+            await pool.close()
+        return None if view is None else jobs_cli.job_json(view) | {"scheduling": scheduling}
+
+    view = run_async(load)
+    if view is None:
+        fail(f"unknown job {job_id!r}", EXIT_NOT_FOUND)
+    if as_json:
+        out.print_json(json.dumps(view))
+        return
+    jobs_cli.render_job_view(view)
+
+
+@app.command()
+def timeline(
+    job_id: str,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    html_file: Annotated[Path | None, typer.Option("--html", help="Write a self-contained HTML page here.")] = None,
+) -> None:
+    """Read a job's timeline back from JetStream and show it grouped by lane (or as an HTML page)."""
+    settings = load_settings(quiet=True)
+    nats_url = require(settings.nats_url, "NATS_URL")
+
+    async def read() -> list[Any]:
+        nc = await connect_nats(nats_url, name="lanes-timeline")
+        try:
+            return await job_timeline(nc.jetstream(), job_id)
+        finally:
+            await nc.close()
+
+    entries = run_async(read)
+    if not entries:
+        fail(f"unknown job {job_id!r}: no events on lanes.job.{job_id}.>", EXIT_NOT_FOUND)
+    report = {"job_id": job_id, "timeline": [e.as_json() for e in entries]}
+    if html_file is not None:
+        html_file.write_text(render_page(report))
+        err.print(f"wrote {html_file}")
+    if as_json:
+        out.print_json(json.dumps(report))
+    elif html_file is None:
+        render_job(out, {"job_id": job_id}, entries)
+
+
+@app.command()
+def replay(  # noqa: PLR0917 - typer maps each option to a parameter
+    job: Annotated[str | None, typer.Option(help="One job's timeline (lanes.job.<id>.>).")] = None,
+    node: Annotated[str | None, typer.Option(help="One node's events and telemetry, merged by time.")] = None,
+    subject: Annotated[str | None, typer.Option(help="Any subject filter, e.g. 'lanes.job.*.rank_exited'.")] = None,
+    stream: Annotated[str | None, typer.Option(help="The stream to read (default: from the selection).")] = None,
+    from_seq: Annotated[int | None, typer.Option("--from-seq", min=1, help="Start at this stream sequence.")] = None,
+    to_seq: Annotated[int | None, typer.Option("--to-seq", min=1, help="Stop after this stream sequence.")] = None,
+    since: Annotated[datetime | None, typer.Option(help="Start at this time (RFC 3339).")] = None,
+    until: Annotated[datetime | None, typer.Option(help="Stop after this time (RFC 3339).")] = None,
+    pace: Annotated[str, typer.Option(help="instant, original, or xN (N times faster than original).")] = "instant",
+    validate: Annotated[bool, typer.Option(help="Decode every event fully; report the invalid ones.")] = False,
+) -> None:
+    """Replay stored events as NDJSON structured CloudEvents on stdout; progress on stderr.
+
+    Read-only: no durable consumer is left behind. Each line carries the CloudEvents `sequence` extension
+    (the stream sequence), so an interrupted replay resumes with --from-seq.
+    """
+    settings = load_settings(quiet=True)
+    nats_url = require(settings.nats_url, "NATS_URL")
+    try:
+        chosen = selections(job=job, node=node, subject=subject, stream=stream)
+        pacing = Pace(pace)
+    except ValueError as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
+    chosen = [
+        dataclasses.replace(selection, from_seq=from_seq, to_seq=to_seq, since=as_utc(since), until=as_utc(until))
+        for selection in chosen
+    ]
+
+    async def run() -> int:
+        nc = await connect_nats(nats_url, name="lanes-replay")
+        try:
+            js = nc.jetstream()
+            total = sum([await count(js, selection) for selection in chosen])
+            return await write_ndjson(merged(js, chosen), sys.stdout.buffer, pacing, total, validate=validate)
+        finally:
+            await nc.close()
+
+    written = run_async(run)
+    if written == 0 and job:
+        fail(f"unknown job {job!r}: no events on lanes.job.{job}.>", EXIT_NOT_FOUND)
+
+
+app.add_typer(audit_cli.app, name="audit")
+app.command()(poc_cli.poc)
+app.command()(incident_cli.incident)
+app.command("import")(import_cli.import_events)
+
+
+def main() -> None:
+    """Entry point of the `lanes` script."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,77 @@
+"""What every `lanes` command shares: consoles, one-line errors with exit codes, settings, async runner.
+
+Exit codes: 0 success, 1 the work itself failed, 2 bad input (usage, spec file), 3 unknown job,
+4 a server is unreachable or unsupported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import NoReturn, TypeVar
+
+import typer
+from rich.console import Console
+
+from lanes_contract.errors import LanesError, ServerUnavailableError, UnsupportedServerError
+from lanes_runtime.log import configure_logging
+from lanes_runtime.settings import Settings
+
+EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOT_FOUND, EXIT_SERVER = 1, 2, 3, 4
+out = Console()
+err = Console(stderr=True)
+_T = TypeVar("_T")
+
+
+def fail(message: str, code: int) -> NoReturn:
+    """Print a one-line error on stderr and exit with `code`."""
+    err.print(f"[red]error:[/red] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+def load_settings(*, quiet: bool = False) -> Settings:
+    """Settings from the environment, with logging configured (warnings only when `quiet`)."""
+    try:
+        settings = Settings.from_env()
+    except ValueError as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
+    # Commands whose output is the point (demo, submit, job, timeline) log only warnings unless asked to.
+    level = settings.log_level if (os.environ.get("LANES_LOG_LEVEL") or not quiet) else "warning"
+    configure_logging(level, settings.log_format)
+    return settings
+
+
+def run_async(
+    work: Callable[[], Awaitable[_T]], *, loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+) -> _T:
+    """Run async work; turn server problems into one-line errors and SIGTERM into a clean shutdown."""
+
+    def on_sigterm(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            return runner.run(work())  # type: ignore[arg-type]
+    except (ServerUnavailableError, UnsupportedServerError) as exc:
+        fail(str(exc), EXIT_SERVER)
+    except LanesError as exc:
+        fail(str(exc), EXIT_FAILED)
+
+
+def require(value: str | None, name: str) -> str:
+    """The value of a required setting, or a one-line error naming it."""
+    if not value:
+        fail(
+            f"{name} is not set: start `lanes up` and export the URLs it prints, or point it at your server",
+            EXIT_BAD_INPUT,
+        )
+    return value
+
+
+def as_utc(moment: datetime | None) -> datetime | None:
+    """A time given without an offset means UTC, as everywhere on the timeline."""
+    return moment if moment is None or moment.tzinfo else moment.replace(tzinfo=UTC)

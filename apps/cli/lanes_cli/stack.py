@@ -1,0 +1,37 @@
+"""The servers a command runs against: those named by the environment, embedded ones for the rest."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import structlog
+
+from lanes_runtime.settings import ServerUrls, Settings
+from lanes_sandbox.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedRedis
+
+log = structlog.get_logger(__name__)
+
+
+@contextlib.contextmanager
+def servers(settings: Settings) -> Iterator[ServerUrls]:
+    """Yield the three server URLs; servers not given by NATS_URL / DATABASE_URL / REDIS_URL are embedded.
+
+    Embedded servers are stopped and their data removed on exit, Ctrl-C included.
+    """
+    with contextlib.ExitStack() as stack:
+        nats_url = settings.nats_url or stack.enter_context(EmbeddedNats()).url
+        database_url = settings.database_url or stack.enter_context(EmbeddedPostgres()).url
+        redis_url = settings.redis_url or stack.enter_context(EmbeddedRedis()).url
+        embedded = [
+            name
+            for name, given in (
+                ("nats", settings.nats_url),
+                ("postgres", settings.database_url),
+                ("redis", settings.redis_url),
+            )
+            if not given
+        ]
+        if embedded:
+            log.info("embedded servers started", servers=embedded)
+        yield ServerUrls(nats_url=nats_url, database_url=database_url, redis_url=redis_url)

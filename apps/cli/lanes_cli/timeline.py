@@ -1,0 +1,77 @@
+"""Reading the timeline back from JetStream, with an ephemeral consumer that leaves nothing behind."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from lanes_contract.codec import decode, format_time
+from lanes_contract.errors import DecodeError
+from lanes_contract.events import Event
+from lanes_contract.streams import JOBS
+from lanes_runtime.reader import Selection, iter_stream
+
+
+def row_kind(row: dict[str, Any]) -> str:
+    """The event name of a timeline row: `placed` for `io.lanes.job.placed.v1`."""
+    parts = str(row.get("type") or "").split(".")
+    return parts[-2] if len(parts) >= 2 else ""  # noqa: PLR2004 - <name>.v<N> ends every type
+
+
+def is_failure(row: dict[str, Any]) -> bool:
+    """Whether a timeline row reports a failure: a rank that did not exit 0, or a job moved to a failed state."""
+    data = row.get("data") or {}
+    if row_kind(row) == "rank_exited":
+        return data.get("exit_code") not in (0, None) or bool(data.get("signal"))
+    return row_kind(row) == "state_changed" and data.get("to_state") in {"failed", "partially_failed"}
+
+
+@dataclass(frozen=True)
+class TimelineEntry:
+    """One stored event and its stream sequence, or the reason it could not be decoded."""
+
+    seq: int
+    subject: str
+    event: Event | None
+    error: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        """The row of `lanes demo --json` / `lanes timeline --json`."""
+        if self.event is None:
+            return {"seq": self.seq, "subject": self.subject, "type": None, "error": self.error}
+        e = self.event
+        return {
+            "seq": self.seq,
+            "id": e.id,
+            "time": format_time(e.time),
+            "type": e.type,
+            "lane": e.lane.value,
+            "job_id": e.jobid,
+            "attempt": e.attempt,
+            "node": e.node,
+            "rank": e.rank,
+            "source": e.source,
+            "data": e.model_dump(mode="json")["data"],
+        }
+
+
+def entry_of(msg: Msg) -> TimelineEntry:
+    """A stored message as a timeline entry; an undecodable one keeps its place with its error."""
+    seq = msg.metadata.sequence.stream
+    try:
+        return TimelineEntry(seq, msg.subject, decode(msg.subject, msg.headers, msg.data))
+    except DecodeError as exc:
+        return TimelineEntry(seq, msg.subject, None, str(exc))
+
+
+async def read_stream(js: JetStreamContext, selection: Selection) -> list[TimelineEntry]:
+    """Every selected message, decoded, in stream order."""
+    return [entry_of(msg) async for msg in iter_stream(js, selection)]
+
+
+async def job_timeline(js: JetStreamContext, job_id: str) -> list[TimelineEntry]:
+    """The job's whole timeline: every event on `lanes.job.<job_id>.>`."""
+    return await read_stream(js, Selection(JOBS.name, f"lanes.job.{job_id}.>"))

@@ -1,0 +1,149 @@
+"""The job vocabulary every service shares: the spec a user submits and the states a job moves through."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from lanes_contract.ids import validate_token
+from lanes_contract.topology import TopologyConstraint
+
+Token = Annotated[str, AfterValidator(validate_token)]
+"""A string that is safe to use as a NATS subject token (job, node, model, replica ids)."""
+
+
+class WorkloadClass(StrEnum):
+    """What kind of work a job is; recovery policy is chosen per class."""
+
+    TRAINING = "training"
+    INFERENCE = "inference"
+    EVALUATION = "evaluation"
+    BATCH = "batch"
+
+
+class JobState(StrEnum):
+    """Base states of a job, as the lifecycle service folds them from events."""
+
+    SUBMITTED = "submitted"
+    QUEUED = "queued"
+    ADMITTED = "admitted"
+    STARTING = "starting"
+    RUNNING = "running"
+    PARTIALLY_FAILED = "partially_failed"
+    CANCELLING = "cancelling"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    RELEASED = "released"
+    RETRYING = "retrying"
+    AWAITING_MANUAL = "awaiting_manual"
+
+
+# --- lifecycle: causes, success criteria and owners (defaults keep older specs valid) ---
+
+
+class FailureCause(StrEnum):
+    """Why an attempt ended; refined later when telemetry publishes a finding."""
+
+    NORMAL_COMPLETION = "normal_completion"
+    USER_CANCEL = "user_cancel"
+    NODE_FAULT = "node_fault"
+    COMMUNICATION_FAILURE = "communication_failure"
+    USER_CODE_ERROR = "user_code_error"
+    PLATFORM_ACTION = "platform_action"
+    UNKNOWN = "unknown"
+
+
+class SuccessCriteria(BaseModel):
+    """When an attempt counts as succeeded: every rank exited 0 and every required artifact was recorded."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    all_ranks_exit_zero: bool = True
+    required_artifacts: tuple[Token, ...] = Field(default=(), description="Artifact names that must be produced.")
+
+
+class Owners(BaseModel):
+    """Who to call per responsibility lane (a name, a team or an on-call alias)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    algorithm: str | None = None
+    platform: str | None = None
+    host: str | None = None
+    network: str | None = None
+
+
+class ProtectionMode(StrEnum):
+    """What an inference deployment does with a request when no replica can take it."""
+
+    PAUSE = "pause"
+    """Stop intake: 503 with `Retry-After`."""
+    QUEUE = "queue"
+    """Wait (bounded) for a slot, then 503 with `Retry-After`."""
+    REJECT = "reject"
+    """Answer 429 at once: the client should back off."""
+
+
+class ServingSpec(BaseModel):
+    """What an inference job serves, and how the router protects it (one job = one replica)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: Token = Field(description="The model name clients ask for, e.g. tiny-chat.")
+    version: Token = Field(description="The model version this replica serves; routing never mixes versions silently.")
+    max_concurrency: int = Field(default=8, ge=1, le=4096, description="In-flight requests per replica, all routers.")
+    protection: ProtectionMode = ProtectionMode.PAUSE
+    queue_timeout_s: float = Field(default=5.0, gt=0, le=600, description="How long `queue` waits for a slot.")
+    retry_after_s: int = Field(default=2, ge=1, le=3600, description="The `Retry-After` a 503 or 429 carries.")
+    weight: int = Field(
+        default=100, ge=0, le=100, description="Traffic share of this version while several versions run."
+    )
+
+
+Digest = Annotated[str, Field(pattern=r"^[a-z0-9]+:[0-9a-fA-F]{8,128}$", description="e.g. sha256:<hex>")]
+
+
+class JobSpec(BaseModel):
+    """What a user asks for: the gang, where it may run, what it runs, and what success and recovery mean."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: Token
+    tenant: Token = "default"
+    workload_class: WorkloadClass = WorkloadClass.TRAINING
+    workers: int = Field(ge=1, le=65_536, description="Number of worker processes (ranks) in the gang.")
+    gpus_per_worker: int = Field(default=1, ge=1, le=16)
+    gpu_model: str | None = Field(default=None, description="Required GPU model, or any model when unset.")
+    # --- scheduler: resources and topology (defaults keep older specs valid) ---
+    gpu_memory_gib: int | None = Field(default=None, ge=1, description="Minimum memory per GPU, or any.")
+    pool: Token = "default"
+    priority: int = Field(default=0, ge=-1000, le=1000, description="Higher is placed first.")
+    topology: TopologyConstraint = TopologyConstraint()
+    image: str = Field(default="local", min_length=1)
+    command: tuple[str, ...] = Field(
+        default=(),
+        description="What each rank runs; the launcher passes RANK, WORLD_SIZE and LOCAL_RANK in the environment.",
+    )
+    # --- lifecycle: versions, checkpoints, success, retries, owners (defaults keep older specs valid) ---
+    model_version: Digest | None = None
+    data_version: Digest | None = None
+    config_version: Digest | None = None
+    checkpoint_location: str | None = Field(default=None, min_length=1, description="Where checkpoints go.")
+    success: SuccessCriteria = SuccessCriteria()
+    retry_budget: int = Field(default=3, ge=0, le=100, description="How many retries (new attempts) are allowed.")
+    owners: Owners = Owners()
+    # --- router: what an inference job serves (required for inference, absent otherwise) ---
+    serving: ServingSpec | None = None
+
+    @model_validator(mode="after")
+    def _serving_matches_class(self) -> JobSpec:
+        if self.workload_class is WorkloadClass.INFERENCE and self.serving is None:
+            msg = "an inference job needs `serving` (model, version): the router routes to it by those"
+            raise ValueError(msg)
+        if self.workload_class is not WorkloadClass.INFERENCE and self.serving is not None:
+            msg = f"`serving` is for inference jobs, not {self.workload_class} ones"
+            raise ValueError(msg)
+        return self

@@ -1,0 +1,583 @@
+"""Parsers for the log formats people paste into incident channels, turning lines into evidence.
+
+Formats: PyTorch ProcessGroupNCCL watchdog lines (old and new, with SeqNum / OpType / Timeout(ms) and the
+last enqueued / completed work), ProcessGroupGloo errors, torchelastic's ChildFailedError summary (with its
+"Root Cause (first observed failure)" block), NCCL debug lines (`host:pid:tid [dev] NCCL WARN ...`),
+rank-prefixed Python tracebacks (`[rank3]: ...`), CUDA errors, kernel lines (NVRM Xid, OOM killer, NIC link
+down) and a few scheduler / clock lines. A line nothing recognises becomes RAW evidence, and no input ever
+raises: a malformed timestamp or number degrades the line to RAW instead.
+
+Pure: text in, evidence out. The caller says which node / rank / file the text came from (`SourceContext`);
+what the lines themselves say (a `[rank3]:` prefix, an NCCL host prefix, a syslog host) wins over it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from lanes_contract.events import EvidenceCategory, EvidenceData
+from lanes_evidence.evidence import Evidence
+
+C = EvidenceCategory
+MAX_LINE = 2048
+"""Longer lines are cut: evidence is for reading, and a 1 MB line is not evidence but a problem."""
+_MAX_FRAMES = 3
+
+_MONTHS = {
+    m: i
+    for i, m in enumerate(("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"), start=1)
+}
+_SIGNALS = {"SIGHUP": 1, "SIGINT": 2, "SIGQUIT": 3, "SIGABRT": 6, "SIGKILL": 9, "SIGSEGV": 11, "SIGTERM": 15}
+_ECC_XIDS = frozenset({48, 63, 64, 92, 94, 95})
+"""Xids that report memory (ECC) errors rather than a generic GPU fault."""
+
+
+@dataclass(frozen=True)
+class SourceContext:
+    """Where the text comes from: its file or stream, and the node / rank when the file stands for one."""
+
+    origin: str = ""
+    node: str | None = None
+    rank: int | None = None
+    year: int = 2026
+    """Year for timestamps that carry none (glog `E1202`, syslog `Dec  2`)."""
+
+
+@dataclass(frozen=True)
+class LineMatch:
+    """What one line says: the evidence fields, and where it says it happened (when the line names it)."""
+
+    fields: dict[str, Any]
+    node: str | None = None
+    rank: int | None = None
+    time: datetime | None = None
+
+
+# --- timestamps ----------------------------------------------------------------------------------
+
+_ISO = re.compile(
+    r"(?P<y>\d{4})-(?P<mo>\d{2})-(?P<d>\d{2})[T ](?P<h>\d{2}):(?P<mi>\d{2}):(?P<s>\d{2})(?:[.,](?P<f>\d{1,9}))?"
+    r"(?P<tz>Z|[+-]\d{2}:?\d{2})?"
+)
+_ELASTIC_TIME = re.compile(r"(?P<y>\d{4})-(?P<mo>\d{2})-(?P<d>\d{2})_(?P<h>\d{2}):(?P<mi>\d{2}):(?P<s>\d{2})")
+# glog as c10 writes it: the month is not zero-padded (E321 is March 21, E1206 December 6).
+_GLOG = re.compile(
+    r"(?:^|\[)[IWEF](?P<mo>\d{1,2})(?P<d>\d{2}) (?P<h>\d{2}):(?P<mi>\d{2}):(?P<s>\d{2})(?:\.(?P<f>\d{1,9}))?\s"
+)
+_SYSLOG = re.compile(
+    r"^(?:\[(?:\w{3} )?)?(?P<mon>[A-Z][a-z]{2}) {1,2}(?P<d>\d{1,2}) (?P<h>\d{2}):(?P<mi>\d{2}):(?P<s>\d{2})"
+    r"(?:\.(?P<f>\d{1,9}))?(?: (?P<y>\d{4})\])?"
+)
+
+
+def _fraction(text: str | None) -> int:
+    return int((text or "0")[:6].ljust(6, "0"))
+
+
+def parse_time(line: str, year: int = 2026) -> datetime | None:
+    """The timestamp a line carries, in UTC (times without an offset are taken as UTC), or None."""
+    if m := _ISO.search(line):
+        moment = datetime(
+            int(m["y"]), int(m["mo"]), int(m["d"]), int(m["h"]), int(m["mi"]), int(m["s"]), _fraction(m["f"]), UTC
+        )
+        if (tz := m["tz"]) and tz != "Z":
+            digits = tz[1:].replace(":", "")
+            offset = timedelta(hours=int(digits[:2]), minutes=int(digits[2:]))
+            moment -= offset if tz[0] == "+" else -offset
+        return moment
+    if m := _ELASTIC_TIME.search(line):
+        return datetime(int(m["y"]), int(m["mo"]), int(m["d"]), int(m["h"]), int(m["mi"]), int(m["s"]), tzinfo=UTC)
+    if m := _GLOG.search(line):
+        return datetime(year, int(m["mo"]), int(m["d"]), int(m["h"]), int(m["mi"]), int(m["s"]), _fraction(m["f"]), UTC)
+    if (m := _SYSLOG.search(line)) and m["mon"].lower() in _MONTHS:
+        return datetime(
+            int(m["y"] or year),
+            _MONTHS[m["mon"].lower()],
+            int(m["d"]),
+            int(m["h"]),
+            int(m["mi"]),
+            int(m["s"]),
+            _fraction(m["f"]),
+            UTC,
+        )
+    return None
+
+
+# --- one-line formats ----------------------------------------------------------------------------
+
+_RANK_PREFIX = re.compile(r"^\s*(?:\[\d{1,10}\]\s*)?\[(?:rank|Rank )(\d{1,7})\]:\s?")
+"""`[rank3]:` as torchrun's --tee / --log-line-prefix writes it, optionally after a `[pid]` of another wrapper."""
+_PG_RANK = re.compile(r"\[(?:PG [^\]]*?)?Rank (\d{1,7})\]")
+_WORK_NCCL = re.compile(r"WorkNCCL\((?P<body>(?:[^()]|\(ms\))*)\)")
+_KV = re.compile(r"(\w+(?:\(ms\))?)=(\w+)")
+_WATCHDOG_WORK = re.compile(
+    r"(?:Timeout at NCCL work|detected by watchdog at work): (?P<seq>-?\d+), last enqueued NCCL work: (?P<enq>-?\d+), "
+    r"last completed NCCL work: (?P<done>-?\d+)"
+)
+_RAN_FOR = re.compile(r"ran for (\d+) milliseconds")
+
+
+def parse_nccl_watchdog(line: str) -> LineMatch | None:
+    """PyTorch ProcessGroupNCCL watchdog lines, old (`[E ProcessGroupNCCL.cpp:475]`) and new (glog, PG ids)."""
+    if "ProcessGroupNCCL" not in line and "NCCL work" not in line and "WorkNCCL" not in line:
+        return None
+    rank = int(m[1]) if (m := _PG_RANK.search(line)) else None
+    if "Watchdog caught collective operation timeout" in line and (work := _WORK_NCCL.search(line)):
+        values = dict(_KV.findall(work["body"]))
+        fields: dict[str, Any] = {
+            "category": C.COLLECTIVE_TIMEOUT,
+            "op_type": values.get("OpType"),
+            "seq_num": _nonneg(values.get("SeqNum")),
+            "timeout_ms": _nonneg(values.get("Timeout(ms)")),
+        }
+        ran = _RAN_FOR.search(line)
+        fields["summary"] = f"{fields['op_type'] or 'collective'} SeqNum={fields['seq_num']} timed out" + (
+            f" after {int(ran[1]) // 1000} s" if ran else ""
+        )
+        return LineMatch(fields, rank=rank)
+    if m := _WATCHDOG_WORK.search(line):
+        seq = _nonneg(m["seq"])
+        return LineMatch(
+            {
+                "category": C.COLLECTIVE_TIMEOUT,
+                "seq_num": seq,
+                "last_enqueued": _nonneg(m["enq"]),
+                "last_completed": _nonneg(m["done"]),
+                "summary": f"stuck at SeqNum={seq}; last enqueued {m['enq']}, last completed {m['done']}",
+            },
+            rank=rank,
+        )
+    if "watchdog got stuck" in line or "Some NCCL operations have failed or timed out" in line:
+        return LineMatch({"category": C.COMM_ERROR, "summary": "NCCL watchdog: operations failed or stuck"}, rank=rank)
+    if "NCCL communicator was aborted" in line or "ncclRemoteError" in line:
+        return LineMatch({"category": C.PEER_CLOSED, "summary": "NCCL remote error or aborted communicator"}, rank=rank)
+    return None
+
+
+_GLOO_PEER = re.compile(
+    r"(?:Connection closed by peer|Read error|Write error|Connection reset by peer) \[?([\w.:-]+?)\]?:\d+"
+)
+_GLOO_TIMEOUT = re.compile(r"Timed out waiting (\d+)ms for (\w+) operation to complete")
+
+
+def parse_gloo(line: str) -> LineMatch | None:
+    """ProcessGroupGloo / gloo transport errors: a peer that closed its socket, a recv or send that timed out."""
+    if "gloo" not in line.lower():
+        return None
+    if m := _GLOO_PEER.search(line):
+        return LineMatch({"category": C.PEER_CLOSED, "peer": m[1], "summary": f"gloo: connection to {m[1]} lost"})
+    if m := _GLOO_TIMEOUT.search(line):
+        timeout_ms = _nonneg(m[1])
+        return LineMatch(
+            {"category": C.COLLECTIVE_TIMEOUT, "timeout_ms": timeout_ms, "summary": f"gloo: {m[2]} timed out"}
+        )
+    if "connectFullMesh" in line or "Gloo connectFullMesh failed" in line:
+        return LineMatch({"category": C.COMM_INIT_FAILURE, "summary": "gloo: could not connect the full mesh"})
+    return None
+
+
+_NCCL_DEBUG = re.compile(
+    r"^(?P<host>[\w.-]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] (?:[\w./-]+:\d+ )?NCCL (?P<level>WARN|INFO|TRACE) ?"
+    r"(?P<msg>.*)$"
+)
+_IB_COMPLETION = re.compile(r"Got completion from peer ([\w.:%-]+?)<\d*> with (?:error |status=?)(?:\w+\()?(\d+)")
+_REMOTE_PEER = re.compile(r"(?:Connection closed by remote peer|Connection reset by peer)\s*([\w.:-]+?)(?:<\d+>|$)")
+_IB_RETRY_EXCEEDED = 12
+"""IBV_WC_RETRY_EXC_ERR: the transport retry counter ran out: the peer or the path to it is gone."""
+
+
+def parse_nccl_debug(line: str) -> LineMatch | None:
+    """NCCL debug lines: `host:pid:tid [dev] NCCL WARN ...` (and INFO, kept as raw context)."""
+    m = _NCCL_DEBUG.search(line.lstrip())
+    if m is None:
+        return None
+    node, pid, msg = m["host"], _nonneg(m["pid"]), m["msg"]
+    base: dict[str, Any] = {"pid": pid, "gpu": m["dev"]}
+    if m["level"] != "WARN":
+        return LineMatch(base | {"category": C.RAW, "summary": f"NCCL {m['level']}"}, node=node)
+    if ib := _IB_COMPLETION.search(msg):
+        code = int(ib[2])
+        category = C.RETRY_EXCEEDED if code == _IB_RETRY_EXCEEDED else C.COMM_ERROR
+        return LineMatch(base | {"category": category, "peer": ib[1], "summary": f"IB completion error {code}"}, node)
+    if peer := _REMOTE_PEER.search(msg):
+        return LineMatch(base | {"category": C.PEER_CLOSED, "peer": peer[1] or None, "summary": msg[:200]}, node)
+    if "Cuda failure" in msg and "out of memory" in msg:
+        return LineMatch(base | {"category": C.CUDA_OOM, "summary": msg[:200]}, node)
+    if "Cuda failure" in msg:
+        return LineMatch(base | {"category": C.CUDA_ERROR, "summary": msg[:200]}, node)
+    if "bootstrap" in msg.lower() or "init" in msg.lower():
+        return LineMatch(base | {"category": C.COMM_INIT_FAILURE, "summary": msg[:200]}, node)
+    return LineMatch(base | {"category": C.COMM_ERROR, "summary": msg[:200]}, node)
+
+
+_CUDA_OOM = re.compile(r"CUDA out of memory|CUDA error: out of memory|OutOfMemoryError")
+_CUDA_ERROR = re.compile(r"CUDA error: (?P<what>[^.\n]+)|illegal memory access|device-side assert triggered")
+
+
+def parse_cuda(line: str) -> LineMatch | None:
+    """CUDA errors outside a traceback: out of memory, illegal memory access, device-side asserts."""
+    if _CUDA_OOM.search(line):
+        return LineMatch({"category": C.CUDA_OOM, "summary": "CUDA out of memory"})
+    if m := _CUDA_ERROR.search(line):
+        return LineMatch({"category": C.CUDA_ERROR, "summary": f"CUDA error: {m['what'] or m[0]}"})
+    return None
+
+
+_KERNEL_HOST = re.compile(r"^(?:\S+\s+)?(?:[A-Z][a-z]{2} {1,2}\d{1,2} [\d:.]+ )?(?P<host>[\w.-]+) kernel: ")
+_XID = re.compile(r"NVRM: Xid \((?:PCI:)?(?P<pci>[0-9A-Fa-f:.]+)\): (?P<xid>\d+),?\s*(?P<rest>.*)")
+_OOM_KILL = re.compile(r"(?:Out of memory|Memory cgroup out of memory): Killed process (\d+) \(([^)]*)\)")
+_OOM_KILL_TASK = re.compile(r"oom-kill:.*?task=([^,]+),pid=(\d+)")
+_LINK = re.compile(r"(?P<iface>[\w.:-]+): (?:NIC )?Link (?:is )?(?P<state>[Dd]own|[Uu]p)\b")
+_PORT_ERROR_WORDS = ("symbol error", "link error recovery", "port_rcv_errors", "link_downed")
+_IFACE = re.compile(r"([\w.:-]+): ")
+_EDAC = re.compile(r"EDAC .*?(?:CE|UE) .*error")
+
+
+def parse_kernel(line: str) -> LineMatch | None:
+    """Kernel lines (dmesg, journal, syslog): NVRM Xid, the OOM killer, NIC link changes, ECC, disk full."""
+    node = m["host"] if " kernel: " in line and (m := _KERNEL_HOST.search(line)) else None
+    if m := _XID.search(line):
+        xid = int(m["xid"])
+        category = C.ECC_ERROR if xid in _ECC_XIDS else C.GPU_XID
+        rest = m["rest"].strip()
+        return LineMatch(
+            {"category": category, "xid": xid, "gpu": m["pci"], "summary": f"Xid {xid}: {rest}"[:200]}, node
+        )
+    if m := _OOM_KILL.search(line):
+        return LineMatch(
+            {"category": C.OOM_KILL, "pid": int(m[1]), "summary": f"OOM killer killed {m[2]} ({m[1]})"}, node
+        )
+    if m := _OOM_KILL_TASK.search(line):
+        return LineMatch({"category": C.OOM_KILL, "pid": int(m[2]), "summary": f"OOM killer killed {m[1]}"}, node)
+    if "No space left on device" in line:
+        return LineMatch({"category": C.DISK_FULL, "summary": "no space left on device"}, node)
+    if _EDAC.search(line):
+        return LineMatch({"category": C.ECC_ERROR, "summary": "host memory ECC error"}, node)
+    if m := _LINK.search(line):
+        down = m["state"].lower() == "down"
+        category = C.LINK_DOWN if down else C.LINK_UP
+        return LineMatch(
+            {"category": category, "interface": m["iface"], "summary": f"{m['iface']} link {m['state']}"}, node
+        )
+    if any(word in line for word in _PORT_ERROR_WORDS):
+        iface = m[1] if (m := _IFACE.search(line.rsplit(" kernel: ", maxsplit=1)[-1])) else None
+        return LineMatch({"category": C.PORT_ERRORS, "interface": iface, "summary": line.strip()[:200]}, node)
+    return None
+
+
+_SLURM_CANCEL = re.compile(r"\*\*\* (?:STEP|JOB) [\w.]+ ON (?P<host>[\w.-]+) CANCELLED AT \S+ DUE TO (?P<why>[A-Z ]+)")
+_CLOCK = re.compile(r"(?:System clock wrong by|clock offset[:=]?) ?(-?\d+(?:\.\d+)?) ?(ms|s|seconds)?", re.IGNORECASE)
+_EXIT = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+_SIGNAL_RECEIVED = re.compile(r"Signal (\d+) \((SIG\w+)\) received by PID (\d+)")
+
+
+def parse_platform_and_process(line: str) -> LineMatch | None:
+    """Scheduler preemption, clock offsets, and torchrun's one-line process exit reports."""
+    if m := _SLURM_CANCEL.search(line):
+        category = C.PREEMPTION
+        return LineMatch({"category": category, "summary": f"cancelled due to {m['why'].strip().lower()}"}, m["host"])
+    if "version mismatch" in line.lower() or "NCCL version mismatch" in line:
+        return LineMatch({"category": C.CONFIG_MISMATCH, "summary": line.strip()[:200]})
+    if m := _CLOCK.search(line):
+        value = float(m[1])
+        offset_ms = value if (m[2] or "s") == "ms" else value * 1000
+        return LineMatch(
+            {"category": C.CLOCK_OFFSET, "offset_ms": offset_ms, "summary": f"clock offset {offset_ms} ms"}
+        )
+    if m := _EXIT.search(line):
+        return LineMatch(_exit_fields(int(m[1]), _nonneg(m[3])) | {"summary": f"local_rank {m[2]} failed ({m[1]})"})
+    if m := _SIGNAL_RECEIVED.search(line):
+        return LineMatch(
+            {"category": C.PROCESS_EXITED, "signal": _signal(int(m[1])), "pid": _nonneg(m[3]), "summary": m[0]}
+        )
+    return None
+
+
+LINE_PARSERS: tuple[Callable[[str], LineMatch | None], ...] = (
+    parse_nccl_watchdog,
+    parse_gloo,
+    parse_nccl_debug,
+    parse_kernel,
+    parse_platform_and_process,
+    parse_cuda,
+)
+"""One-line parsers, most specific first; the first that recognises a line decides."""
+
+
+def _nonneg(text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return value if value >= 0 else None
+
+
+def _signal(number: int) -> int | None:
+    return number if number >= 1 else None
+
+
+def _exit_fields(code: int, pid: int | None) -> dict[str, Any]:
+    # torchelastic writes a death by signal N as exit code -N.
+    if code < 0:
+        return {"category": C.PROCESS_EXITED, "signal": _signal(-code), "exit_code": None, "pid": pid}
+    return {"category": C.PROCESS_EXITED, "exit_code": code, "pid": pid}
+
+
+def classify_exception(error_type: str, message: str) -> EvidenceCategory:
+    """The category of a Python exception, from its class and message."""
+    text = f"{error_type}: {message}"
+    if _CUDA_OOM.search(text):
+        return C.CUDA_OOM
+    if _CUDA_ERROR.search(text):
+        return C.CUDA_ERROR
+    lowered = text.lower()
+    if "diststoreerror" in lowered or "rendezvous" in lowered or "waiting for clients" in lowered:
+        return C.COMM_INIT_FAILURE
+    if "gloo" in lowered and ("closed by peer" in lowered or "reset by peer" in lowered):
+        return C.PEER_CLOSED
+    if "distbackenderror" in lowered or "nccl error" in lowered or "watchdog" in lowered or "timed out" in lowered:
+        return C.COMM_ERROR
+    return C.PYTHON_EXCEPTION
+
+
+def _exception_fields(error_type: str, message: str, text: str) -> dict[str, Any]:
+    # An exception that wraps a known line (a gloo peer error, a CUDA error) keeps that line's fields.
+    summary = f"{error_type}: {message}"[:300]
+    for parser in LINE_PARSERS:
+        match = parser(text)
+        if match is not None and match.fields["category"] is not C.RAW:
+            return match.fields | {"error_type": error_type, "summary": summary}
+    return {"category": classify_exception(error_type, message), "error_type": error_type, "summary": summary}
+
+
+# --- multi-line state: tracebacks and the torchelastic summary ----------------------------------
+
+_TRACEBACK_START = "Traceback (most recent call last):"
+_EXCEPTION_LINE = re.compile(
+    r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Failure|Warning))(?::\s?(?P<msg>.*))?$"
+)
+_ELASTIC_ENTRY = re.compile(r"^\s*\[(\d+)\]:\s*$")
+_ELASTIC_FIELD = re.compile(r"^\s*(time|host|rank|exitcode|error_file|traceback)\s*:\s*(.*)$")
+_ELASTIC_RANK = re.compile(r"(\d+)")
+
+
+@dataclass
+class _Traceback:
+    rank: int | None
+    lines: list[str] = field(default_factory=list)
+    time: datetime | None = None
+
+
+@dataclass
+class _ElasticEntry:
+    root_cause: bool
+    fields: dict[str, str] = field(default_factory=dict)
+    lines: list[str] = field(default_factory=list)
+
+
+class LogParser:
+    """Feeds lines of one source, keeping the state that multi-line formats need."""
+
+    def __init__(self, context: SourceContext | None = None) -> None:
+        self.context = context or SourceContext()
+        self._last_time: datetime | None = None
+        self._tracebacks: dict[int | None, _Traceback] = {}
+        self._elastic: _ElasticEntry | None = None
+        self._in_elastic = False
+        self._root_cause_block = False
+
+    def feed(self, raw_line: str) -> list[Evidence]:
+        """The evidence this line completes (often none while a traceback or a summary is being read)."""
+        line = _clean(raw_line)
+        if not line.strip():
+            return []
+        try:
+            return self._feed(line)
+        except (ValueError, OverflowError):
+            # A date like 2026-02-31 or a number beyond range: the line is still evidence, just unparsed.
+            return [self._evidence({"category": C.RAW}, [line], None, None, None)]
+
+    def finish(self) -> list[Evidence]:
+        """Evidence still held in open multi-line blocks at the end of the input."""
+        found: list[Evidence] = []
+        for rank in list(self._tracebacks):
+            found.extend(self._close_traceback(rank))
+        found.extend(self._close_elastic_entry())
+        return found
+
+    def _feed(self, line: str) -> list[Evidence]:
+        rank: int | None = None
+        body = line
+        if m := _RANK_PREFIX.match(line):
+            rank, body = int(m[1]), line[m.end() :]
+        moment = parse_time(body, self.context.year)
+        if moment is not None:
+            self._last_time = moment
+        found: list[Evidence] = []
+        if self._in_elastic or "Root Cause (first observed failure)" in body or body.strip() == "Failures:":
+            consumed, elastic = self._elastic_line(body)
+            found.extend(elastic)
+            if consumed:
+                return found
+        open_tb = self._tracebacks.get(rank)
+        if _TRACEBACK_START in body:
+            found.extend(self._close_traceback(rank))
+            self._tracebacks[rank] = _Traceback(rank, [line], moment or self._last_time)
+            return found
+        if open_tb is not None:
+            stripped = body.rstrip()
+            if not stripped or stripped.startswith((" ", "\t", "^", "~")):
+                open_tb.lines.append(line)
+                return found
+            if _EXCEPTION_LINE.match(stripped.strip()):
+                open_tb.lines.append(line)
+                found.extend(self._close_traceback(rank))
+                return found
+            found.extend(self._close_traceback(rank))
+        found.extend(self._one_line(line, body, rank, moment))
+        return found
+
+    def _one_line(self, line: str, body: str, rank: int | None, moment: datetime | None) -> list[Evidence]:
+        for parser in LINE_PARSERS:
+            match = parser(body)
+            if match is not None:
+                chosen_rank = rank if rank is not None else match.rank
+                return [self._evidence(match.fields, [line], match.node, chosen_rank, match.time or moment)]
+        if (m := _EXCEPTION_LINE.match(body.strip())) and "ChildFailedError" not in m["type"]:
+            fields = _exception_fields(m["type"], m["msg"] or "", body)
+            return [self._evidence(fields, [line], None, rank, moment)]
+        return [self._evidence({"category": C.RAW}, [line], None, rank, moment)]
+
+    def _close_traceback(self, rank: int | None) -> list[Evidence]:
+        tb = self._tracebacks.pop(rank, None)
+        if tb is None:
+            return []
+        last = _RANK_PREFIX.sub("", tb.lines[-1]).strip()
+        m = _EXCEPTION_LINE.match(last)
+        if m is None:
+            return [
+                self._evidence(
+                    {"category": C.RAW, "summary": "unterminated traceback"}, tb.lines[:8], None, rank, tb.time
+                )
+            ]
+        if "ChildFailedError" in m["type"]:
+            return []  # the summary block that follows says what failed, rank by rank
+        frames = [ln for ln in tb.lines[1:-1] if _RANK_PREFIX.sub("", ln).lstrip().startswith("File ")]
+        lines = [tb.lines[0], *frames[-_MAX_FRAMES:], tb.lines[-1]]
+        fields = _exception_fields(m["type"], m["msg"] or "", last)
+        return [self._evidence(fields, lines, None, rank, tb.time)]
+
+    def _elastic_line(self, body: str) -> tuple[bool, list[Evidence]]:
+        """Read the ChildFailedError summary; returns whether the line belonged to it."""
+        text = body.strip()
+        if text == "Failures:" or "Root Cause (first observed failure)" in text:
+            found = self._close_elastic_entry()
+            self._in_elastic = True
+            self._root_cause_block = "Root Cause" in text
+            return True, found
+        if not self._in_elastic:
+            return False, []
+        if m := _ELASTIC_ENTRY.match(text):
+            found = self._close_elastic_entry()
+            self._elastic = _ElasticEntry(self._root_cause_block, lines=[body])
+            return True, found
+        if self._elastic is not None and (m := _ELASTIC_FIELD.match(text)):
+            self._elastic.fields[m[1]] = m[2].strip()
+            self._elastic.lines.append(body)
+            return True, []
+        if text and set(text) <= {"=", "-"}:
+            found = self._close_elastic_entry()
+            # "-----" separates entries and blocks; "=====" ends the summary.
+            self._in_elastic = set(text) == {"-"}
+            return True, found
+        if text.startswith("<NO_OTHER_FAILURES>"):
+            return True, []
+        found = self._close_elastic_entry()
+        self._in_elastic = False
+        return False, found
+
+    def _close_elastic_entry(self) -> list[Evidence]:
+        entry, self._elastic = self._elastic, None
+        if entry is None or "exitcode" not in entry.fields:
+            return []
+        values = entry.fields
+        code_text = values["exitcode"].split()[0] if values["exitcode"].split() else ""
+        pid_match = re.search(r"pid:\s*(\d+)", values["exitcode"])
+        pid = _nonneg(pid_match[1]) if pid_match else None
+        code = int(code_text) if re.fullmatch(r"-?\d{1,6}", code_text) else None
+        fields: dict[str, Any] = {"category": C.PROCESS_EXITED, "pid": pid}
+        if code is not None:
+            fields |= _exit_fields(code, pid)
+        rank_match = _ELASTIC_RANK.search(values.get("rank", ""))
+        rank = int(rank_match[1]) if rank_match else None
+        prefix = "root cause (first observed failure)" if entry.root_cause else "failure"
+        fields["summary"] = f"torchelastic {prefix}: rank {rank} exitcode {code_text} {values.get('traceback', '')}"[
+            :300
+        ]
+        if (tb := values.get("traceback", "")) and (sig := re.search(r"\((SIG\w+)\)", tb)) and sig[1] in _SIGNALS:
+            fields["signal"] = _SIGNALS[sig[1]]
+            fields["exit_code"] = None
+        moment = parse_time(values.get("time", ""), self.context.year)
+        host = values.get("host") or None
+        node = host if host and re.fullmatch(r"[\w.-]{1,128}", host) else None
+        return [self._evidence(fields, entry.lines, node, rank, moment)]
+
+    def _evidence(
+        self,
+        fields: dict[str, Any],
+        lines: list[str],
+        node: str | None,
+        rank: int | None,
+        moment: datetime | None,
+    ) -> Evidence:
+        data = EvidenceData(
+            lines=tuple(line[:MAX_LINE] for line in lines),
+            origin=self.context.origin[:256],
+            **{k: v for k, v in fields.items() if v is not None},
+        )
+        return Evidence(
+            data=data,
+            time=moment or self._last_time,
+            node=_node_token(node) or self.context.node,
+            rank=rank if rank is not None else self.context.rank,
+        )
+
+
+def _node_token(node: str | None) -> str | None:
+    # Node ids become subject tokens: a host name with dots keeps its first label (node-1.cluster -> node-1).
+    if not node:
+        return None
+    token = node.split(".", 1)[0]
+    return token if re.fullmatch(r"[A-Za-z0-9_-]{1,128}", token) else None
+
+
+def _clean(line: str) -> str:
+    # NUL cannot be stored in PostgreSQL text, and lone surrogates cannot be encoded: replace both.
+    text = line[:MAX_LINE].rstrip("\r\n").replace("\x00", "\ufffd")
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def parse_lines(lines: Iterable[str], context: SourceContext | None = None) -> list[Evidence]:
+    """All evidence in a sequence of lines of one source."""
+    parser = LogParser(context)
+    found: list[Evidence] = []
+    for line in lines:
+        found.extend(parser.feed(line))
+    found.extend(parser.finish())
+    return found
+
+
+def parse_text(text: str, context: SourceContext | None = None) -> list[Evidence]:
+    """All evidence in the text of one source."""
+    return parse_lines(text.splitlines(), context)
+
+
+def parse_bytes(data: bytes, context: SourceContext | None = None) -> list[Evidence]:
+    """All evidence in raw bytes of one source (invalid UTF-8 is replaced, never fatal)."""
+    return parse_text(data.decode("utf-8", "replace"), context)
