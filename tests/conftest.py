@@ -7,6 +7,9 @@
 
 Nothing is ever skipped for want of a server: if none of the three works, the run fails and says why.
 Each test gets its own PostgreSQL database; NATS isolation comes from unique job ids and consumer names.
+The embedded NATS runs with auth on (DESIGN.md, "Trust"): `servers.nats_url` carries the admin's credentials,
+so every test connects authenticated and may write any subject; tests of least privilege take
+`secured_nats` and connect as the identity they exercise.
 """
 
 from __future__ import annotations
@@ -137,6 +140,17 @@ def own_urls(urls: ServerUrls) -> Iterator[ServerUrls]:
     """This test's database and Redis, with a NATS server of its own (fresh streams, no other consumers)."""
     with EmbeddedNats() as nats:
         yield ServerUrls(nats_url=nats.url, database_url=urls.database_url, redis_url=urls.redis_url)
+
+
+@pytest.fixture
+def secured_nats() -> Iterator[EmbeddedNats]:
+    """A NATS server of this test's own, always embedded, with every Lanes identity (auth is always on).
+
+    `.url` is the admin's URL; `.url_for("scheduler")`, `.url_for("agent-node-1")`, ... connect as the
+    other identities, for tests of who may write what.
+    """
+    with EmbeddedNats() as nats:
+        yield nats
 
 
 @pytest.fixture

@@ -28,6 +28,7 @@ Usage::
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import ctypes.util
@@ -40,6 +41,7 @@ import os
 import pwd
 import queue
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -57,6 +59,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, Self, TypeVar, cast
 
+from lanes_contract.client import connect_nats
+from lanes_contract.identities import ADMIN, identities, nats_permissions
+from lanes_contract.streams import provision_streams
 from lanes_runtime.settings import ServerUrls
 from lanes_sandbox import _reaper
 
@@ -85,6 +90,8 @@ _PROBE_TIMEOUT: Final = 1.0
 _LOG_TAIL_LINES: Final = 40
 
 _NATS_MIN_VERSION: Final = (2, 11)
+#: Node agents an embedded NATS knows out of the box (the demo's and the tests' nodes); more by argument.
+DEFAULT_AGENT_NODES: Final = tuple(f"node-{i}" for i in range(1, 9))
 _POSTGRES_MIN_VERSION: Final = (15,)
 _REDIS_MIN_VERSION: Final = (6, 2)
 
@@ -895,12 +902,82 @@ class EmbeddedNats(_ServerBase):
         log_to: Path | None = None,
         *,
         startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
+        agent_nodes: tuple[str, ...] = DEFAULT_AGENT_NODES,
+        provision: bool = True,
     ) -> None:
         """Prepare (not start) a server; its fresh temp dir goes in ``base_dir``."""
         super().__init__(base_dir, log_to, startup_timeout=startup_timeout)
         self._binary: _NatsBinary | None = None
         self._monitor_port: int | None = None
         self._name = f"lanes-embedded-{uuid.uuid4().hex[:12]}"
+        self._identities = {identity.name: identity for identity in identities(agent_nodes)}
+        # One random password per identity, made before start so the config and the URLs agree.
+        self._passwords = {name: secrets.token_urlsafe(24) for name in [ADMIN, *self._identities]}
+        self._provision = provision
+
+    @property
+    def url(self) -> str:
+        """The admin's URL (``nats://admin:SECRET@127.0.0.1:PORT``): it may manage streams; tests use it."""
+        return self.url_for(ADMIN)
+
+    @property
+    def address(self) -> str:
+        """``nats://127.0.0.1:PORT`` without credentials (safe to log)."""
+        return self._make_url(self.port)
+
+    @property
+    def identity_names(self) -> tuple[str, ...]:
+        """Every identity this server knows, the admin first."""
+        return tuple(self._passwords)
+
+    def url_for(self, identity: str) -> str:
+        """The URL that connects as ``identity`` (see ``lanes_contract.identities``)."""
+        if identity not in self._passwords:
+            msg = f"no identity {identity!r} on this server; known: {', '.join(self._passwords)}"
+            raise EmbeddedServerError(msg)
+        return f"nats://{identity}:{self._passwords[identity]}@{_HOST}:{self.port}"
+
+    @property
+    def credentials_dir(self) -> Path:
+        """Where each identity's URL is written, one 0600 file per identity (inside the temp dir)."""
+        return self._require_directory() / "credentials"
+
+    def _write_config(self, directory: Path) -> Path:
+        """Render the identities into an ``authorization`` block, and each URL into its own file."""
+        users: list[dict[str, object]] = [
+            {"user": ADMIN, "password": self._passwords[ADMIN], "permissions": {"publish": ">", "subscribe": ">"}}
+        ]
+        users.extend(
+            {"user": name, "password": self._passwords[name], "permissions": nats_permissions(identity)}
+            for name, identity in self._identities.items()
+        )
+        config = directory / "nats.conf"
+        # nats-server reads JSON as its config syntax; the file holds secrets, so only we may read it.
+        config.touch(mode=0o600)
+        config.write_text(json.dumps({"authorization": {"users": users}}, indent=2))
+        return config
+
+    def _write_credentials(self) -> None:
+        creds = self.credentials_dir
+        creds.mkdir(mode=0o700, exist_ok=True)
+        for name in self._passwords:
+            path = creds / name
+            path.touch(mode=0o600)
+            path.write_text(self.url_for(name) + "\n")
+
+    def _provision_streams(self) -> None:
+        """Create the timeline's streams as the admin, since no other identity may."""
+
+        async def provision() -> None:
+            nc = await connect_nats(self.url, name="lanes-embedded-admin")
+            try:
+                await provision_streams(nc.jetstream())
+            finally:
+                await nc.close()
+
+        # A thread of its own: start() may be called from inside a running event loop.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lanes-provision") as pool:
+            pool.submit(asyncio.run, provision()).result()
 
     @property
     def version(self) -> str:
@@ -931,6 +1008,7 @@ class EmbeddedNats(_ServerBase):
         binary = self._binary.path
         directory = self._require_directory()
         store = directory / "nats"  # nats-server adds its own jetstream/ below
+        config = self._write_config(directory)
 
         def attempt(port: int) -> subprocess.Popen[bytes]:
             monitor = _free_port()
@@ -938,6 +1016,7 @@ class EmbeddedNats(_ServerBase):
             proc = self._spawn(
                 [
                     binary,
+                    "-c", str(config),
                     "-a", _HOST, "-p", str(port),
                     "-m", str(monitor),
                     "-js", "-sd", str(store),
@@ -954,6 +1033,9 @@ class EmbeddedNats(_ServerBase):
             return proc
 
         self._start_on_free_port(attempt)
+        self._write_credentials()
+        if self._provision:
+            self._provision_streams()
 
     def _probe(self, port: int, monitor: int) -> bool:
         """Ready: our server (by name) sends INFO with JetStream on; /healthz is ok."""

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import structlog
 
+from lanes_contract.identities import PLATFORM
 from lanes_runtime.settings import ServerUrls, Settings
 from lanes_sandbox.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedRedis
 
@@ -20,7 +21,13 @@ def servers(settings: Settings) -> Iterator[ServerUrls]:
     Embedded servers are stopped and their data removed on exit, Ctrl-C included.
     """
     with contextlib.ExitStack() as stack:
-        nats_url = settings.nats_url or stack.enter_context(EmbeddedNats()).url
+        nats_url = settings.nats_url
+        if nats_url is None:
+            # Auth is on: the embedded server provisions the streams as its admin, and this process (all
+            # services in one) connects as `platform`; every other identity's URL is in credentials_dir.
+            nats = stack.enter_context(EmbeddedNats())
+            nats_url = nats.url_for(PLATFORM.name)
+            log.info("embedded nats credentials", directory=str(nats.credentials_dir))
         database_url = settings.database_url or stack.enter_context(EmbeddedPostgres()).url
         redis_url = settings.redis_url or stack.enter_context(EmbeddedRedis()).url
         embedded = [

@@ -9,20 +9,28 @@ A launcher or node agent needs three lines::
 
 from __future__ import annotations
 
+import asyncio
+import weakref
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Self
+from urllib.parse import urlsplit, urlunsplit
 
 import nats
 import structlog
 from nats.aio.client import Client as NatsClient
+from nats.errors import AuthorizationError, NoServersError
 from nats.errors import Error as NatsError
-from nats.errors import NoServersError
 from nats.js import JetStreamContext
 from nats.js.errors import APIError, ServiceUnavailableError
 
 from lanes_contract.codec import EncodedEvent, encode
-from lanes_contract.errors import ServerUnavailableError, UnsupportedServerError
+from lanes_contract.errors import (
+    AuthenticationError,
+    PermissionDeniedError,
+    ServerUnavailableError,
+    UnsupportedServerError,
+)
 from lanes_contract.events import Event
 from lanes_contract.streams import STREAM_OF_FAMILY
 
@@ -56,11 +64,64 @@ def check_server_version(version: str, url: str) -> None:
         raise UnsupportedServerError(msg)
 
 
+def redact(url: str) -> str:
+    """The URL(s) with any password replaced by `***`, so credentials never reach a log or a message."""
+
+    def one(part: str) -> str:
+        split = urlsplit(part)
+        if split.password is None:
+            return part
+        netloc = f"{split.username}:***@{split.hostname}" + (f":{split.port}" if split.port else "")
+        return urlunsplit(split._replace(netloc=netloc))
+
+    return ",".join(one(part) for part in url.split(","))
+
+
+def identity_of(url: str) -> str | None:
+    """The user a NATS URL connects as, if it carries credentials."""
+    return urlsplit(url.split(",", 1)[0]).username
+
+
+class _Refusals:
+    """Permission violations the server reported on one connection; it reports them asynchronously."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.changed = asyncio.Event()
+
+    def add(self, text: str) -> None:
+        self.texts.append(text)
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    def about(self, subject: str) -> str | None:
+        # nats-py lower-cases the server's message, so compare without case.
+        wanted = f'"{subject.lower()}"'
+        return next((text for text in reversed(self.texts) if wanted in text.lower()), None)
+
+
+_DENIED: weakref.WeakKeyDictionary[NatsClient, _Refusals] = weakref.WeakKeyDictionary()
+
+
+def denied_operations(nc: NatsClient) -> list[str]:
+    """What the server refused this connection so far, e.g. `permissions violation for publish to ...`."""
+    refusals = _DENIED.get(nc)
+    return [] if refusals is None else list(refusals.texts)
+
+
 async def connect_nats(url: str, *, name: str, connect_timeout_s: float = 5.0) -> NatsClient:
     """Connect to NATS, check the server version and that JetStream is enabled, or raise a clear error."""
+    shown = redact(url)
+    refusals = _Refusals()
+    auth_failed = False
 
     async def on_error(exc: Exception) -> None:
-        log.warning("nats connection error", url=url, error=str(exc) or type(exc).__name__)
+        nonlocal auth_failed
+        text = str(exc) or type(exc).__name__
+        if "permissions violation" in text.lower():
+            refusals.add(text)
+        auth_failed = auth_failed or isinstance(exc, AuthorizationError) or "authorization" in text.lower()
+        log.warning("nats connection error", url=shown, error=text)
 
     try:
         # nats-py applies max_reconnect_attempts to the first connect too: try each server twice here so an
@@ -74,16 +135,25 @@ async def connect_nats(url: str, *, name: str, connect_timeout_s: float = 5.0) -
             error_cb=on_error,
         )
     except (NoServersError, OSError, TimeoutError, NatsError) as exc:
-        msg = f"cannot reach NATS at {url}: {exc or type(exc).__name__}"
+        if auth_failed or isinstance(exc, AuthorizationError):
+            user = identity_of(url)
+            who = f"the credentials of {user!r}" if user else "a connection without credentials"
+            msg = (
+                f"NATS at {shown} refused {who}: check the identity's credentials (embedded mode writes them "
+                "to its credentials directory; see README, Security model)"
+            )
+            raise AuthenticationError(msg) from exc
+        msg = f"cannot reach NATS at {shown}: {exc or type(exc).__name__}"
         raise ServerUnavailableError(msg) from exc
+    _DENIED[nc] = refusals
     nc.options["max_reconnect_attempts"] = -1
     try:
         version = nc.connected_server_version
-        check_server_version(f"{version.major}.{version.minor}.{version.patch}", url)
+        check_server_version(f"{version.major}.{version.minor}.{version.patch}", shown)
         try:
             await nc.jetstream().account_info()
         except (ServiceUnavailableError, APIError, NatsError, TimeoutError) as exc:
-            msg = f"JetStream is not enabled on the NATS server at {url}: start nats-server with -js"
+            msg = f"JetStream is not enabled on the NATS server at {shown}: start nats-server with -js"
             raise UnsupportedServerError(msg) from exc
     except BaseException:
         await nc.close()
@@ -118,7 +188,20 @@ async def publish_encoded(
         headers[EXPECTED_LAST_SUBJECT_SEQUENCE] = str(expected_last_subject_seq)
         if expected_subject is not None:
             headers[EXPECTED_LAST_SUBJECT_SEQUENCE_SUBJECT] = expected_subject
-    ack = await js.publish(encoded.subject, encoded.payload, headers=headers, stream=stream)
+    publishing = asyncio.ensure_future(js.publish(encoded.subject, encoded.payload, headers=headers, stream=stream))
+    # A publish the server refuses is dropped, never answered; the refusal arrives on the connection, so
+    # wait for whichever comes first instead of waiting out the publish timeout.
+    refusals = _DENIED.get(js._nc)  # noqa: SLF001 - the connection the context publishes on
+    while refusals is not None and not publishing.done():
+        refused = refusals.about(encoded.subject)
+        if refused is not None:
+            publishing.cancel()
+            msg = f"this identity may not publish on {encoded.subject}: {refused}"
+            raise PermissionDeniedError(msg)
+        changed = asyncio.ensure_future(refusals.changed.wait())
+        await asyncio.wait({publishing, changed}, return_when=asyncio.FIRST_COMPLETED)
+        changed.cancel()
+    ack = await publishing
     return Published(stream=ack.stream, seq=ack.seq, duplicate=bool(ack.duplicate))
 
 

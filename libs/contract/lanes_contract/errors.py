@@ -27,6 +27,14 @@ class ServerUnavailableError(LanesError):
     """A server could not be reached at the configured address."""
 
 
+class AuthenticationError(ServerUnavailableError):
+    """The server refused the credentials a connection presented (or their absence)."""
+
+
+class PermissionDeniedError(LanesError):
+    """The server refused an operation this identity is not allowed (publish on a subject, manage a stream)."""
+
+
 class StreamConflictError(LanesError):
     """An existing stream differs from its definition in a way Lanes refuses to change silently."""
 

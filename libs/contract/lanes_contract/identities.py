@@ -1,0 +1,221 @@
+"""Who may write what on the bus: one identity per producer, each with the subjects of its role.
+
+The table is derived from the event catalogue (each event type's family and name), so a permission can
+never drift from the subject an event is published on. The embedded server and the compose stack both
+render it into nats-server `authorization` blocks (per-user permissions); the audit verifier reads it to
+tell whether the signer of an event was allowed to write it.
+
+A node agent is scoped by its node: it speaks on `lanes.tel.<node>.>` and is the only producer of the
+rank and progress events of the job family. Which *attempt* those belong to is checked by the lifecycle,
+which knows the placement (an agent's event names its node, and the node must be the one the rank was
+placed on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lanes_contract.events import (
+    ArtifactProduced,
+    AttemptRequested,
+    CancelRequested,
+    CheckpointSaved,
+    CheckpointStarted,
+    ClusterPolicySet,
+    CommunicatorReady,
+    Event,
+    Family,
+    Heartbeat,
+    HoldRequested,
+    JobEvidence,
+    JobFinding,
+    JobPlaced,
+    JobRejected,
+    JobStateChanged,
+    JobSubmitted,
+    JobWaiting,
+    ManualActionRequested,
+    NodeRegistered,
+    NodeStateChanged,
+    RankExited,
+    RankStarted,
+    RecoveryDecided,
+    RecoveryEscalated,
+    RendezvousDone,
+    ReplicaListening,
+    ReplicaStateChanged,
+    ResourcesReleased,
+    ResumeRequested,
+    RetryRequested,
+    TransitionRejected,
+)
+from lanes_contract.ids import validate_token
+
+ADMIN = "admin"
+"""The one identity that creates, updates, purges and deletes streams (and may write anything)."""
+AGENT_PREFIX = "agent-"
+"""A node agent's identity is `agent-<node>`."""
+
+DEAD_LETTERS = "lanes.dead.>"
+AUDIT_CHECKPOINTS = "lanes.audit.>"
+REQUESTS = "lanes.req.>"
+
+JS_API = "$JS.API.>"
+JS_ACKS = ("$JS.ACK.>", "$JS.FC.>")
+INBOXES = "_INBOX.>"
+STREAM_ADMIN_APIS = (
+    "$JS.API.STREAM.CREATE.>",
+    "$JS.API.STREAM.UPDATE.>",
+    "$JS.API.STREAM.DELETE.>",
+    "$JS.API.STREAM.PURGE.>",
+    "$JS.API.STREAM.MSG.DELETE.>",
+    "$JS.API.STREAM.SNAPSHOT.>",
+    "$JS.API.STREAM.RESTORE.>",
+    "$JS.API.STREAM.PEER.REMOVE.>",
+    "$JS.API.STREAM.LEADER.STEPDOWN.>",
+    "$JS.API.META.>",
+    "$JS.API.SERVER.>",
+    "$JS.API.ACCOUNT.PURGE.>",
+)
+"""The JetStream API subjects that change or cut a stream; denied to everyone but the admin."""
+
+
+def subjects_of(*events: type[Event], key: str = "*") -> tuple[str, ...]:
+    """The subjects the given event types are published on, for one key (`*`: any job or node)."""
+    return tuple(f"lanes.{event.family}.{key}.{event.name}" for event in events)
+
+
+RANK_EVENTS = (
+    RankStarted,
+    RankExited,
+    RendezvousDone,
+    CommunicatorReady,
+    Heartbeat,
+    CheckpointStarted,
+    CheckpointSaved,
+    ArtifactProduced,
+    ReplicaListening,
+)
+"""What a node agent reports about the ranks it runs (job family)."""
+USER_COMMANDS = (
+    JobSubmitted,
+    CancelRequested,
+    RetryRequested,
+    HoldRequested,
+    ResumeRequested,
+    ManualActionRequested,
+)
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A name the bus knows, and the subjects it may publish events on (beyond the JetStream API)."""
+
+    name: str
+    publishes: tuple[str, ...]
+    description: str
+
+    @property
+    def source(self) -> str:
+        """The `ce-source` this identity's events carry, e.g. `lanes/scheduler` or `agent/node-17`."""
+        if self.name.startswith(AGENT_PREFIX):
+            return f"agent/{self.name.removeprefix(AGENT_PREFIX)}"
+        return f"lanes/{self.name}"
+
+
+SERVICE_IDENTITIES = (
+    Identity(
+        "scheduler",
+        (*subjects_of(JobPlaced, JobWaiting, JobRejected, ResourcesReleased), DEAD_LETTERS),
+        "admission and placement: the only identity that places and releases",
+    ),
+    Identity(
+        "lifecycle",
+        (*subjects_of(JobStateChanged, TransitionRejected, AttemptRequested, JobSubmitted), DEAD_LETTERS),
+        "job and attempt state machine (and the HTTP submit API)",
+    ),
+    Identity(
+        "telemetry",
+        (*subjects_of(JobEvidence, JobFinding), DEAD_LETTERS),
+        "evidence correlation and first-error findings",
+    ),
+    Identity(
+        "recovery",
+        (
+            *subjects_of(
+                RecoveryDecided, RecoveryEscalated, CancelRequested, RetryRequested, HoldRequested, ResumeRequested
+            ),
+            DEAD_LETTERS,
+        ),
+        "recovery decisions and the commands that carry them out",
+    ),
+    Identity(
+        "router",
+        (*subjects_of(ReplicaStateChanged), REQUESTS, DEAD_LETTERS),
+        "replica health and per-request provenance",
+    ),
+    Identity("audit", (AUDIT_CHECKPOINTS, DEAD_LETTERS), "the hash-chained copy and its signed checkpoints"),
+)
+PEOPLE_IDENTITIES = (
+    Identity(
+        "cli",
+        (*subjects_of(*USER_COMMANDS), *subjects_of(NodeRegistered, NodeStateChanged, ClusterPolicySet)),
+        "an operator at the `lanes` CLI: submit, cancel, retry, hold, resume, cordon, topology import",
+    ),
+    Identity(
+        "producer",
+        (*subjects_of(JobSubmitted, *RANK_EVENTS), f"lanes.{Family.TELEMETRY}.>"),
+        "an outside producer observing a job run elsewhere (`lanes run`, platform adapters): never places",
+    ),
+)
+SERVICE_NAMES = tuple(identity.name for identity in SERVICE_IDENTITIES)
+
+
+def agent_identity(node: str) -> Identity:
+    """The identity of the agent of one node: its node's evidence and the rank events it runs."""
+    validate_token(node)
+    return Identity(
+        f"{AGENT_PREFIX}{node}",
+        (f"lanes.{Family.TELEMETRY}.{node}.>", *subjects_of(*RANK_EVENTS)),
+        f"the node agent of {node}",
+    )
+
+
+PLATFORM = Identity(
+    "platform",
+    tuple(dict.fromkeys(s for i in (*SERVICE_IDENTITIES, *PEOPLE_IDENTITIES) for s in i.publishes)),
+    "every service, the CLI and in-process agents in one process (`lanes up`, `lanes demo`): one process is"
+    " one trust boundary, so it gets the union of their roles, but never stream management",
+)
+
+
+def identities(nodes: tuple[str, ...] = ()) -> tuple[Identity, ...]:
+    """Every identity of a deployment with these node agents (the admin is implicit: it may do anything)."""
+    return (*SERVICE_IDENTITIES, *PEOPLE_IDENTITIES, PLATFORM, *(agent_identity(node) for node in nodes))
+
+
+def nats_permissions(identity: Identity) -> dict[str, object]:
+    """The nats-server `permissions` block of an identity.
+
+    Its subjects, plus the JetStream API it needs to read and consume, with every API that changes or cuts
+    a stream denied (in NATS a deny beats an allow).
+    """
+    return {
+        "publish": {"allow": [*identity.publishes, JS_API, *JS_ACKS], "deny": list(STREAM_ADMIN_APIS)},
+        "subscribe": {"allow": [">"]},
+    }
+
+
+def may_publish(identity: Identity, subject: str) -> bool:
+    """Whether `identity` may publish on `subject` (NATS wildcard rules: `*` one token, `>` the rest)."""
+    return any(_matches(pattern, subject) for pattern in identity.publishes)
+
+
+def _matches(pattern: str, subject: str) -> bool:
+    wanted, given = pattern.split("."), subject.split(".")
+    for index, part in enumerate(wanted):
+        if part == ">":
+            return len(given) > index
+        if index >= len(given) or part not in {"*", given[index]}:
+            return False
+    return len(given) == len(wanted)

@@ -1,0 +1,185 @@
+"""Who may write the timeline: per-identity permissions on a real NATS server with auth on.
+
+The attacks of issue 16, replayed against the server: an anonymous client, a forged placement and a forged
+rank exit from identities that may not write them, an agent speaking for another node, and a stream cut
+short (`update_stream(max_msgs=10)`), purged or deleted by anyone but the admin.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
+
+import pytest
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.errors import NotFoundError
+
+from lanes_contract.client import LanesClient, connect_nats, denied_operations
+from lanes_contract.errors import AuthenticationError, PermissionDeniedError
+from lanes_contract.events import (
+    EvidenceCategory,
+    EvidenceData,
+    JobPlaced,
+    JobPlacedData,
+    RankAssignment,
+    RankExited,
+    RankExitedData,
+    RawEvidence,
+    ResourcesReleased,
+    ResourcesReleasedData,
+)
+from lanes_contract.identities import (
+    PEOPLE_IDENTITIES,
+    PLATFORM,
+    SERVICE_IDENTITIES,
+    agent_identity,
+    may_publish,
+)
+from lanes_contract.streams import ALL_STREAMS, DEAD, JOBS
+from lanes_sandbox.embedded import EmbeddedNats
+
+pytestmark = pytest.mark.asyncio
+
+NON_ADMIN = ("scheduler", "lifecycle", "audit", "cli", "producer", "platform", "agent-node-1")
+"""One of each kind: every non-admin permission is built by the same rule (`nats_permissions`)."""
+
+
+@contextlib.asynccontextmanager
+async def client_as(nats: EmbeddedNats, identity: str, source: str) -> AsyncIterator[LanesClient]:
+    async with await LanesClient.connect(nats.url_for(identity), source=source) as client:
+        yield client
+
+
+async def stored_on(nats: EmbeddedNats, subject: str) -> int:
+    """How many messages the job stream holds on `subject` (read as the admin)."""
+    nc = await connect_nats(nats.url, name="inspector")
+    try:
+        info = await nc.jetstream().stream_info(JOBS.name, subjects_filter=subject)
+        return sum((info.state.subjects or {}).values())
+    finally:
+        await nc.close()
+
+
+def placement(job: str) -> JobPlaced:
+    assignments = (RankAssignment(rank=0, node="node-1", gpus=(0,)),)
+    return JobPlaced(source="lanes/scheduler", jobid=job, attempt=1, data=JobPlacedData(assignments=assignments))
+
+
+def rank_exit(job: str, node: str) -> RankExited:
+    return RankExited(source=f"agent/{node}", jobid=job, attempt=1, node=node, rank=0, data=RankExitedData(exit_code=0))
+
+
+async def test_a_connection_without_credentials_or_with_a_wrong_password_is_refused(
+    secured_nats: EmbeddedNats,
+) -> None:
+    with pytest.raises(AuthenticationError, match="without credentials"):
+        await connect_nats(secured_nats.address, name="anonymous")
+    wrong = secured_nats.url_for("cli").replace("@", "-guessed@")
+    with pytest.raises(AuthenticationError, match="'cli'") as refused:
+        await connect_nats(wrong, name="guesser")
+    assert "-guessed" not in str(refused.value)  # the message never repeats a password
+
+
+@pytest.mark.parametrize("identity", ["cli", "producer", "lifecycle", "agent-node-1"])
+async def test_only_the_scheduler_places_a_forged_placement_is_refused_by_the_server(
+    secured_nats: EmbeddedNats, unique: str, identity: str
+) -> None:
+    forged = placement(f"forged-{unique}")
+    async with client_as(secured_nats, identity, "lanes/scheduler") as client:
+        with pytest.raises(PermissionDeniedError, match=r"lanes\.job\..*\.placed"):
+            await client.publish(forged)
+    assert await stored_on(secured_nats, forged.nats_subject()) == 0
+
+    async with client_as(secured_nats, "scheduler", "lanes/scheduler") as scheduler:
+        genuine = placement(f"genuine-{unique}")
+        assert await scheduler.publish(genuine) > 0
+        released = ResourcesReleased(
+            source="lanes/scheduler",
+            jobid=genuine.job_key,
+            attempt=1,
+            data=ResourcesReleasedData(nodes=("node-1",), gpus=1),
+        )
+        assert await scheduler.publish(released) > 0
+
+
+@pytest.mark.parametrize("identity", ["cli", "scheduler", "lifecycle", "recovery", "router"])
+async def test_a_forged_rank_exit_from_anyone_but_an_agent_is_refused(
+    secured_nats: EmbeddedNats, unique: str, identity: str
+) -> None:
+    forged = rank_exit(f"stuck-{unique}", "node-1")
+    async with client_as(secured_nats, identity, "agent/node-1") as client:
+        with pytest.raises(PermissionDeniedError, match="rank_exited"):
+            await client.publish(forged)
+    assert await stored_on(secured_nats, forged.nats_subject()) == 0
+
+
+async def test_an_agent_speaks_only_for_its_own_node(secured_nats: EmbeddedNats, unique: str) -> None:
+    def evidence_on(node: str) -> RawEvidence:
+        data = EvidenceData(category=EvidenceCategory.RAW, summary=f"probe {unique}")
+        return RawEvidence(source="agent/node-1", node=node, jobid=f"job-{unique}", data=data)
+
+    async with client_as(secured_nats, "agent-node-1", "agent/node-1") as agent:
+        assert await agent.publish(evidence_on("node-1")) > 0
+        with pytest.raises(PermissionDeniedError, match=r"lanes\.tel\.node-2\."):
+            await agent.publish(evidence_on("node-2"))
+        assert await agent.publish(rank_exit(f"job-{unique}", "node-1")) > 0
+
+
+@pytest.mark.parametrize("identity", NON_ADMIN)
+async def test_no_identity_but_the_admin_may_cut_purge_delete_or_create_a_stream(
+    secured_nats: EmbeddedNats, unique: str, identity: str
+) -> None:
+    nc = await connect_nats(secured_nats.url_for(identity), name=f"attacker-{identity}")
+    try:
+        js = nc.jetstream(timeout=1.0)
+        jobs = (await js.stream_info(JOBS.name)).config
+        attacks: dict[str, Callable[[], Awaitable[object]]] = {
+            "truncate": lambda: js.update_stream(replace(jobs, max_msgs=10)),
+            "purge": lambda: js.purge_stream(DEAD.name),
+            "delete": lambda: js.delete_stream(DEAD.name),
+            "create": lambda: js.add_stream(name=f"ROGUE_{unique}", subjects=[f"rogue.{unique}.>"]),
+        }
+        for attack, run in attacks.items():
+            # The server drops a request this identity may not send, so it is never answered.
+            with pytest.raises(NatsTimeoutError):
+                await run()
+            assert any("$js.api.stream" in text.lower() for text in denied_operations(nc)), attack
+    finally:
+        await nc.close()
+
+    admin = await connect_nats(secured_nats.url, name="admin-check")
+    try:
+        ajs = admin.jetstream()
+        for spec in ALL_STREAMS:
+            config = (await ajs.stream_info(spec.name)).config
+            assert config.max_msgs in {None, -1}, f"{spec.name} was cut to {config.max_msgs}"
+        with pytest.raises(NotFoundError):
+            await ajs.stream_info(f"ROGUE_{unique}")
+    finally:
+        await admin.close()
+
+
+async def test_the_admin_may_manage_streams(secured_nats: EmbeddedNats, unique: str) -> None:
+    admin = await connect_nats(secured_nats.url, name="admin")
+    try:
+        js = admin.jetstream()
+        await js.add_stream(name=f"SCRATCH_{unique}", subjects=[f"scratch.{unique}.>"])
+        await js.delete_stream(f"SCRATCH_{unique}")
+    finally:
+        await admin.close()
+
+
+async def test_every_identity_may_publish_each_subject_of_its_role(secured_nats: EmbeddedNats, unique: str) -> None:
+    """The table is what the server enforces: each allowed subject (wildcards filled in) is stored."""
+    for identity in (*SERVICE_IDENTITIES, *PEOPLE_IDENTITIES, PLATFORM, agent_identity("node-1")):
+        nc = await connect_nats(secured_nats.url_for(identity.name), name=identity.name)
+        try:
+            js = nc.jetstream(timeout=5.0)
+            for pattern in identity.publishes:
+                subject = pattern.replace("*", f"k{unique}").replace(">", f"probe.{unique}")
+                assert may_publish(identity, subject)
+                ack = await js.publish(subject, b"{}")
+                assert ack.seq > 0, (identity.name, subject)
+        finally:
+            await nc.close()
