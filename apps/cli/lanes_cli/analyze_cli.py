@@ -9,23 +9,25 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+import stat
+from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, BinaryIO
 
 import typer
 from rich.markup import escape
 
 from lanes_cli.console import EXIT_BAD_INPUT, EXIT_FAILED, fail, out
-from lanes_contract.events import JobFindingData
+from lanes_contract.events import EvidenceCategory, JobFindingData
 from lanes_contract.ids import is_valid_token
 from lanes_evidence.evidence import Evidence
-from lanes_evidence.parsers import SourceContext, parse_bytes
+from lanes_evidence.parsers import LogParser, SourceContext
 from lanes_telemetry.views import World, elect_first_error
 
 _RANK_TOKEN = re.compile(r"^rank[_-]?(\d{1,7})$", re.IGNORECASE)
-_MAX_FILE_BYTES = 256 * 1024 * 1024
+_MAX_LINE_BYTES = 64 * 1024
+_MAX_RAW_KEPT = 10_000
 
 
 def context_of(path: Path, root: Path | None, year: int) -> SourceContext:
@@ -43,6 +45,21 @@ def context_of(path: Path, root: Path | None, year: int) -> SourceContext:
     return SourceContext(origin=origin, node=node, rank=rank, year=year)
 
 
+def _special_kind(path: Path) -> str | None:
+    """What a path that exists but is not a regular file or directory is (a device never ends: refuse it)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    kinds = {
+        stat.S_ISCHR: "a character device",
+        stat.S_ISBLK: "a block device",
+        stat.S_ISFIFO: "a named pipe",
+        stat.S_ISSOCK: "a socket",
+    }
+    return next((kind for test, kind in kinds.items() if test(mode)), None)
+
+
 def _files(paths: Iterable[Path]) -> list[tuple[Path, Path | None]]:
     found: list[tuple[Path, Path | None]] = []
     for path in paths:
@@ -50,9 +67,36 @@ def _files(paths: Iterable[Path]) -> list[tuple[Path, Path | None]]:
             found.extend((f, path) for f in sorted(path.rglob("*")) if f.is_file())
         elif path.is_file():
             found.append((path, None))
+        elif kind := _special_kind(path):
+            fail(f"{path} is {kind}, not a log file", EXIT_BAD_INPUT)
         else:
             fail(f"{path}: no such file or directory", EXIT_BAD_INPUT)
     return found
+
+
+def _lines(handle: BinaryIO) -> Iterator[str]:
+    """The lines of a file, read one at a time with a bounded length: memory stays flat on any input.
+
+    A line longer than `_MAX_LINE_BYTES` keeps its head (the parsers read at most MAX_LINE characters of
+    a line anyway); the rest of it is skipped.
+    """
+    while chunk := handle.readline(_MAX_LINE_BYTES):
+        if not chunk.endswith(b"\n"):
+            while (rest := handle.readline(_MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
+                pass
+        yield chunk.decode("utf-8", "replace")
+
+
+def _stream_evidence(path: Path, context: SourceContext) -> Iterator[Evidence]:
+    """The evidence of one file, parsed line by line as it is read."""
+    parser = LogParser(context)
+    try:
+        with path.open("rb") as handle:
+            for line in _lines(handle):
+                yield from parser.feed(line)
+    except OSError as exc:
+        fail(f"cannot read {path}: {exc.strerror}", EXIT_BAD_INPUT)
+    yield from parser.finish()
 
 
 def load_evidence(paths: Iterable[Path], *, year: int | None = None) -> tuple[list[Evidence], World]:
@@ -61,25 +105,27 @@ def load_evidence(paths: Iterable[Path], *, year: int | None = None) -> tuple[li
     evidence: list[Evidence] = []
     ranks: dict[int, str | None] = {}
     nodes: set[str] = set()
+    raw_kept = 0
     for path, root in _files(paths):
         context = context_of(path, root, year)
-        try:
-            with path.open("rb") as handle:
-                data = handle.read(_MAX_FILE_BYTES)
-        except OSError as exc:
-            fail(f"cannot read {path}: {exc.strerror}", EXIT_BAD_INPUT)
         if context.rank is not None:
             ranks[context.rank] = context.node
         if context.node is not None:
             nodes.add(context.node)
-        evidence.extend(parse_bytes(data, context))
-    for e in evidence:
-        if e.rank is not None:
-            ranks.setdefault(e.rank, e.node)
-            if ranks[e.rank] is None and e.node is not None:
-                ranks[e.rank] = e.node
-        if e.node is not None:
-            nodes.add(e.node)
+        for e in _stream_evidence(path, context):
+            if e.rank is not None:
+                ranks.setdefault(e.rank, e.node)
+                if ranks[e.rank] is None and e.node is not None:
+                    ranks[e.rank] = e.node
+            if e.node is not None:
+                nodes.add(e.node)
+            # Unrecognised lines are never elected: past a bounded sample they only say "this rank and
+            # node spoke", which the world above already records, so a huge log keeps memory flat.
+            if e.category is EvidenceCategory.RAW:
+                raw_kept += 1
+                if raw_kept > _MAX_RAW_KEPT:
+                    continue
+            evidence.append(e)
     return evidence, World(ranks=ranks, nodes=frozenset(nodes))
 
 

@@ -24,6 +24,7 @@ from lanes_cli.console import (
     EXIT_FAILED,
     EXIT_NOT_FOUND,
     as_utc,
+    checked_job_id,
     err,
     fail,
     load_settings,
@@ -145,14 +146,52 @@ def serve(service: Annotated[str, typer.Argument(help=f"One of: {', '.join(SERVI
         err.print("stopped")
 
 
-def load_spec(path: Path) -> tuple[str | None, JobSpec]:
-    """Read a job spec file (YAML or JSON); return its optional `job_id` and the validated spec."""
+MAX_SPEC_BYTES = 1024 * 1024
+"""A job spec is a page of YAML; anything larger is a mistake (or an attack), refused before parsing."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A safe YAML loader that refuses a key given twice (YAML would silently keep the last one)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                msg = f"duplicate key {key!r} (line {key_node.start_mark.line + 1})"
+                raise yaml.constructor.ConstructorError(None, None, msg, key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_spec_text(path: Path) -> str:
+    """The text of a spec file: a regular file, at most MAX_SPEC_BYTES, UTF-8 text; else exit 2 saying why."""
     try:
-        raw: Any = yaml.safe_load(path.read_text())
+        if not path.is_file():
+            what = "a directory" if path.is_dir() else "not a regular file" if path.exists() else "no such file"
+            fail(f"{path}: {what}; a job spec is a YAML or JSON file", EXIT_BAD_INPUT)
+        with path.open("rb") as handle:
+            raw = handle.read(MAX_SPEC_BYTES + 1)
     except OSError as exc:
         fail(f"cannot read {path}: {exc.strerror}", EXIT_BAD_INPUT)
+    if len(raw) > MAX_SPEC_BYTES:
+        fail(f"{path} is larger than {MAX_SPEC_BYTES // 1024} KiB; a job spec is a page of YAML", EXIT_BAD_INPUT)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = "\x00"
+    if "\x00" in text:
+        fail(f"{path} is not a text file (binary content); a job spec is YAML or JSON", EXIT_BAD_INPUT)
+    return text
+
+
+def load_spec(path: Path) -> tuple[str | None, JobSpec]:
+    """Read a job spec file (YAML or JSON); return its optional `job_id` and the validated spec."""
+    text = read_spec_text(path)
+    try:
+        raw: Any = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
-        fail(f"{path} is not valid YAML: {exc}", EXIT_BAD_INPUT)
+        fail(f"{path} is not valid YAML: {' '.join(str(exc).split())}", EXIT_BAD_INPUT)
     if not isinstance(raw, dict):
         fail(f"{path} must hold a mapping of job fields, not {type(raw).__name__}", EXIT_BAD_INPUT)
     job_id = raw.pop("job_id", None)
@@ -161,7 +200,9 @@ def load_spec(path: Path) -> tuple[str | None, JobSpec]:
     try:
         return job_id, JobSpec.model_validate(raw)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'spec'}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'spec'}: {e['msg']}".replace("\n", " ") for e in exc.errors()
+        )
         fail(f"{path}: {problems}", EXIT_BAD_INPUT)
 
 
@@ -191,6 +232,7 @@ def job(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Show a job's state and attempts from the lifecycle projection."""
+    checked_job_id(job_id)
     settings = load_settings(quiet=True)
     database_url = require(settings.database_url, "DATABASE_URL")
 
@@ -222,6 +264,7 @@ def timeline(
     html_file: Annotated[Path | None, typer.Option("--html", help="Write a self-contained HTML page here.")] = None,
 ) -> None:
     """Read a job's timeline back from JetStream and show it grouped by lane (or as an HTML page)."""
+    checked_job_id(job_id)
     settings = load_settings(quiet=True)
     nats_url = require(settings.nats_url, "NATS_URL")
 

@@ -16,7 +16,8 @@ from typing import NoReturn, TypeVar
 import typer
 from rich.console import Console
 
-from lanes_contract.errors import LanesError, ServerUnavailableError, UnsupportedServerError
+from lanes_contract.errors import InvalidEventError, LanesError, ServerUnavailableError, UnsupportedServerError
+from lanes_contract.ids import is_valid_token
 from lanes_runtime.log import configure_logging
 from lanes_runtime.settings import Settings
 
@@ -58,8 +59,17 @@ def run_async(
             return runner.run(work())  # type: ignore[arg-type]
     except (ServerUnavailableError, UnsupportedServerError) as exc:
         fail(str(exc), EXIT_SERVER)
+    except InvalidEventError as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
     except LanesError as exc:
         fail(str(exc), EXIT_FAILED)
+
+
+def checked_job_id(job_id: str) -> str:
+    """A job id given on the command line, or exit 2: never a wildcard or anything else that is not an id."""
+    if not is_valid_token(job_id):
+        fail(f"job id {job_id!r} must be 1-128 characters from A-Z a-z 0-9 _ - (no wildcards)", EXIT_BAD_INPUT)
+    return job_id
 
 
 def require(value: str | None, name: str) -> str:

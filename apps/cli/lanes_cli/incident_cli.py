@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from lanes_cli.console import EXIT_NOT_FOUND, err, fail, load_settings, out, require, run_async
+from lanes_cli.console import EXIT_NOT_FOUND, checked_job_id, err, fail, load_settings, out, require, run_async
 from lanes_cli.incident import bundle, write_bundle
 from lanes_cli.timeline import entry_of, row_kind
 from lanes_contract.client import connect_nats
@@ -58,6 +58,7 @@ def incident(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """The fault bundle of a job: first error, evidence per lane, decision chain, timings, requests touched."""
+    checked_job_id(job_id)
     settings = load_settings(quiet=True)
     nats_url = require(settings.nats_url, "NATS_URL")
     job, lines, requests = run_async(lambda: gather(nats_url, job_id))

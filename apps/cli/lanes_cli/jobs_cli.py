@@ -13,7 +13,16 @@ from typing import Annotated, Any
 import asyncpg
 import typer
 
-from lanes_cli.console import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_NOT_FOUND, fail, load_settings, out, require, run_async
+from lanes_cli.console import (
+    EXIT_FAILED,
+    EXIT_NOT_FOUND,
+    checked_job_id,
+    fail,
+    load_settings,
+    out,
+    require,
+    run_async,
+)
 from lanes_contract.client import LanesClient, connect_nats
 from lanes_contract.events import (
     CancelRequested,
@@ -25,7 +34,7 @@ from lanes_contract.events import (
     RetryData,
     RetryRequested,
 )
-from lanes_contract.ids import derived_event_id, is_valid_token, new_event_id
+from lanes_contract.ids import derived_event_id, new_event_id
 from lanes_contract.jobs import JobState
 from lanes_contract.streams import JOBS
 from lanes_lifecycle import views as lifecycle_jobs
@@ -82,12 +91,6 @@ def render_job_view(job: dict[str, Any]) -> None:
     out.print(f"  time in state: {spent}", highlight=False)
 
 
-def _checked_job_id(job_id: str) -> str:
-    if not is_valid_token(job_id):
-        fail(f"job id {job_id!r} must be 1-128 characters from A-Z a-z 0-9 _ -", EXIT_BAD_INPUT)
-    return job_id
-
-
 async def _publish_command(nats_url: str, job_id: str, build: type[Event], event_id: str, **fields: Any) -> int:
     async with await LanesClient.connect(nats_url, source=SOURCE) as client:
         if await count(client.js, Selection(JOBS.name, f"lanes.job.{job_id}.submitted")) == 0:
@@ -101,7 +104,7 @@ def _send_command(
     """Publish a user command for a known job and print what was sent (`shown` adds keys to the output)."""
     settings = load_settings(quiet=True)
     nats_url = require(settings.nats_url, "NATS_URL")
-    job_id = _checked_job_id(job_id)
+    job_id = checked_job_id(job_id)
     sent_id = event_id or new_event_id()
     seq = run_async(lambda: _publish_command(nats_url, job_id, build, sent_id, **fields))
     command = build.name.removesuffix("_requested")

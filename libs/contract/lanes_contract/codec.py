@@ -22,6 +22,9 @@ SPEC_VERSION = "1.0"
 JSON = "application/json"
 STRUCTURED_JSON = "application/cloudevents+json"
 MSG_ID_HEADER = "Nats-Msg-Id"
+MAX_EVENT_BYTES = 256 * 1024
+"""The largest payload an event may carry: a timeline of facts, not a file store (the server's own limit,
+1 MiB by default, would otherwise fail the publish with a bare MaxPayloadError)."""
 
 # Context attributes carried as headers. `traceparent` keeps its W3C name, as the CloudEvents
 # distributed-tracing extension does; everything else is prefixed with `ce-`.
@@ -92,6 +95,9 @@ def encode(event: Event, *, revalidate: bool = True) -> EncodedEvent:
     headers["Content-Type"] = JSON
     headers[MSG_ID_HEADER] = event.id
     payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(payload) > MAX_EVENT_BYTES:
+        msg = f"{event.type}: its data is {len(payload)} bytes; an event carries at most {MAX_EVENT_BYTES}"
+        raise InvalidEventError(msg)
     return EncodedEvent(subject=event.nats_subject(), headers=headers, payload=payload)
 
 

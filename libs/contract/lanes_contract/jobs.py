@@ -5,13 +5,22 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from lanes_contract.ids import validate_token
 from lanes_contract.topology import TopologyConstraint
 
 Token = Annotated[str, AfterValidator(validate_token)]
 """A string that is safe to use as a NATS subject token (job, node, model, replica ids)."""
+
+MAX_ARGUMENT_CHARS = 32_768
+"""One argument of a command; Linux refuses a single argument over 128 KiB at exec (E2BIG)."""
+MAX_COMMAND_CHARS = 65_536
+"""A whole command: bounded well under what exec accepts, so a job that was admitted can also start."""
+MAX_ARGUMENTS = 4_096
+Text = Annotated[str, Field(max_length=1_024)]
+"""A short free-text field (an image, a GPU model, an owner, a path)."""
+Argument = Annotated[str, Field(max_length=MAX_ARGUMENT_CHARS)]
 
 
 class WorkloadClass(StrEnum):
@@ -70,10 +79,10 @@ class Owners(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    algorithm: str | None = None
-    platform: str | None = None
-    host: str | None = None
-    network: str | None = None
+    algorithm: Text | None = None
+    platform: Text | None = None
+    host: Text | None = None
+    network: Text | None = None
 
 
 class ProtectionMode(StrEnum):
@@ -94,11 +103,13 @@ class ServingSpec(BaseModel):
 
     model: Token = Field(description="The model name clients ask for, e.g. tiny-chat.")
     version: Token = Field(description="The model version this replica serves; routing never mixes versions silently.")
-    max_concurrency: int = Field(default=8, ge=1, le=4096, description="In-flight requests per replica, all routers.")
+    max_concurrency: StrictInt = Field(
+        default=8, ge=1, le=4096, description="In-flight requests per replica, all routers."
+    )
     protection: ProtectionMode = ProtectionMode.PAUSE
     queue_timeout_s: float = Field(default=5.0, gt=0, le=600, description="How long `queue` waits for a slot.")
-    retry_after_s: int = Field(default=2, ge=1, le=3600, description="The `Retry-After` a 503 or 429 carries.")
-    weight: int = Field(
+    retry_after_s: StrictInt = Field(default=2, ge=1, le=3600, description="The `Retry-After` a 503 or 429 carries.")
+    weight: StrictInt = Field(
         default=100, ge=0, le=100, description="Traffic share of this version while several versions run."
     )
 
@@ -114,29 +125,39 @@ class JobSpec(BaseModel):
     name: Token
     tenant: Token = "default"
     workload_class: WorkloadClass = WorkloadClass.TRAINING
-    workers: int = Field(ge=1, le=65_536, description="Number of worker processes (ranks) in the gang.")
-    gpus_per_worker: int = Field(default=1, ge=1, le=16)
-    gpu_model: str | None = Field(default=None, description="Required GPU model, or any model when unset.")
+    # StrictInt: `workers: true` is not one worker; a boolean posing as a number is refused.
+    workers: StrictInt = Field(ge=1, le=65_536, description="Number of worker processes (ranks) in the gang.")
+    gpus_per_worker: StrictInt = Field(default=1, ge=1, le=16)
+    gpu_model: Text | None = Field(default=None, description="Required GPU model, or any model when unset.")
     # --- scheduler: resources and topology (defaults keep older specs valid) ---
-    gpu_memory_gib: int | None = Field(default=None, ge=1, description="Minimum memory per GPU, or any.")
+    gpu_memory_gib: StrictInt | None = Field(default=None, ge=1, description="Minimum memory per GPU, or any.")
     pool: Token = "default"
-    priority: int = Field(default=0, ge=-1000, le=1000, description="Higher is placed first.")
+    priority: StrictInt = Field(default=0, ge=-1000, le=1000, description="Higher is placed first.")
     topology: TopologyConstraint = TopologyConstraint()
-    image: str = Field(default="local", min_length=1)
-    command: tuple[str, ...] = Field(
+    image: Text = Field(default="local", min_length=1)
+    command: tuple[Argument, ...] = Field(
         default=(),
+        max_length=MAX_ARGUMENTS,
         description="What each rank runs; the launcher passes RANK, WORLD_SIZE and LOCAL_RANK in the environment.",
     )
     # --- lifecycle: versions, checkpoints, success, retries, owners (defaults keep older specs valid) ---
     model_version: Digest | None = None
     data_version: Digest | None = None
     config_version: Digest | None = None
-    checkpoint_location: str | None = Field(default=None, min_length=1, description="Where checkpoints go.")
+    checkpoint_location: Text | None = Field(default=None, min_length=1, description="Where checkpoints go.")
     success: SuccessCriteria = SuccessCriteria()
-    retry_budget: int = Field(default=3, ge=0, le=100, description="How many retries (new attempts) are allowed.")
+    retry_budget: StrictInt = Field(default=3, ge=0, le=100, description="How many retries (new attempts) are allowed.")
     owners: Owners = Owners()
     # --- router: what an inference job serves (required for inference, absent otherwise) ---
     serving: ServingSpec | None = None
+
+    @model_validator(mode="after")
+    def _command_fits_exec(self) -> JobSpec:
+        total = sum(len(argument) + 1 for argument in self.command)
+        if total > MAX_COMMAND_CHARS:
+            msg = f"command is {total} characters; at most {MAX_COMMAND_CHARS} (put long inputs in a file)"
+            raise ValueError(msg)
+        return self
 
     @model_validator(mode="after")
     def _serving_matches_class(self) -> JobSpec:

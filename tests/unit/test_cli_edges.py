@@ -1,0 +1,138 @@
+"""Bad input at the CLI edge: one clear line on stderr, exit 2, and nothing sent (issue 16, "Bad input").
+
+None of these reach a server: the spec is refused while it is read, the id before any connection.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from lanes_cli.cli import MAX_SPEC_BYTES, app
+from lanes_contract.codec import MAX_EVENT_BYTES, encode
+from lanes_contract.errors import InvalidEventError
+from lanes_contract.events import JobSubmitted, JobSubmittedData
+from lanes_contract.jobs import MAX_COMMAND_CHARS, JobSpec
+
+runner = CliRunner()
+EXIT_BAD_INPUT = 2
+# No server is needed: each command must refuse before it connects (a connection would fail with exit 4).
+UNREACHABLE = {"NATS_URL": "nats://127.0.0.1:9", "DATABASE_URL": "postgresql://127.0.0.1:9/x"}
+
+
+def refused(args: list[str]) -> str:
+    result = runner.invoke(app, args, env=UNREACHABLE)
+    assert result.exit_code == EXIT_BAD_INPUT, result.output
+    message = result.stderr.strip()
+    assert message.startswith("error:"), message
+    assert "Traceback" not in result.output
+    return " ".join(message.split())  # rich wraps long lines at the terminal width
+
+
+def test_a_binary_spec_file_is_refused(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe")
+    assert "not a text file" in refused(["submit", str(spec)])
+
+
+def test_an_oversized_spec_file_is_refused_before_it_is_parsed(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("name: big\nworkers: 1\n# " + "x" * MAX_SPEC_BYTES + "\n")
+    assert "larger than" in refused(["submit", str(spec)])
+
+
+def test_a_device_or_directory_is_not_a_spec(tmp_path: Path) -> None:
+    assert "not a regular file" in refused(["submit", "/dev/zero"])
+    assert "a directory" in refused(["submit", str(tmp_path)])
+
+
+def test_an_oversized_command_is_refused(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"name: huge\nworkers: 1\ncommand: [python, -c, '{'x' * (10 * 1024 * 1024)}']\n")
+    message = refused(["submit", str(spec)])
+    assert "command" in message
+
+
+def test_a_command_just_over_the_total_bound_is_refused(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.yaml"
+    arguments = ", ".join(["a" * 30_000] * (MAX_COMMAND_CHARS // 30_000 + 1))
+    spec.write_text(f"name: many\nworkers: 1\ncommand: [{arguments}]\n")
+    assert f"at most {MAX_COMMAND_CHARS}" in refused(["submit", str(spec)])
+
+
+@pytest.mark.parametrize("field", ["workers", "gpus_per_worker", "priority", "retry_budget"])
+def test_a_boolean_posing_as_an_integer_is_refused(tmp_path: Path, field: str) -> None:
+    spec = tmp_path / "spec.yaml"
+    lines = {"name": "b", "workers": "2", field: "true"}
+    spec.write_text("".join(f"{key}: {value}\n" for key, value in lines.items()))
+    assert field in refused(["submit", str(spec)])
+
+
+def test_a_duplicate_key_is_refused_not_silently_overwritten(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("name: dup\nworkers: 1\nworkers: 64\n")
+    assert "duplicate key 'workers'" in refused(["submit", str(spec)])
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("name: dup\nworkers: 1\nowners:\n  host: a\n  host: b\n")
+    assert "duplicate key 'host'" in refused(["submit", str(nested)])
+
+
+@pytest.mark.parametrize("command", ["timeline", "incident", "job", "cancel"])
+@pytest.mark.parametrize("job_id", ["*", ">", "a.b", "job *"])
+def test_a_wildcard_where_a_job_id_is_expected_is_refused(command: str, job_id: str) -> None:
+    assert "job id" in refused([command, job_id])
+
+
+def test_a_one_megabyte_submitted_event_can_never_reach_the_log() -> None:
+    """Whatever builds it (the CLI, the HTTP API, a script), such an event is refused before it is sent."""
+    spec = JobSpec.model_construct(name="big", workers=1, command=("x" * (1024 * 1024),))
+    event = JobSubmitted.model_construct(
+        id="e1", source="lanes/cli", jobid="big", attempt=1, data=JobSubmittedData.model_construct(spec=spec)
+    )
+    with pytest.raises(InvalidEventError):
+        encode(event)
+    with pytest.raises(InvalidEventError, match=f"at most {MAX_EVENT_BYTES}"):
+        encode(event, revalidate=False)
+
+
+def test_analyze_names_a_device_for_what_it_is() -> None:
+    assert "/dev/zero is a character device" in refused(["analyze", "/dev/zero"])
+
+
+@pytest.mark.slow
+def test_analyze_streams_a_large_log_in_bounded_memory(tmp_path: Path) -> None:
+    """A 40 MB log, one 20 MB line included, in a bounded RSS (reading it whole used ~10x its size).
+
+    300 MB of the same took 221 s at a 128 MiB peak here: memory is flat, so 40 MB shows it in seconds.
+    """
+    log = tmp_path / "rank0.log"
+    block = "".join(f"[rank0]: step {i} loss 2.{i % 97:02d} tokens/s 91234 lr 3e-4 some chatter here\n" for i in range(4096))
+    with log.open("w") as handle:
+        handle.write("x" * (20 * 1024 * 1024) + "\n")  # one 20 MB line without a break in it
+        for _ in range((20 * 1024 * 1024) // len(block)):
+            handle.write(block)
+        handle.write("[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
+    child = subprocess.run(
+        [sys.executable, "-c", _MEASURE, str(log)], capture_output=True, text=True, timeout=900, check=False,
+        env={**os.environ, "NATS_URL": "", "LANES_LOG_LEVEL": "error"},
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    peak_mib = int(child.stdout.strip().splitlines()[-1]) / 1024
+    assert peak_mib < 200, f"peak RSS {peak_mib:.0f} MiB"
+
+
+
+_MEASURE = """
+import resource, sys
+from typer.testing import CliRunner
+from lanes_cli.cli import app
+result = CliRunner().invoke(app, ["analyze", sys.argv[1], "--json"])
+assert result.exit_code in (0, 1), result.output[-2000:]
+assert "oom" in result.stdout.lower() or "out_of_memory" in result.stdout.lower(), result.stdout[-2000:]
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
