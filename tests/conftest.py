@@ -22,8 +22,9 @@ import asyncpg
 import pytest
 from hypothesis import settings
 
-from lanes_contract.client import connect_nats
+from lanes_contract.client import LanesClient, connect_nats
 from lanes_contract.errors import LanesError, UnsupportedServerError
+from lanes_contract.streams import provision_streams
 from lanes_runtime.cache import connect_redis
 from lanes_runtime.settings import ServerUrls
 from lanes_sandbox.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedRedis
@@ -144,6 +145,15 @@ def own_urls(urls: ServerUrls) -> Iterator[ServerUrls]:
     """This test's database and Redis, with a NATS server of its own (fresh streams, no other consumers)."""
     with EmbeddedNats() as nats:
         yield ServerUrls(nats_url=nats.url, database_url=urls.database_url, redis_url=urls.redis_url)
+
+
+@pytest.fixture
+async def lanes(urls: ServerUrls) -> AsyncIterator[LanesClient]:
+    """A producer client on the test's NATS (source "tests"), with the streams provisioned."""
+    client = await LanesClient.connect(urls.nats_url, source="tests")
+    await provision_streams(client.js)
+    yield client
+    await client.close()
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import asyncpg
 import pytest
-from test_servers_and_streams import _server_announcing
+from support.servers import server_announcing
 
 from lanes_runtime.settings import ServerUrls
 
@@ -209,7 +209,7 @@ def test_an_unreachable_server_exits_4() -> None:
 
 
 async def test_an_old_nats_is_refused_by_the_cli() -> None:
-    async with _server_announcing("2.9.10") as url:
+    async with server_announcing("2.9.10") as url:
         result = await asyncio.to_thread(_lanes, "timeline", "x", env=_env(NATS_URL=url), timeout=60)
     assert result.returncode == 4
     assert "too old" in result.stderr

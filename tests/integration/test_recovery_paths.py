@@ -13,9 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cli_support import run_lanes_async
-from contract_support import eventually
-from recovery_support import (
+from support.cli import run_lanes_async
+from support.recovery import (
     ScriptedLauncher,
     events_of,
     node_events,
@@ -28,6 +27,7 @@ from recovery_support import (
     wait_for,
     write_checkpoint,
 )
+from support.waiting import eventually
 
 from lanes_contract.client import LanesClient
 from lanes_contract.events import (

@@ -6,28 +6,19 @@ import asyncio
 import json
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from contract_support import submission
+from support.contract import submission
 
 from lanes_contract.client import LanesClient
 from lanes_contract.codec import decode
 from lanes_contract.events import NodeRegistered, NodeRegisteredData
-from lanes_contract.streams import JOBS, provision_streams
+from lanes_contract.streams import JOBS
 from lanes_runtime.settings import ServerUrls
 
 pytestmark = pytest.mark.real_servers
 LANES = str(Path(sys.executable).parent / "lanes")
-
-
-@pytest.fixture
-async def lanes(servers: ServerUrls) -> AsyncIterator[LanesClient]:
-    client = await LanesClient.connect(servers.nats_url, source="tests")
-    await provision_streams(client.js)
-    yield client
-    await client.close()
 
 
 async def _replay(nats_url: str, *args: str) -> tuple[int, list[dict[str, object]], str]:

@@ -6,9 +6,8 @@ import json
 
 import aiohttp
 import pytest
-from cli_support import run_lanes_async
-from contract_support import eventually
-from router_support import (
+from support.cli import run_lanes_async
+from support.router import (
     announce_replica,
     chat,
     lanes_client,
@@ -18,6 +17,7 @@ from router_support import (
     wait_routable,
     wait_served,
 )
+from support.waiting import eventually
 
 from lanes_runtime.settings import ServerUrls
 

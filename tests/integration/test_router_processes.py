@@ -7,8 +7,7 @@ import asyncio
 
 import aiohttp
 import pytest
-from contract_support import eventually
-from router_support import (
+from support.router import (
     announce_replica,
     chat,
     lanes_client,
@@ -18,6 +17,7 @@ from router_support import (
     toys,
     wait_routable,
 )
+from support.waiting import eventually
 
 from lanes_contract.codec import decode
 from lanes_contract.events import NodeRegistered, NodeRegisteredData, ReplicaState, ReplicaStateChanged

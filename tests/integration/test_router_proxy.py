@@ -8,8 +8,7 @@ import json
 
 import aiohttp
 import pytest
-from contract_support import eventually
-from router_support import (
+from support.router import (
     announce_replica,
     chat,
     end_job,
@@ -24,6 +23,7 @@ from router_support import (
     wait_routable,
     wait_served,
 )
+from support.waiting import eventually
 
 from lanes_contract.events import ReplicaState, ReplicaStateChanged, ReplicaStateChangedData
 from lanes_contract.jobs import JobState

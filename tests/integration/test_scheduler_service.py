@@ -15,8 +15,8 @@ from typing import Any
 
 import asyncpg
 import pytest
-from contract_support import eventually
 from nats.js import JetStreamContext
+from support.waiting import eventually
 
 from lanes_contract.client import LanesClient
 from lanes_contract.codec import decode

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from contract_support import eventually
 from nats.js import JetStreamContext
+from support.waiting import eventually
 
 from lanes_cli.analyze_cli import load_evidence
 from lanes_contract.client import LanesClient

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from cli_support import local_stack, run_lanes, run_lanes_async
+from support.cli import local_stack, run_lanes, run_lanes_async
 
 from lanes_cli.bootstrap import SERVICES
 from lanes_cli.scenarios.topology import TOPOLOGY_NODES, topology_wait_then_placed
