@@ -126,6 +126,7 @@ async def test_tampering_is_found_at_its_place(
         assert verdict.problem.position == middle
 
 
+@pytest.mark.slow
 async def test_a_large_clean_history_raises_no_false_alarm(
     lanes: LanesClient, pool: asyncpg.Pool, urls: ServerUrls, unique: str
 ) -> None:

@@ -70,6 +70,7 @@ async def _wait_for_state(urls: ServerUrls, job_id: str, *states: str) -> dict[s
     return job
 
 
+@pytest.mark.slow
 async def test_the_demo_scenarios_show_every_state_with_its_cause_and_the_cli_reads_and_commands_them(
     stack: Connections, own_urls: ServerUrls
 ) -> None:
@@ -136,6 +137,7 @@ async def test_the_demo_scenarios_show_every_state_with_its_cause_and_the_cli_re
     assert (await run_lanes_async(own_urls, "retry", "bad.id")).returncode == 2
 
 
+@pytest.mark.slow
 async def test_projections_rebuild_verify_exits_0_after_the_demo_and_1_when_the_projection_is_wrong(
     own_urls: ServerUrls,
 ) -> None:

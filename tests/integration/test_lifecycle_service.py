@@ -182,6 +182,7 @@ def _kill(child: subprocess.Popen[str]) -> None:
     child.wait(timeout=30)
 
 
+@pytest.mark.slow
 async def test_sigkill_at_random_points_during_2000_events_ends_with_exactly_the_clean_transitions(
     lanes: LanesClient, pool: asyncpg.Pool, urls: ServerUrls, unique: str
 ) -> None:

@@ -92,6 +92,7 @@ async def _decisions_in_db(pool: asyncpg.Pool) -> int:
     return int(await pool.fetchval("SELECT count(*) FROM recovery_decisions"))
 
 
+@pytest.mark.slow
 async def test_sigkill_while_deciding_still_gives_exactly_one_decision_per_finding(
     lanes: LanesClient, urls: ServerUrls, unique: str
 ) -> None:

@@ -237,6 +237,7 @@ async def test_a_python_exception_waits_for_its_owner_escalates_once_past_the_de
         assert "no manual recovery decision is pending" in refused.data.reason
 
 
+@pytest.mark.slow
 async def test_lanes_recover_rollback_resumes_from_the_checkpoint_before_the_last_and_abandon_ends_the_job(
     own_urls: ServerUrls, tmp_path: Path, unique: str
 ) -> None:

@@ -24,6 +24,7 @@ from lanes_runtime.settings import ServerUrls
 pytestmark = pytest.mark.real_servers
 
 
+@pytest.mark.slow
 async def test_requests_lists_provenance_and_route_drains_and_readies_a_replica(urls: ServerUrls, unique: str) -> None:
     model = f"m-{unique}"
     replica = f"r-{unique}"

@@ -24,6 +24,7 @@ async def stack(own_urls: ServerUrls) -> AsyncIterator[Connections]:
         yield conns
 
 
+@pytest.mark.slow
 async def test_import_show_export_and_the_topology_demo_with_its_wait_history(
     stack: Connections, own_urls: ServerUrls
 ) -> None:

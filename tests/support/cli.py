@@ -1,40 +1,66 @@
-"""Running the `lanes` command against a given set of servers, and a stack of services, for the CLI tests."""
+"""Running the `lanes` command against a given set of servers, and a stack of services, for the CLI tests.
+
+`run_lanes` runs a command in this process with Typer's runner: no interpreter start, the same exit codes,
+stdout and stderr. Tests of what only a process shows (signals, embedded servers cleaned up on exit,
+`lanes up`, `lanes serve`, `lanes demo`) start `LANES` as a subprocess instead.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+
+from typer.testing import CliRunner
 
 from lanes_agent.launcher import LocalLauncher
 from lanes_cli.bootstrap import prepare_services
+from lanes_cli.cli import app
 from lanes_cli.demo import DEMO_NODES, register_nodes, wait_for_nodes
 from lanes_contract.client import LanesClient
 from lanes_runtime.service import Connections, connected, run_consumers
 from lanes_runtime.settings import ServerUrls
 
 LANES = str(Path(sys.executable).parent / "lanes")
+"""The installed `lanes` command, for the tests that need it as a process of its own."""
 
 
-def run_lanes(urls: ServerUrls, *args: str) -> subprocess.CompletedProcess[str]:
-    """`lanes ARGS` with the three server URLs, JSON logs and a wide terminal (no wrapped lines)."""
-    env = os.environ | {
-        "NATS_URL": urls.nats_url,
-        "DATABASE_URL": urls.database_url,
-        "REDIS_URL": urls.redis_url,
-        "LANES_LOG_FORMAT": "json",
-        "COLUMNS": "400",
-    }
-    return subprocess.run([LANES, *args], env=env, capture_output=True, text=True, timeout=120, check=False)
+@dataclass(frozen=True)
+class Ran:
+    """What a `lanes` command did: its exit code and what it printed."""
+
+    returncode: int
+    stdout: str
+    stderr: str
 
 
-async def run_lanes_async(urls: ServerUrls, *args: str) -> subprocess.CompletedProcess[str]:
+def run_lanes(urls: ServerUrls | None, *args: str, env: Mapping[str, str | None] | None = None) -> Ran:
+    """`lanes ARGS` in this process, with the servers' URLs, JSON logs and a wide terminal (no wrapped lines).
+
+    `env` adds or (with None) removes variables, e.g. `{"DATABASE_URL": None}` for a command that must
+    work from NATS alone.
+    """
+    given: dict[str, str | None] = {"LANES_LOG_FORMAT": "json", "COLUMNS": "400"}
+    if urls is not None:
+        given |= {"NATS_URL": urls.nats_url, "DATABASE_URL": urls.database_url, "REDIS_URL": urls.redis_url}
+
+    def invoke() -> Ran:
+        result = CliRunner().invoke(app, list(args), env=given | dict(env or {}), catch_exceptions=False)
+        return Ran(result.exit_code, result.stdout, result.stderr)
+
+    # A worker thread of its own: the command runs its own event loop, which a thread that already runs
+    # one (an async test) could not start.
+    with ThreadPoolExecutor(max_workers=1) as worker:
+        return worker.submit(invoke).result()
+
+
+async def run_lanes_async(urls: ServerUrls | None, *args: str, env: Mapping[str, str | None] | None = None) -> Ran:
     """`run_lanes` without blocking the event loop (services may be running in it)."""
-    return await asyncio.to_thread(run_lanes, urls, *args)
+    return await asyncio.to_thread(run_lanes, urls, *args, env=env)
 
 
 @contextlib.asynccontextmanager
