@@ -167,9 +167,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def read_spec_text(path: Path) -> str:
     """The text of a spec file: a regular file, at most MAX_SPEC_BYTES, UTF-8 text; else exit 2 saying why."""
     try:
+        if not path.exists():
+            fail(f"cannot read {path}: no such file or directory", EXIT_BAD_INPUT)
         if not path.is_file():
-            what = "a directory" if path.is_dir() else "not a regular file" if path.exists() else "no such file"
-            fail(f"{path}: {what}; a job spec is a YAML or JSON file", EXIT_BAD_INPUT)
+            what = "a directory" if path.is_dir() else "not a regular file"
+            fail(f"{path} is {what}; a job spec is a YAML or JSON file", EXIT_BAD_INPUT)
         with path.open("rb") as handle:
             raw = handle.read(MAX_SPEC_BYTES + 1)
     except OSError as exc:

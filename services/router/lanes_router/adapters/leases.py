@@ -21,6 +21,7 @@ import structlog
 from redis.exceptions import RedisError
 
 from lanes_router.domain.routing import Lease
+from lanes_router.service_layer.ports import SharedStateUnavailableError
 
 log = structlog.get_logger(__name__)
 KEY_PREFIX = "lanes:router:{leases}:"
@@ -81,8 +82,11 @@ def lease_key(replica_id: str) -> str:
 class RedisLeases:
     """Acquire, renew and release leases; renewal and release run in a background task (`run`)."""
 
-    def __init__(self, redis: aioredis.Redis, *, ttl_s: float = 10.0, owner: str | None = None) -> None:
+    def __init__(
+        self, redis: aioredis.Redis, *, ttl_s: float = 10.0, owner: str | None = None, answer_timeout_s: float = 1.0
+    ) -> None:
         self._redis = redis
+        self._answer_timeout_s = answer_timeout_s
         self._ttl_ms = max(100, int(ttl_s * 1000))
         self._acquire = redis.register_script(_ACQUIRE)
         self._renew = redis.register_script(_RENEW)
@@ -109,7 +113,14 @@ class RedisLeases:
         self._pending.append((keys, [lease_id, self._ttl_ms, *caps], answer))
         if len(self._pending) == 1:
             asyncio.get_running_loop().call_soon(self._send_acquires)
-        chosen = await answer
+        try:
+            # Redis down answers with an error, Redis stopped (SIGSTOP) or partitioned never answers: both end
+            # here within the bound. A lease Redis grants after we gave up expires with its TTL.
+            async with asyncio.timeout(self._answer_timeout_s):
+                chosen = await answer
+        except (TimeoutError, RedisError, OSError) as exc:
+            msg = f"Redis did not answer in {self._answer_timeout_s:g}s: {exc or type(exc).__name__}"
+            raise SharedStateUnavailableError(msg) from exc
         if chosen == 0:
             return None
         lease = Lease(replica_ids[chosen - 1], lease_id)
@@ -197,6 +208,14 @@ class RedisLeases:
             )
         except (RedisError, OSError) as exc:
             log.warning("lease renewal failed; retrying at the next tick", error=str(exc), leases=len(held))
+
+    async def check(self) -> bool:
+        """Whether Redis answers a PING within the answer timeout."""
+        try:
+            async with asyncio.timeout(self._answer_timeout_s):
+                return bool(await self._redis.ping())
+        except (TimeoutError, RedisError, OSError):
+            return False
 
     async def in_flight(self, replica_id: str) -> int:
         """Leases (of all routers) currently held on a replica, expired ones not counted."""

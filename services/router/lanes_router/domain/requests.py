@@ -102,6 +102,25 @@ def protection_refusal(spec: ServingSpec, *, reason: str, waited: bool) -> Refus
     return Refusal(503, "overloaded", f"{target}: {reason}; intake is paused", spec.retry_after_s)
 
 
+SHARED_STATE_RETRY_AFTER_S = 2
+
+
+def shared_state_unavailable(detail: str) -> Refusal:
+    """The 503 when the routers' shared concurrency state cannot be reached.
+
+    No slot can be counted, so no request is let through (which could overload a replica), and the client
+    is told when to retry.
+    """
+    message = f"the router cannot count in-flight requests right now ({detail}); try again shortly"
+    return Refusal(503, "shared_state_unavailable", message, SHARED_STATE_RETRY_AFTER_S)
+
+
+def unknown_version(model: str, version: str, known: tuple[str, ...]) -> Refusal:
+    """The 404 for a pin to a version of a served model that no replica has ever announced."""
+    listed = ", ".join(known) or "none"
+    return Refusal(404, "version_not_found", f"{model}@{version} has no replica (versions of {model}: {listed})")
+
+
 def unknown_model(model: str, known: tuple[str, ...]) -> Refusal:
     """The 404 for a model no inference job serves."""
     listed = ", ".join(known) or "none"

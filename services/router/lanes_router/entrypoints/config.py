@@ -37,6 +37,14 @@ class RouterConfig:
     prefix_affinity: bool = False
     shutdown_timeout_s: float = 30.0
     """How long a stopping router lets in-flight requests finish."""
+    header_timeout_s: float = 10.0
+    """A new connection that has not sent a whole request head by then is closed (slow-header flood)."""
+    idle_timeout_s: float = 30.0
+    """A kept-alive connection idle this long between requests is closed."""
+    max_connections: int = 4096
+    """Open client connections; past it a new one gets 503 with Retry-After and is closed."""
+    shared_state_timeout_s: float = 1.0
+    """How long a request waits for Redis (leases) before it gets 503 with Retry-After, and /readyz says no."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RouterConfig:

@@ -181,10 +181,14 @@ class RouterHttp:
         return web.json_response({"status": "ok"})
 
     async def _readyz(self, _request: web.Request) -> web.Response:
-        ready = self._ready()
+        # Ready = the registry is rebuilt and the shared state answers (checked now, bounded), so a router
+        # whose Redis is down or stopped leaves the load balancer's pool, and comes back on its own.
+        shared_state = await self._dispatcher.shared_state_answers()
+        ready = self._ready() and shared_state
         replicas = self._registry.all()
         body = {
             "ready": ready,
+            "shared_state": shared_state,
             "replicas": len(replicas),
             "routable": sum(1 for r in replicas if r.routable),
         }

@@ -30,6 +30,7 @@ from lanes_router.adapters.registry_feed import RegistryFeed
 from lanes_router.domain.health import PenaltyPolicy
 from lanes_router.domain.replicas import ReplicaRegistry
 from lanes_router.entrypoints.config import RouterConfig
+from lanes_router.entrypoints.guard import ConnectionGuard
 from lanes_router.entrypoints.http import RouterHttp
 from lanes_router.service_layer.dispatch import Dispatcher
 from lanes_router.service_layer.health import SOURCE, HealthMonitor, ProbeResult
@@ -48,7 +49,12 @@ class RouterRunner:
         self.router_name = f"{socket.gethostname()}-{os.getpid()}"
         self.registry = ReplicaRegistry()
         self.metrics = RouterMetrics()
-        self.leases = RedisLeases(redis, ttl_s=self.config.lease_ttl_s, owner=self.router_name)
+        self.leases = RedisLeases(
+            redis,
+            ttl_s=self.config.lease_ttl_s,
+            owner=self.router_name,
+            answer_timeout_s=self.config.shared_state_timeout_s,
+        )
         self.provenance = ProvenancePublisher(nc.jetstream())
         self.feed = RegistryFeed(nc, self._fold)
         policy = PenaltyPolicy(
@@ -68,6 +74,8 @@ class RouterRunner:
         )
         self.dispatcher = Dispatcher(self.registry, self.leases)
         self._bound: asyncio.Future[str] | None = None
+        self._listener: asyncio.Server | None = None
+        self.guard: ConnectionGuard | None = None
         self._probe_session: aiohttp.ClientSession | None = None
         self._register_gauges()
 
@@ -101,7 +109,11 @@ class RouterRunner:
             ready=self.feed.caught_up.is_set,
         )
         runner = web.AppRunner(
-            http.application(), shutdown_timeout=self.config.shutdown_timeout_s, access_log=None, handle_signals=False
+            http.application(),
+            shutdown_timeout=self.config.shutdown_timeout_s,
+            access_log=None,
+            handle_signals=False,
+            keepalive_timeout=self.config.idle_timeout_s,
         )
         background = [
             asyncio.create_task(self.feed.run(inner_stop), name="router-feed"),
@@ -123,6 +135,8 @@ class RouterRunner:
         finally:
             # Stop taking connections, let the requests in flight finish (bounded), then stop the helpers,
             # which release the leases and publish the last provenance events.
+            if self._listener is not None:
+                self._listener.close()
             if listening:
                 await runner.cleanup()
             inner_stop.set()
@@ -132,13 +146,22 @@ class RouterRunner:
 
     async def _listen(self, runner: web.AppRunner) -> None:
         config = self.config
+        # The HTTP server's protocols behind a guard: a cap on connections and a deadline for request heads.
+        server = runner.server
+        if server is None:
+            msg = "the HTTP runner is not set up"
+            raise RuntimeError(msg)
+        self.guard = ConnectionGuard(
+            server, max_connections=config.max_connections, header_timeout_s=config.header_timeout_s
+        )
+        loop = asyncio.get_running_loop()
         try:
-            await web.TCPSite(runner, config.host, config.port, backlog=1024).start()
+            self._listener = await loop.create_server(self.guard, config.host, config.port, backlog=1024)
         except OSError as exc:
             if exc.errno != errno.EADDRINUSE or config.strict_port or config.port == 0:
                 raise
             log.warning("router port taken; listening on a free port instead", port=config.port)
-            await web.TCPSite(runner, config.host, 0, backlog=1024).start()
+            self._listener = await loop.create_server(self.guard, config.host, 0, backlog=1024)
 
     async def _until_caught_up(self, feed: asyncio.Task[None], stop: asyncio.Event) -> bool:
         """Whether the registry was rebuilt (False: asked to stop first); raises if the feed failed."""
@@ -155,8 +178,9 @@ class RouterRunner:
             raise RuntimeError(msg)
         return False
 
-    def _url_of(self, runner: web.AppRunner) -> str:
-        for address in runner.addresses:
+    def _url_of(self, _runner: web.AppRunner) -> str:
+        sockets = self._listener.sockets if self._listener is not None else ()
+        for address in (sock.getsockname() for sock in sockets):
             if isinstance(address, tuple):
                 host, port = address[0], address[1]
                 host = f"[{host}]" if ":" in host else host

@@ -8,9 +8,16 @@ from dataclasses import dataclass
 
 from lanes_contract.jobs import ProtectionMode
 from lanes_router.domain.replicas import Replica, ReplicaRegistry
-from lanes_router.domain.requests import InferenceRequest, Refusal, protection_refusal, unknown_model
+from lanes_router.domain.requests import (
+    InferenceRequest,
+    Refusal,
+    protection_refusal,
+    shared_state_unavailable,
+    unknown_model,
+    unknown_version,
+)
 from lanes_router.domain.routing import Lease, RouteTarget, candidates, pick_version
-from lanes_router.service_layer.ports import LeaseStore
+from lanes_router.service_layer.ports import LeaseStore, SharedStateUnavailableError
 
 QUEUE_POLL_S = (0.005, 0.05)
 """How often a queued request looks for a free slot: starts fast, backs off to this ceiling (with jitter)."""
@@ -34,6 +41,19 @@ class Dispatcher:
 
     async def acquire(self, request: InferenceRequest, exclude: frozenset[str] = frozenset()) -> Granted | Refusal:
         """A slot for this request on a replica not in `exclude`, or the answer to give instead."""
+        try:
+            return await self._acquire(request, exclude)
+        except SharedStateUnavailableError as exc:
+            return shared_state_unavailable(str(exc))
+
+    async def _acquire(self, request: InferenceRequest, exclude: frozenset[str]) -> Granted | Refusal:
+        if request.version is not None:
+            versions = tuple(dict.fromkeys(r.version for r in self._registry.of_model(request.model)))
+            deployed = self._registry.deployment(request.model, request.version)
+            pinned_deployed = deployed is not None and deployed.version == request.version
+            if deployed is not None and request.version not in versions and not pinned_deployed:
+                # Nothing runs or was submitted under this version: waiting in the queue could not change that.
+                return unknown_version(request.model, request.version, versions)
         granted, reason = await self._try_once(request, exclude)
         if granted is not None:
             return granted
@@ -69,6 +89,10 @@ class Dispatcher:
             return None, f"every ready replica of version {version} is at its concurrency cap"
         chosen = next(r for r in offered if r.replica_id == lease.replica_id)
         return Granted(chosen, lease), ""
+
+    async def shared_state_answers(self) -> bool:
+        """Whether the shared lease store answers now (readiness)."""
+        return await self._leases.check()
 
     def release(self, granted: Granted) -> None:
         """Give the slot back."""

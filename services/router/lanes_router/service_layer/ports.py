@@ -9,11 +9,22 @@ from lanes_contract.events import Event, RequestServed
 from lanes_router.domain.routing import Lease
 
 
+class SharedStateUnavailableError(Exception):
+    """The shared store did not answer in time (down, stopped, partitioned): the request cannot be counted."""
+
+
 class LeaseStore(Protocol):
     """Concurrency slots shared by every router (Redis in production)."""
 
     async def acquire(self, replica_ids: Sequence[str], caps: Sequence[int]) -> Lease | None:
-        """A slot on one of the candidates (power of two among the first two), or None when all are full."""
+        """A slot on one of the candidates (power of two among the first two), or None when all are full.
+
+        Raises SharedStateUnavailableError, within a bounded time, when the store does not answer.
+        """
+        ...
+
+    async def check(self) -> bool:
+        """Whether the store answers now (bounded in time); readiness follows it."""
         ...
 
     def release(self, lease: Lease) -> None:
