@@ -71,6 +71,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EmbeddedNats",
+    "EmbeddedNatsCluster",
     "EmbeddedPostgres",
     "EmbeddedRedis",
     "EmbeddedServerError",
@@ -904,6 +905,8 @@ class EmbeddedNats(_ServerBase):
         startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
         agent_nodes: tuple[str, ...] = DEFAULT_AGENT_NODES,
         provision: bool = True,
+        passwords: dict[str, str] | None = None,
+        cluster: ClusterRoutes | None = None,
     ) -> None:
         """Prepare (not start) a server; its fresh temp dir goes in ``base_dir``."""
         super().__init__(base_dir, log_to, startup_timeout=startup_timeout)
@@ -912,8 +915,9 @@ class EmbeddedNats(_ServerBase):
         self._name = f"lanes-embedded-{uuid.uuid4().hex[:12]}"
         self._identities = {identity.name: identity for identity in identities(agent_nodes)}
         # One random password per identity, made before start so the config and the URLs agree.
-        self._passwords = {name: secrets.token_urlsafe(24) for name in [ADMIN, *self._identities]}
+        self._passwords = passwords or {name: secrets.token_urlsafe(24) for name in [ADMIN, *self._identities]}
         self._provision = provision
+        self._cluster = cluster
 
     @property
     def url(self) -> str:
@@ -965,19 +969,23 @@ class EmbeddedNats(_ServerBase):
             path.touch(mode=0o600)
             path.write_text(self.url_for(name) + "\n")
 
+    def _cluster_args(self) -> list[str]:
+        if self._cluster is None:
+            return []
+        routes = ",".join(f"nats://{_HOST}:{port}" for port in self._cluster.peers)
+        return [
+            "--cluster_name", self._cluster.name,
+            "--cluster", f"nats://{_HOST}:{self._cluster.listen_port}",
+            "--routes", routes,
+        ]  # fmt: skip
+
+    @property
+    def passwords(self) -> dict[str, str]:
+        """Each identity's password (the peers of a cluster share them)."""
+        return dict(self._passwords)
+
     def _provision_streams(self) -> None:
-        """Create the timeline's streams as the admin, since no other identity may."""
-
-        async def provision() -> None:
-            nc = await connect_nats(self.url, name="lanes-embedded-admin")
-            try:
-                await provision_streams(nc.jetstream())
-            finally:
-                await nc.close()
-
-        # A thread of its own: start() may be called from inside a running event loop.
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lanes-provision") as pool:
-            pool.submit(asyncio.run, provision()).result()
+        _provision_as_admin(self.url, replicas=1)
 
     @property
     def version(self) -> str:
@@ -1021,6 +1029,7 @@ class EmbeddedNats(_ServerBase):
                     "-m", str(monitor),
                     "-js", "-sd", str(store),
                     "-n", self._name,
+                    *self._cluster_args(),
                 ],
                 cwd=directory,
             )  # fmt: skip
@@ -1063,6 +1072,92 @@ class EmbeddedNats(_ServerBase):
             return False
         finally:
             conn.close()
+
+
+def _provision_as_admin(url: str, *, replicas: int) -> None:
+    """Create the timeline's streams as the admin, since no other identity may."""
+
+    async def provision() -> None:
+        nc = await connect_nats(url, name="lanes-embedded-admin")
+        try:
+            await provision_streams(nc.jetstream(), replicas=replicas)
+        finally:
+            await nc.close()
+
+    # A thread of its own: start() may be called from inside a running event loop.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lanes-provision") as pool:
+        pool.submit(asyncio.run, provision()).result()
+
+
+@dataclass(frozen=True)
+class ClusterRoutes:
+    """How one server of an embedded cluster meets its peers: the cluster's name and the route ports."""
+
+    name: str
+    listen_port: int
+    peers: tuple[int, ...]
+
+
+class EmbeddedNatsCluster:
+    """Three (or more) real nats-server processes routed into one JetStream cluster, with R3 streams.
+
+    The same users and passwords on every server; ``url_for`` lists every server, so a client fails over.
+    """
+
+    def __init__(self, size: int = 3, base_dir: Path | None = None) -> None:
+        """Prepare (not start) ``size`` servers."""
+        routes = [_free_port() for _ in range(size)]
+        first = EmbeddedNats(base_dir, provision=False)
+        name = f"lanes-{uuid.uuid4().hex[:8]}"
+        self._size = size
+        self.servers = [
+            EmbeddedNats(
+                base_dir,
+                provision=False,
+                passwords=first.passwords,
+                cluster=ClusterRoutes(name, routes[i], tuple(p for j, p in enumerate(routes) if j != i)),
+            )
+            for i in range(size)
+        ]
+
+    def url_for(self, identity: str) -> str:
+        """Every running server's URL for ``identity``, comma-separated (what NATS_URL takes)."""
+        return ",".join(server.url_for(identity) for server in self.servers if server.pid is not None)
+
+    @property
+    def url(self) -> str:
+        """The admin's URLs."""
+        return self.url_for(ADMIN)
+
+    def start(self) -> Self:
+        """Start every server at once (JetStream waits for its peers), then provision R3 streams."""
+        with ThreadPoolExecutor(max_workers=self._size, thread_name_prefix="lanes-cluster") as pool:
+            for future in [pool.submit(server.start) for server in self.servers]:
+                future.result()
+        _provision_as_admin(self.url, replicas=3)
+        return self
+
+    def stop(self) -> None:
+        """Stop every server."""
+        for server in self.servers:
+            server.stop()
+
+    def __enter__(self) -> Self:
+        """Start the cluster."""
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Stop the cluster."""
+        self.stop()
 
 
 # ------------------------------------------------------------------ PostgreSQL

@@ -79,8 +79,8 @@ async def test_redis_stopped_under_load_gives_503_with_retry_after_then_recovers
                 for _, headers, body in answers:
                     assert headers["Retry-After"] == "2"
                     assert json.loads(body)["error"]["type"] == "shared_state_unavailable"
-                status, body = await readiness(session, url)
-                assert (status, body["ready"], body["shared_state"]) == (503, False, False)
+                status, ready = await readiness(session, url)
+                assert (status, ready["ready"], ready["shared_state"]) == (503, False, False)
 
             async def back() -> bool:
                 return (await readiness(session, url))[0] == 200 and (await chat(session, url, model))[0] == 200

@@ -1,0 +1,95 @@
+"""A 3-node NATS cluster from the embedded binary (three local processes, R3 streams) loses the leader of
+the job stream under load: no acknowledged event is lost, and the producer is publishing again shortly.
+
+The time from the kill to the first acknowledged publish after it is measured and printed (run with -s to
+see it); it is not asserted, since it depends on the machine's load (DESIGN.md: no timed assertions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+import time
+
+import pytest
+from nats.errors import Error as NatsError
+from support.waiting import eventually
+
+from lanes_contract.client import LanesClient, connect_nats
+from lanes_contract.errors import LanesError
+from lanes_contract.events import Heartbeat, HeartbeatData
+from lanes_contract.streams import JOBS
+from lanes_runtime.reader import Selection, iter_stream
+from lanes_sandbox.embedded import EmbeddedNatsCluster
+
+pytestmark = [pytest.mark.real_servers, pytest.mark.slow]
+
+
+async def test_losing_the_stream_leader_under_load_loses_no_acknowledged_event(unique: str) -> None:
+    job = f"cluster-{unique}"
+    with EmbeddedNatsCluster() as cluster:
+        producer = await LanesClient.connect(cluster.url_for("producer"), source="agent/node-1")
+        acked: dict[str, float] = {}  # event id -> when its publish was acknowledged
+        stop = asyncio.Event()
+
+        async def load() -> None:
+            step = 0
+            while not stop.is_set():
+                event = Heartbeat(
+                    source="agent/node-1", jobid=job, attempt=1, node="node-1", rank=0, data=HeartbeatData(step=step)
+                )
+                while not stop.is_set():
+                    try:
+                        await producer.publish(event)
+                    except (TimeoutError, NatsError, LanesError):
+                        await asyncio.sleep(0.02)  # the same event (same id) again: JetStream de-duplicates
+                        continue
+                    acked[event.id] = time.monotonic()
+                    break
+                step += 1
+
+        loading = asyncio.create_task(load())
+        try:
+            await eventually(lambda: _at_least(acked, 200), what="200 acknowledged events before the fault")
+            info = await producer.js.stream_info(JOBS.name)
+            assert info.cluster is not None
+            assert info.config.num_replicas == 3
+            leader = next(s for s in cluster.servers if s.server_name == info.cluster.leader)
+            assert leader.pid is not None
+            before = len(acked)
+            killed_at = time.monotonic()
+            os.kill(leader.pid, signal.SIGKILL)
+            await eventually(
+                lambda: _at_least(acked, before + 200), timeout_s=60, what="200 more events after the kill"
+            )
+        finally:
+            stop.set()
+            await loading
+            reconnects = producer._nc.stats["reconnects"]
+            await producer.close()
+        # The outage as the producer saw it: the longest wait between two acknowledgements around the kill.
+        times = sorted(acked.values())
+        outage_s = max(b - a for a, b in itertools.pairwise(times) if b > killed_at)
+        print(  # noqa: T201
+            f"stream leader killed: longest gap between acknowledged publishes {outage_s:.2f} s;"
+            f" producer reconnects {reconnects}"
+        )
+
+        survivors = ",".join(s.url for s in cluster.servers if s is not leader)
+        reader = await connect_nats(survivors, name="cluster-check")
+        try:
+            stored = [
+                msg.headers.get("ce-id")
+                async for msg in iter_stream(reader.jetstream(), Selection(JOBS.name, f"lanes.job.{job}.heartbeat"))
+                if msg.headers
+            ]
+        finally:
+            await reader.close()
+        assert set(acked) <= set(stored), f"{len(set(acked) - set(stored))} acknowledged events lost"
+        assert len(stored) == len(set(stored)), "an event was stored twice"
+
+
+async def _at_least(acked: dict[str, float], count: int) -> bool:
+    return len(acked) >= count
