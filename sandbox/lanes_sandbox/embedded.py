@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Final, Self, TypeVar, cast
 
 from lanes_contract.client import connect_nats
 from lanes_contract.identities import ADMIN, identities, nats_permissions
+from lanes_contract.signing import EventSigner, Keyring
 from lanes_contract.streams import provision_streams
 from lanes_runtime.settings import ServerUrls
 from lanes_sandbox import _reaper
@@ -91,6 +92,7 @@ _PROBE_TIMEOUT: Final = 1.0
 _LOG_TAIL_LINES: Final = 40
 
 _NATS_MIN_VERSION: Final = (2, 11)
+KEYRING_FILE: Final = "keyring.json"
 #: Node agents an embedded NATS knows out of the box (the demo's and the tests' nodes); more by argument.
 DEFAULT_AGENT_NODES: Final = tuple(f"node-{i}" for i in range(1, 9))
 _POSTGRES_MIN_VERSION: Final = (15,)
@@ -918,6 +920,8 @@ class EmbeddedNats(_ServerBase):
         self._passwords = passwords or {name: secrets.token_urlsafe(24) for name in [ADMIN, *self._identities]}
         self._provision = provision
         self._cluster = cluster
+        # One Ed25519 key per identity signs its events; the keyring (public halves) is what audit trusts.
+        self._signers = {name: EventSigner.generate(name) for name in self._passwords}
 
     @property
     def url(self) -> str:
@@ -965,9 +969,25 @@ class EmbeddedNats(_ServerBase):
         creds = self.credentials_dir
         creds.mkdir(mode=0o700, exist_ok=True)
         for name in self._passwords:
-            path = creds / name
-            path.touch(mode=0o600)
-            path.write_text(self.url_for(name) + "\n")
+            for path, text in (
+                (creds / name, self.url_for(name) + "\n"),
+                (creds / f"{name}.key", self.signer_for(name).dump()),
+            ):
+                path.touch(mode=0o600)
+                path.write_text(text)
+        (creds / KEYRING_FILE).write_text(self.keyring.dump())
+
+    def signer_for(self, identity: str) -> EventSigner:
+        """The signing key of ``identity`` (also in ``credentials_dir/<identity>.key``)."""
+        if identity not in self._signers:
+            msg = f"no identity {identity!r} on this server"
+            raise EmbeddedServerError(msg)
+        return self._signers[identity]
+
+    @property
+    def keyring(self) -> Keyring:
+        """Every identity's public key (also in ``credentials_dir/keyring.json``)."""
+        return Keyring({signer.reference: signer.public_key for signer in self._signers.values()})
 
     def _cluster_args(self) -> list[str]:
         if self._cluster is None:

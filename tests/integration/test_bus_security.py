@@ -15,6 +15,7 @@ import pytest
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import NotFoundError
 
+from lanes_audit.views import ProblemKind, SignedMessage, check_signers
 from lanes_contract.client import LanesClient, connect_nats, denied_operations
 from lanes_contract.errors import AuthenticationError, PermissionDeniedError
 from lanes_contract.events import (
@@ -36,8 +37,10 @@ from lanes_contract.identities import (
     agent_identity,
     may_publish,
 )
+from lanes_contract.signing import Keyring
 from lanes_contract.streams import ALL_STREAMS, DEAD, JOBS
-from lanes_sandbox.embedded import EmbeddedNats
+from lanes_runtime.reader import Selection, iter_stream
+from lanes_sandbox.embedded import KEYRING_FILE, EmbeddedNats
 
 pytestmark = pytest.mark.asyncio
 
@@ -183,3 +186,37 @@ async def test_every_identity_may_publish_each_subject_of_its_role(secured_nats:
                 assert ack.seq > 0, (identity.name, subject)
         finally:
             await nc.close()
+
+
+async def test_an_injection_with_stolen_credentials_of_the_wrong_role_is_flagged_by_the_signer_check(
+    secured_nats: EmbeddedNats, unique: str
+) -> None:
+    """`platform` credentials stolen (the server lets them place), used with the thief's own `cli` key:
+    the server stores the placement, and the audit's signer check names it, while the genuine one passes."""
+    genuine_job, forged_job = f"genuine-{unique}", f"forged-{unique}"
+    async with await LanesClient.connect(
+        secured_nats.url_for("scheduler"), source="lanes/scheduler", signer=secured_nats.signer_for("scheduler")
+    ) as scheduler:
+        await scheduler.publish(placement(genuine_job))
+    async with await LanesClient.connect(
+        secured_nats.url_for("platform"), source="lanes/scheduler", signer=secured_nats.signer_for("cli")
+    ) as thief:
+        await thief.publish(placement(forged_job))
+
+    nc = await connect_nats(secured_nats.url, name="auditor")
+    try:
+        messages = [
+            SignedMessage(msg.metadata.sequence.stream, msg.subject, msg.headers, msg.data)
+            async for msg in iter_stream(nc.jetstream(), Selection(JOBS.name, "lanes.job.*.placed"))
+            if msg.subject.split(".")[2] in {genuine_job, forged_job}
+        ]
+    finally:
+        await nc.close()
+    assert len(messages) == 2
+    keyring = Keyring.load(secured_nats.credentials_dir / KEYRING_FILE)
+    assert check_signers(messages[:1], keyring) is None
+    problem = check_signers(messages, keyring)
+    assert problem is not None
+    assert problem.kind is ProblemKind.FORGED
+    assert forged_job in problem.detail
+    assert "signed by cli" in problem.detail

@@ -6,6 +6,7 @@ import base64
 import json
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -15,14 +16,17 @@ from lanes_audit.views import (
     Link,
     Problem,
     ProblemKind,
+    SignedMessage,
     StoredMessage,
     canonical_bytes,
+    check_signers,
     compare_with_stream,
     signature_is_valid,
     verify_chain,
 )
-from lanes_cli.console import EXIT_FAILED, fail, load_settings, out, require, run_async
+from lanes_cli.console import EXIT_BAD_INPUT, EXIT_FAILED, fail, load_settings, out, require, run_async
 from lanes_contract.client import connect_nats
+from lanes_contract.signing import KEYRING_ENV, Keyring, SignatureError
 from lanes_contract.streams import JOBS
 from lanes_runtime.reader import Selection, iter_stream
 from lanes_runtime.store import create_pool
@@ -71,8 +75,13 @@ def check_checkpoints(
     return None
 
 
-async def verify(nats_url: str, database_url: str, trusted_key: bytes | None) -> Verdict:
-    """Re-read the table and the stream and report the first missing, altered, reordered or injected event."""
+async def verify(
+    nats_url: str, database_url: str, trusted_key: bytes | None, keyring: Keyring | None = None
+) -> Verdict:
+    """Re-read the table and the stream and report the first missing, altered, reordered or injected event.
+
+    With a keyring, also the first event not signed by an identity allowed to write it (forged).
+    """
     pool = await create_pool(database_url, max_size=2)
     try:
         async with pool.acquire() as conn:
@@ -82,6 +91,7 @@ async def verify(nats_url: str, database_url: str, trusted_key: bytes | None) ->
         await pool.close()
     head_seq = max((link.seq for link in links), default=0)
     stream: list[StoredMessage] = []
+    signed: list[SignedMessage] = []
     later = 0
     nc = await connect_nats(nats_url, name="lanes-audit-verify")
     try:
@@ -91,10 +101,15 @@ async def verify(nats_url: str, database_url: str, trusted_key: bytes | None) ->
                 later += 1  # the recorder has not reached it yet: lag, not tampering
                 continue
             stream.append(StoredMessage(seq, canonical_bytes(JOBS.name, seq, msg.subject, msg.headers, msg.data)))
+            if keyring is not None:
+                signed.append(SignedMessage(seq, msg.subject, msg.headers, msg.data))
     finally:
         await nc.close()
     problem = (
-        verify_chain(links) or compare_with_stream(links, stream) or check_checkpoints(links, checkpoints, trusted_key)
+        verify_chain(links)
+        or compare_with_stream(links, stream)
+        or check_checkpoints(links, checkpoints, trusted_key)
+        or (check_signers(signed, keyring) if keyring is not None else None)
     )
     return Verdict(problem, len(links), len(checkpoints), later)
 
@@ -103,13 +118,21 @@ async def verify(nats_url: str, database_url: str, trusted_key: bytes | None) ->
 def verify_command(
     public_key: Annotated[str | None, typer.Option(help="Trusted Ed25519 public key (hex) of the checkpoints.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    keyring_file: Annotated[
+        Path | None,
+        typer.Option("--keyring", envvar=KEYRING_ENV, help="Public keys of the producers: report forged events."),
+    ] = None,
 ) -> None:
     """Verify the audit chain and compare it with the stream; exit 1 at the first problem."""
     settings = load_settings(quiet=True)
     nats_url = require(settings.nats_url, "NATS_URL")
     database_url = require(settings.database_url, "DATABASE_URL")
     trusted = bytes.fromhex(public_key) if public_key else None
-    verdict = run_async(lambda: verify(nats_url, database_url, trusted))
+    try:
+        keyring = Keyring.load(keyring_file) if keyring_file is not None else None
+    except SignatureError as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
+    verdict = run_async(lambda: verify(nats_url, database_url, trusted, keyring))
     if as_json:
         out.print_json(json.dumps(verdict.as_json()))
     elif verdict.problem is None:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import structlog
 
+from lanes_contract.client import SIGNING_KEY_ENV
 from lanes_contract.identities import PLATFORM
+from lanes_contract.signing import KEYRING_ENV
 from lanes_runtime.settings import ServerUrls, Settings
-from lanes_sandbox.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedRedis
+from lanes_sandbox.embedded import KEYRING_FILE, EmbeddedNats, EmbeddedPostgres, EmbeddedRedis
 
 log = structlog.get_logger(__name__)
 
@@ -27,6 +30,9 @@ def servers(settings: Settings) -> Iterator[ServerUrls]:
             # services in one) connects as `platform`; every other identity's URL is in credentials_dir.
             nats = stack.enter_context(EmbeddedNats())
             nats_url = nats.url_for(PLATFORM.name)
+            # This process signs its events as `platform`; `lanes audit verify` checks them against the keyring.
+            os.environ.setdefault(SIGNING_KEY_ENV, str(nats.credentials_dir / f"{PLATFORM.name}.key"))
+            os.environ.setdefault(KEYRING_ENV, str(nats.credentials_dir / KEYRING_FILE))
             log.info("embedded nats credentials", directory=str(nats.credentials_dir))
         database_url = settings.database_url or stack.enter_context(EmbeddedPostgres()).url
         redis_url = settings.redis_url or stack.enter_context(EmbeddedRedis()).url

@@ -10,8 +10,10 @@ A launcher or node agent needs three lines::
 from __future__ import annotations
 
 import asyncio
+import os
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Self
 from urllib.parse import urlsplit, urlunsplit
@@ -32,6 +34,7 @@ from lanes_contract.errors import (
     UnsupportedServerError,
 )
 from lanes_contract.events import Event
+from lanes_contract.signing import EventSigner
 from lanes_contract.streams import STREAM_OF_FAMILY
 
 MIN_NATS_VERSION = (2, 11, 0)
@@ -101,6 +104,16 @@ class _Refusals:
 
 
 _DENIED: weakref.WeakKeyDictionary[NatsClient, _Refusals] = weakref.WeakKeyDictionary()
+_SIGNERS: weakref.WeakKeyDictionary[NatsClient, EventSigner] = weakref.WeakKeyDictionary()
+SIGNING_KEY_ENV = "LANES_SIGNING_KEY_FILE"
+
+
+def sign_with(nc: NatsClient, signer: EventSigner | None) -> None:
+    """Sign every event published on this connection with `signer` (None: stop signing)."""
+    if signer is None:
+        _SIGNERS.pop(nc, None)
+    else:
+        _SIGNERS[nc] = signer
 
 
 def denied_operations(nc: NatsClient) -> list[str]:
@@ -109,8 +122,16 @@ def denied_operations(nc: NatsClient) -> list[str]:
     return [] if refusals is None else list(refusals.texts)
 
 
-async def connect_nats(url: str, *, name: str, connect_timeout_s: float = 5.0) -> NatsClient:
-    """Connect to NATS, check the server version and that JetStream is enabled, or raise a clear error."""
+async def connect_nats(
+    url: str, *, name: str, connect_timeout_s: float = 5.0, signer: EventSigner | None = None
+) -> NatsClient:
+    """Connect to NATS, check the server version and that JetStream is enabled, or raise a clear error.
+
+    Events published on the connection are signed by `signer`, or by the key in LANES_SIGNING_KEY_FILE.
+    """
+    key_file = os.environ.get(SIGNING_KEY_ENV)
+    if signer is None and key_file:
+        signer = EventSigner.load(Path(key_file))
     shown = redact(url)
     refusals = _Refusals()
     auth_failed = False
@@ -146,6 +167,7 @@ async def connect_nats(url: str, *, name: str, connect_timeout_s: float = 5.0) -
         msg = f"cannot reach NATS at {shown}: {exc or type(exc).__name__}"
         raise ServerUnavailableError(msg) from exc
     _DENIED[nc] = refusals
+    sign_with(nc, signer)
     nc.options["max_reconnect_attempts"] = -1
     try:
         version = nc.connected_server_version
@@ -183,6 +205,9 @@ async def publish_encoded(
     With `expected_last_subject_seq`, the publish only succeeds if the last message on `expected_subject`
     (wildcards allowed, default: the event's own subject) has that sequence; 0 means "no message yet".
     """
+    signer = _SIGNERS.get(js._nc)  # noqa: SLF001 - the connection the context publishes on
+    if signer is not None:
+        encoded = signer.sign(encoded)
     headers = dict(encoded.headers)
     if expected_last_subject_seq is not None:
         headers[EXPECTED_LAST_SUBJECT_SEQUENCE] = str(expected_last_subject_seq)
@@ -214,9 +239,12 @@ class LanesClient:
         self.source = source
 
     @classmethod
-    async def connect(cls, url: str, *, source: str) -> LanesClient:
-        """Connect to a NATS server that Lanes supports; `source` becomes the `ce-source` of your events."""
-        return cls(await connect_nats(url, name=source), source)
+    async def connect(cls, url: str, *, source: str, signer: EventSigner | None = None) -> LanesClient:
+        """Connect to a NATS server that Lanes supports; `source` becomes the `ce-source` of your events.
+
+        With `signer` (or LANES_SIGNING_KEY_FILE), every event is signed by that identity's key.
+        """
+        return cls(await connect_nats(url, name=source, signer=signer), source)
 
     async def publish(
         self,

@@ -194,6 +194,22 @@ def identities(nodes: tuple[str, ...] = ()) -> tuple[Identity, ...]:
     return (*SERVICE_IDENTITIES, *PEOPLE_IDENTITIES, PLATFORM, *(agent_identity(node) for node in nodes))
 
 
+ADMIN_IDENTITY = Identity(ADMIN, (">",), "stream management, and anything else")
+
+
+def identity_named(name: str) -> Identity | None:
+    """The identity of a name (`scheduler`, `agent-node-3`, `admin`, ...), or None for an unknown name."""
+    if name == ADMIN:
+        return ADMIN_IDENTITY
+    if name.startswith(AGENT_PREFIX):
+        node = name.removeprefix(AGENT_PREFIX)
+        try:
+            return agent_identity(node)
+        except ValueError:
+            return None
+    return next((identity for identity in identities() if identity.name == name), None)
+
+
 def nats_permissions(identity: Identity) -> dict[str, object]:
     """The nats-server `permissions` block of an identity.
 

@@ -11,13 +11,16 @@ from lanes_audit.domain.chain import (
     compare_with_stream,
     verify_chain,
 )
+from lanes_audit.domain.signers import SignedMessage, check_signers
 
 __all__ = [
     "Link",
     "Problem",
     "ProblemKind",
+    "SignedMessage",
     "StoredMessage",
     "canonical_bytes",
+    "check_signers",
     "checkpoints",
     "compare_with_stream",
     "links",

@@ -59,6 +59,8 @@ class ProblemKind(StrEnum):
     REORDERED = "reordered"
     INJECTED = "injected"
     BROKEN_LINK = "broken_link"
+    FORGED = "forged"
+    """Not signed by an identity allowed to write the event (see `signers`)."""
 
 
 @dataclass(frozen=True)

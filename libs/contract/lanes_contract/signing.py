@@ -1,0 +1,148 @@
+"""Signed events: each producer signs what it publishes (Ed25519 over the canonical CloudEvent).
+
+The signature covers the subject, every CloudEvents header (`ce-*`, `traceparent`, `Content-Type`,
+`Nats-Msg-Id`) and the payload, and travels in two headers: `Lanes-Signer` (`<identity>:<key id>`) and
+`Lanes-Signature` (base64). The audit copy keeps every header, so the chain records who signed each event,
+and `lanes audit verify --keyring` names any event unsigned, signed by an unknown key, or signed by an
+identity that may not write its subject (see `lanes_contract.identities`).
+
+Rotation: an identity gets a new key id (`scheduler:k2`) and signs with it from then on; the keyring keeps
+the old public key, so events signed before the rotation still verify. A key is only removed from the
+keyring if it was compromised, and then its events are reported as signed by an unknown key.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
+
+from lanes_contract.codec import EncodedEvent
+from lanes_contract.errors import LanesError
+
+KEYRING_ENV = "LANES_KEYRING"
+"""A keyring file (JSON) that `lanes audit verify` checks each event's signer against."""
+SIGNER_HEADER = "Lanes-Signer"
+SIGNATURE_HEADER = "Lanes-Signature"
+_SIGNED_HEADERS = ("traceparent", "content-type", "nats-msg-id")
+_FORMAT = b"lanes-event-signature-v1\n"
+
+
+class SignatureError(LanesError):
+    """An event's signature is missing, made by an unknown key, or does not match the event."""
+
+
+def signed_bytes(subject: str, headers: Mapping[str, str] | None, payload: bytes) -> bytes:
+    """What a signature covers: the subject, the event's headers (sorted by lower-cased name), the payload.
+
+    Delivery headers a server or a publisher adds around the event (expected-sequence checks, the
+    signature itself) are left out, so a stored copy verifies exactly as the publisher signed it.
+    """
+    kept = {
+        name.lower(): value
+        for name, value in (headers or {}).items()
+        if name.lower().startswith("ce-") or name.lower() in _SIGNED_HEADERS
+    }
+    meta = json.dumps(
+        {"subject": subject, "headers": dict(sorted(kept.items()))}, sort_keys=True, separators=(",", ":")
+    )
+    return _FORMAT + meta.encode() + b"\n" + payload
+
+
+@dataclass(frozen=True)
+class EventSigner:
+    """One identity's signing key (the private half stays with the producer)."""
+
+    identity: str
+    key_id: str
+    key: Ed25519PrivateKey = field(repr=False)
+
+    @property
+    def reference(self) -> str:
+        """`<identity>:<key id>`, the `Lanes-Signer` header and the keyring's key."""
+        return f"{self.identity}:{self.key_id}"
+
+    @property
+    def public_key(self) -> bytes:
+        """The raw 32-byte public key, for the keyring."""
+        return self.key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+    def sign(self, encoded: EncodedEvent) -> EncodedEvent:
+        """The event with its signer and signature headers (Ed25519 is deterministic: a re-send is identical)."""
+        signature = self.key.sign(signed_bytes(encoded.subject, encoded.headers, encoded.payload))
+        headers = dict(encoded.headers) | {
+            SIGNER_HEADER: self.reference,
+            SIGNATURE_HEADER: base64.b64encode(signature).decode(),
+        }
+        return replace(encoded, headers=headers)
+
+    @classmethod
+    def generate(cls, identity: str, key_id: str = "k1") -> EventSigner:
+        """A fresh key for an identity."""
+        return cls(identity, key_id, Ed25519PrivateKey.generate())
+
+    def dump(self) -> str:
+        """The key file's text: `<identity>:<key id>:<64 hex digits of the seed>`."""
+        seed = self.key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+        return f"{self.reference}:{seed.hex()}\n"
+
+    @classmethod
+    def load(cls, path: Path) -> EventSigner:
+        """Read a key file written by `dump` (LANES_SIGNING_KEY_FILE)."""
+        try:
+            identity, key_id, seed = path.read_text().strip().split(":")
+            return cls(identity, key_id, Ed25519PrivateKey.from_private_bytes(bytes.fromhex(seed)))
+        except (OSError, ValueError) as exc:
+            msg = f"{path} is not a Lanes signing key (<identity>:<key id>:<64 hex digits>): {exc}"
+            raise SignatureError(msg) from exc
+
+
+@dataclass(frozen=True)
+class Keyring:
+    """Every public key a verifier trusts, by `<identity>:<key id>` (old keys kept after a rotation)."""
+
+    keys: Mapping[str, bytes]
+
+    def verify(self, subject: str, headers: Mapping[str, str] | None, payload: bytes) -> str:
+        """The identity that signed this stored event; SignatureError when it cannot be shown."""
+        found = headers or {}
+        reference, signature = found.get(SIGNER_HEADER), found.get(SIGNATURE_HEADER)
+        if not reference or not signature:
+            msg = "unsigned"
+            raise SignatureError(msg)
+        public = self.keys.get(reference)
+        if public is None:
+            msg = f"signed by {reference}, a key not in the keyring"
+            raise SignatureError(msg)
+        try:
+            Ed25519PublicKey.from_public_bytes(public).verify(
+                base64.b64decode(signature, validate=True), signed_bytes(subject, found, payload)
+            )
+        except (InvalidSignature, ValueError) as exc:
+            msg = f"the signature of {reference} does not match the event"
+            raise SignatureError(msg) from exc
+        return reference.split(":", 1)[0]
+
+    def with_key(self, signer: EventSigner) -> Keyring:
+        """This keyring plus a signer's public key (what a rotation adds)."""
+        return Keyring({**self.keys, signer.reference: signer.public_key})
+
+    def dump(self) -> str:
+        """JSON: `{"<identity>:<key id>": "<hex public key>"}`."""
+        return json.dumps({ref: key.hex() for ref, key in sorted(self.keys.items())}, indent=2) + "\n"
+
+    @classmethod
+    def load(cls, path: Path) -> Keyring:
+        """Read a keyring written by `dump` (LANES_KEYRING)."""
+        try:
+            raw = json.loads(path.read_text())
+            return cls({str(ref): bytes.fromhex(str(key)) for ref, key in raw.items()})
+        except (OSError, ValueError, AttributeError) as exc:
+            msg = f"{path} is not a Lanes keyring (JSON of identity:key id -> hex public key): {exc}"
+            raise SignatureError(msg) from exc
