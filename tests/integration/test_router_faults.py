@@ -10,13 +10,24 @@ import json
 import os
 import signal
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import aiohttp
 import pytest
-from support.router import announce_replica, chat, lanes_client, router_in_process, serving, toys, wait_routable
+from support.router import (
+    announce_replica,
+    chat,
+    lanes_client,
+    router_in_process,
+    serving,
+    toys,
+    wait_routable,
+    wait_served,
+)
 from support.waiting import eventually
 
 from lanes_contract.jobs import ProtectionMode
+from lanes_router.domain.tenants import key_hash
 from lanes_router.entrypoints.runner import RouterRunner
 from lanes_runtime.settings import ServerUrls
 from lanes_sandbox.embedded import EmbeddedRedis
@@ -161,3 +172,43 @@ async def test_connections_past_the_cap_get_503_at_once(servers: ServerUrls, uni
                 return (await chat(fresh, url, f"m-{unique}"))[0] == 200
 
             await eventually(served, what="a request to be served once the flood is gone")
+
+
+async def test_tenants_need_their_key_are_limited_and_named_in_provenance(
+    servers: ServerUrls, unique: str, tmp_path: Path
+) -> None:
+    tenants = tmp_path / "tenants.json"
+    tenants.write_text(
+        json.dumps(
+            {
+                "admin_key_sha256": key_hash("admin-key"),
+                "tenants": {
+                    f"team-{unique}": {"key_sha256": key_hash("team-key"), "rate_per_s": 0.01, "burst": 3},
+                },
+            }
+        )
+    )
+    model = f"m-{unique}"
+    async with (
+        toys((model, "v1")) as (toy,),
+        aiohttp.ClientSession() as session,
+        lanes_client(servers) as lanes,
+        router_in_process(servers, tenants_file=str(tenants)) as (_runner, url),
+    ):
+        await announce_replica(lanes, f"r-{unique}", serving(model, "v1"), toy.endpoint)
+        admin = {"Authorization": "Bearer admin-key"}
+
+        async def routable() -> bool:
+            async with session.get(f"{url}/readyz", headers=admin) as response:
+                return response.status == 200 and (await response.json())["routable"] >= 1
+
+        await eventually(routable, what="the replica to be routable")
+        assert (await readiness(session, url))[0] == 401  # no admin key
+        assert (await chat(session, url, model))[0] == 401
+        assert (await chat(session, url, model, headers={"Authorization": "Bearer guess"}))[0] == 401
+        team = {"Authorization": "Bearer team-key"}
+        statuses = [(await chat(session, url, model, headers=team))[:2] for _ in range(4)]
+        assert [status for status, _ in statuses] == [200, 200, 200, 429]
+        assert int(statuses[-1][1]["Retry-After"]) >= 1
+        served = await wait_served(lanes, model, 3)
+    assert {event.data.tenant for event in served} == {f"team-{unique}"}

@@ -103,6 +103,7 @@ class RequestServedData(Data):
     prompt_tokens: int | None = Field(default=None, ge=0)
     completion_tokens: int | None = Field(default=None, ge=0)
     router: str = Field(default="", description="Which router process handled it.")
+    tenant: Token | None = Field(default=None, description="The tenant whose API key asked, when tenants are on.")
 
 
 class RequestServed(Event):

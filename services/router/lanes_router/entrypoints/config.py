@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
+
+from lanes_router.domain.tenants import TenantTable
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,9 @@ class RouterConfig:
     """A kept-alive connection idle this long between requests is closed."""
     max_connections: int = 4096
     """Open client connections; past it a new one gets 503 with Retry-After and is closed."""
+    tenants_file: str = ""
+    """A JSON file of tenants (API key hashes, rate and concurrency limits) and the admin key's hash; when
+    set, every request needs a tenant's key and /readyz and /metrics the admin's (README, Security model)."""
     shared_state_timeout_s: float = 1.0
     """How long a request waits for Redis (leases) before it gets 503 with Retry-After, and /readyz says no."""
 
@@ -71,3 +78,14 @@ class RouterConfig:
                 raise ValueError(msg) from None
         values.setdefault("strict_port", "port" in values)
         return cls(**values)  # type: ignore[arg-type]
+
+
+def load_tenants(path: str) -> TenantTable | None:
+    """The tenants of a tenants file, or None when no file is configured (an open router)."""
+    if not path:
+        return None
+    try:
+        return TenantTable.from_mapping(json.loads(Path(path).read_text()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        msg = f"LANES_ROUTER_TENANTS_FILE {path}: {exc}"
+        raise ValueError(msg) from exc

@@ -38,7 +38,8 @@ from lanes_router.domain.requests import (
     Refusal,
     parse_inference_request,
 )
-from lanes_router.entrypoints.config import RouterConfig
+from lanes_router.domain.tenants import UNAUTHENTICATED, TenantLimits, bearer_key
+from lanes_router.entrypoints.config import RouterConfig, load_tenants
 from lanes_router.service_layer.dispatch import Dispatcher, Granted
 from lanes_router.service_layer.health import HealthMonitor
 
@@ -65,6 +66,11 @@ def error_response(http_status: int, error_type: str, message: str, retry_after_
     return web.json_response(error_body(http_status, error_type, message), status=http_status, headers=headers)
 
 
+def refusal_response(refusal: Refusal) -> web.Response:
+    """The answer of a refusal (protection mode, tenant limits, authentication)."""
+    return error_response(refusal.http_status, refusal.error_type, refusal.message, refusal.retry_after_s)
+
+
 @dataclass
 class _Served:
     """What one client request went through, filled in as it goes (becomes its `RequestServed`)."""
@@ -73,6 +79,7 @@ class _Served:
     route: str
     received_at: datetime
     started: float
+    tenant: str | None = None
     model: str = ""
     version: str | None = None
     stream: bool = False
@@ -145,6 +152,8 @@ class RouterHttp:
         self._source = source
         self._router_name = router_name
         self._ready = ready
+        self._tenants = load_tenants(config.tenants_file)
+        self._limits = TenantLimits()
         self._session: aiohttp.ClientSession | None = None
         connect = config.connect_timeout_s
         self._stream_timeout = aiohttp.ClientTimeout(sock_connect=connect, sock_read=config.stream_idle_timeout_s)
@@ -180,7 +189,9 @@ class RouterHttp:
     async def _healthz(self, _request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
-    async def _readyz(self, _request: web.Request) -> web.Response:
+    async def _readyz(self, request: web.Request) -> web.Response:
+        if (refused := self._admin_refusal(request)) is not None:
+            return refused
         # Ready = the registry is rebuilt and the shared state answers (checked now, bounded), so a router
         # whose Redis is down or stopped leaves the load balancer's pool, and comes back on its own.
         shared_state = await self._dispatcher.shared_state_answers()
@@ -194,7 +205,9 @@ class RouterHttp:
         }
         return web.json_response(body, status=200 if ready else 503)
 
-    async def _metrics_text(self, _request: web.Request) -> web.Response:
+    async def _metrics_text(self, request: web.Request) -> web.Response:
+        if (refused := self._admin_refusal(request)) is not None:
+            return refused
         return web.Response(text=self._metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def _models(self, _request: web.Request) -> web.Response:
@@ -213,7 +226,29 @@ class RouterHttp:
     # --- the proxy -------------------------------------------------------------------------------------
 
     async def _serve(self, request: web.Request, route: str) -> web.StreamResponse:
-        served = _Served(self._request_id(request), route, utc_now(), time.perf_counter())
+        # With tenants configured, a request names its tenant by its API key and is held to the tenant's
+        # rate and concurrency before anything else is done for it.
+        if self._tenants is None:
+            return await self._serve_admitted(request, route, None)
+        tenant = self._tenants.tenant_of(bearer_key(request.headers.get("Authorization")))
+        if tenant is None:
+            return refusal_response(UNAUTHENTICATED)
+        refused = self._limits.admit(tenant, time.monotonic())
+        if refused is not None:
+            return refusal_response(refused)
+        try:
+            return await self._serve_admitted(request, route, tenant.name)
+        finally:
+            self._limits.release(tenant)
+
+    def _admin_refusal(self, request: web.Request) -> web.Response | None:
+        """The 401 for an admin route asked without the admin key (when tenants are configured)."""
+        if self._tenants is None or self._tenants.is_admin(bearer_key(request.headers.get("Authorization"))):
+            return None
+        return error_response(401, "admin_key_required", "this route needs the admin key: Authorization: Bearer")
+
+    async def _serve_admitted(self, request: web.Request, route: str, tenant: str | None) -> web.StreamResponse:
+        served = _Served(self._request_id(request), route, utc_now(), time.perf_counter(), tenant=tenant)
         body = await request.read()
         try:
             parsed = parse_inference_request(
@@ -512,6 +547,7 @@ class RouterHttp:
                 prompt_tokens=served.prompt_tokens,
                 completion_tokens=served.completion_tokens,
                 router=self._router_name,
+                tenant=served.tenant,
             ),
         )
 
