@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final, Self, TypeVar, cast
 
 from lanes_contract.client import connect_nats
-from lanes_contract.identities import ADMIN, identities, nats_permissions
+from lanes_contract.identities import ADMIN, authorization_users, identities
 from lanes_contract.signing import EventSigner, Keyring
 from lanes_contract.streams import provision_streams
 from lanes_runtime.settings import ServerUrls
@@ -915,6 +915,7 @@ class EmbeddedNats(_ServerBase):
         self._binary: _NatsBinary | None = None
         self._monitor_port: int | None = None
         self._name = f"lanes-embedded-{uuid.uuid4().hex[:12]}"
+        self._agent_nodes = agent_nodes
         self._identities = {identity.name: identity for identity in identities(agent_nodes)}
         # One random password per identity, made before start so the config and the URLs agree.
         self._passwords = passwords or {name: secrets.token_urlsafe(24) for name in [ADMIN, *self._identities]}
@@ -952,13 +953,7 @@ class EmbeddedNats(_ServerBase):
 
     def _write_config(self, directory: Path) -> Path:
         """Render the identities into an ``authorization`` block, and each URL into its own file."""
-        users: list[dict[str, object]] = [
-            {"user": ADMIN, "password": self._passwords[ADMIN], "permissions": {"publish": ">", "subscribe": ">"}}
-        ]
-        users.extend(
-            {"user": name, "password": self._passwords[name], "permissions": nats_permissions(identity)}
-            for name, identity in self._identities.items()
-        )
+        users = authorization_users(self._passwords, self._agent_nodes)
         config = directory / "nats.conf"
         # nats-server reads JSON as its config syntax; the file holds secrets, so only we may read it.
         config.touch(mode=0o600)

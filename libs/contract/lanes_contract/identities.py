@@ -13,6 +13,7 @@ placed on).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from lanes_contract.events import (
@@ -235,3 +236,18 @@ def _matches(pattern: str, subject: str) -> bool:
         if index >= len(given) or part not in {"*", given[index]}:
             return False
     return len(given) == len(wanted)
+
+
+def authorization_users(passwords: Mapping[str, str], nodes: tuple[str, ...] = ()) -> list[dict[str, object]]:
+    """The `users` of a nats-server `authorization` block: the admin, then every identity, each with its password.
+
+    The embedded server and the compose stack's generated config both come from here.
+    """
+    users: list[dict[str, object]] = [
+        {"user": ADMIN, "password": passwords[ADMIN], "permissions": {"publish": ">", "subscribe": ">"}}
+    ]
+    users.extend(
+        {"user": identity.name, "password": passwords[identity.name], "permissions": nats_permissions(identity)}
+        for identity in identities(nodes)
+    )
+    return users
