@@ -14,6 +14,7 @@ import contextlib
 import os
 import re
 import sys
+from datetime import UTC
 from typing import Any
 
 import structlog
@@ -231,8 +232,13 @@ class LocalLauncher:
         assert proc.stdout is not None  # noqa: S101 - the process is always started with pipes
         assert proc.stderr is not None  # noqa: S101
         rank_key = str(assignment.rank)
+        # The output is read as it is written: its year-less timestamps are of this year, in UTC (the agent's clock).
         context = SourceContext(
-            origin=f"{placed.jobid}/rank{assignment.rank}", node=assignment.node, rank=assignment.rank
+            origin=f"{placed.jobid}/rank{assignment.rank}",
+            node=assignment.node,
+            rank=assignment.rank,
+            year=utc_now().year,
+            tz=UTC,
         )
         parser = LogParser(context)
         lines = 0

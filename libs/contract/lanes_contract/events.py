@@ -629,6 +629,19 @@ class EvidenceCategory(StrEnum):
     CONFIG_MISMATCH = "config_mismatch"
     # anything a parser did not recognise (lanes.tel.<node>.raw)
     RAW = "raw"
+    # added later; kept at the end so older values keep their place
+    RENDEZVOUS_FAILURE = "rendezvous_failure"
+    """The c10d store / rendezvous could not be reached or started (platform)."""
+    RESOURCE_EXHAUSTED = "resource_exhausted"
+    """A limit of the platform: /dev/shm too small, devices still held by an earlier job, file descriptors."""
+    COLLECTIVE_MISMATCH = "collective_mismatch"
+    """Ranks called different collectives, or the same one with different sizes (the job's code)."""
+    NUMERIC_ANOMALY = "numeric_anomaly"
+    """NaN / Inf in the loss or the gradients (the job's code or data)."""
+    CONNECT_FAILED = "connect_failed"
+    """A rank could not open a connection to a peer (NCCL socket / proxy connect): the first failing side."""
+    NODE_LOST = "node_lost"
+    """The scheduler lost a node (Slurm `Node failure`)."""
 
 
 class EvidenceData(_Data):

@@ -209,7 +209,7 @@ async def _kernel_reports_the_oom_kill(conns: Connections, watch: _Watch, killed
         f" {pid} (python3) total-vm:245638812kB, anon-rss:262144kB, file-rss:0kB, shmem-rss:0kB, UID:0"
         " pgtables:3964kB oom_score_adj:0"
     )
-    context = SourceContext(origin=f"{node}/kern.log", node=node, rank=killed.rank, year=at.year)
+    context = SourceContext(origin=f"{node}/kern.log", node=node, rank=killed.rank, year=at.year, tz=UTC)
     for number, evidence in enumerate(parse_lines([line], context)):
         event = evidence_event(evidence, source=f"agent/{node}", node=node, time=at)
         event = event.model_copy(update={"id": derived_event_id(killed.id, event.type, str(number))})

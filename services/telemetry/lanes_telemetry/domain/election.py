@@ -57,6 +57,7 @@ class Stage(StrEnum):
 _PRIORITY: dict[EvidenceCategory, int] = {
     C.GPU_XID: 90,
     C.ECC_ERROR: 90,
+    C.NODE_LOST: 88,
     C.OOM_KILL: 85,
     C.LINK_DOWN: 80,
     C.LINK_FLAP: 80,
@@ -64,14 +65,21 @@ _PRIORITY: dict[EvidenceCategory, int] = {
     C.DISK_FULL: 70,
     C.PREEMPTION: 70,
     C.CONFIG_MISMATCH: 65,
+    C.RESOURCE_EXHAUSTED: 62,
     C.PORT_ERRORS: 60,
+    C.COLLECTIVE_MISMATCH: 57,
     C.CUDA_ERROR: 55,
     C.CUDA_OOM: 55,
+    C.NUMERIC_ANOMALY: 52,
     C.PYTHON_EXCEPTION: 50,
+    C.CONNECT_FAILED: 47,
+    C.RENDEZVOUS_FAILURE: 42,
     C.COMM_INIT_FAILURE: 40,
 }
 """Cause strength: among simultaneous causes the lower layer explains the higher one."""
 _SIGNAL_DEATH_PRIORITY = 45
+_AFTER_A_TIMEOUT_IS_A_CONSEQUENCE = frozenset({C.PROCESS_EXITED, C.COMM_INIT_FAILURE, C.RENDEZVOUS_FAILURE})
+"""A rank's exit or a re-rendezvous after its own collectives timed out happens *because* of them."""
 _EXIT_CODE_PRIORITY = 20
 NOT_ELECTED = frozenset({C.RAW, C.PROCESS_STARTED})
 """Evidence the election does not read at all: a rank whose log holds only these said nothing about the
@@ -232,7 +240,7 @@ def _is_cause(item: _Item, consequence_seen: Mapping[tuple[str | None, int | Non
     priority = _priority(e)
     if priority is None:
         return False
-    if e.category in {C.PROCESS_EXITED, C.COMM_INIT_FAILURE} and priority < _SIGNAL_DEATH_PRIORITY:
+    if e.category in _AFTER_A_TIMEOUT_IS_A_CONSEQUENCE and priority < _SIGNAL_DEATH_PRIORITY:
         # A rank that exits with an error after its collectives timed out exits *because* of them.
         seen = consequence_seen.get((e.node, e.rank))
         if seen is not None and item.at is not None and seen <= item.at:
@@ -562,6 +570,7 @@ def _other_group(
     )
 
 
+_INIT_CATEGORIES = frozenset({C.COMM_INIT_FAILURE, C.RENDEZVOUS_FAILURE})
 _CHECKPOINT_WORDS = ("checkpoint", "save_state", "torch.save", "dcp.save")
 _TEARDOWN_WORDS = ("destroy_process_group", "shutdown", "atexit")
 
@@ -578,7 +587,7 @@ def _stage(items: list[_Item], first: FindingCause | None) -> str:
     seqs = [i.evidence.data.seq_num for i in items if i.evidence.data.seq_num is not None]
     if seqs:
         return (Stage.FIRST_COLLECTIVE if max(seqs) <= _FIRST_COLLECTIVE_MAX_SEQ else Stage.STEADY_STATE).value
-    if any(i.evidence.category is C.COMM_INIT_FAILURE for i in items):
+    if any(i.evidence.category in _INIT_CATEGORIES for i in items) or any("bootstrap" in text for text in texts):
         return Stage.INIT_RENDEZVOUS.value
     return Stage.UNKNOWN.value
 
