@@ -133,7 +133,7 @@ def elect_first_error(
     first: FindingCause | None
     if causes:
         cause, chain, contenders = _elect_cause(causes, progress, skew_tolerance)
-        first = _cause_of(cause, chain)
+        first = _cause_of(cause, chain, _only_failed_rank(items, cause))
         confidence = _confidence(cause, contenders)
         used = {id(item) for item in chain}
     else:
@@ -330,13 +330,28 @@ def _chain(winner: _Item, causes: list[_Item], window: list[_Item]) -> list[_Ite
     return chain[:_MAX_CHAIN]
 
 
-def _cause_of(winner: _Item, chain: list[_Item]) -> FindingCause:
+def _only_failed_rank(items: list[_Item], winner: _Item) -> int | None:
+    """The one rank whose process exited with an error, where the winner's node allows it (else None)."""
+    node = winner.evidence.node
+    failed = {
+        i.evidence.rank
+        for i in items
+        if i.evidence.category is C.PROCESS_EXITED
+        and i.evidence.rank is not None
+        and _priority(i.evidence) is not None
+        and (node is None or i.evidence.node in {None, node})
+    }
+    return failed.pop() if len(failed) == 1 else None
+
+
+def _cause_of(winner: _Item, chain: list[_Item], only_failed_rank: int | None) -> FindingCause:
     e = winner.evidence
     rank = e.rank
     if rank is None:
         # Node-level evidence (an Xid, an OOM kill): the rank of the same story on that node, if one.
         ranks = {c.evidence.rank for c in chain if c.evidence.rank is not None and c.evidence.node == e.node}
-        rank = min(ranks) if len(ranks) == 1 else None
+        # A line with no rank at all (an unprefixed traceback): the one rank that exited with an error.
+        rank = min(ranks) if len(ranks) == 1 else only_failed_rank
     lane = LANE_OF_CATEGORY[e.category]
     return FindingCause(
         category=e.category.value,
