@@ -541,6 +541,7 @@ _FAMILIES: tuple[_Family, ...] = (
         "could not connect to a peer",
     ),
 )
+_PID_FIELD = re.compile(r"\[PID: (\d{1,9})\]")
 _CONNECT_PEER = re.compile(r"Connect to ([\w.:%-]+?)(?:<\d+>|\s)")
 _NAMED_RANK = re.compile(r"(?<![\w.])(?:[Rr]ank|RANK)[ :=]\s?(\d{1,7})\b")
 
@@ -556,6 +557,8 @@ def parse_known_messages(line: str) -> LineMatch | None:
             fields: dict[str, Any] = {"category": family.category, "summary": family.summary}
             if family.category is C.CONNECT_FAILED and (peer := _CONNECT_PEER.search(line)):
                 fields["peer"] = peer[1]
+            if pid := _PID_FIELD.search(line):
+                fields["pid"] = _nonneg(pid[1])
             named = _NAMED_RANK.findall(line)
             rank = int(named[0]) if named and (family.first_named_rank or len(set(named)) == 1) else None
             node = m["host"] if " kernel: " in line and (m := _KERNEL_HOST.search(line)) else None
@@ -648,6 +651,7 @@ _NPROC = re.compile(r"\bnproc_per_node\s*[:=]\s*(\d{1,5})\b")
 _NODE_RANK = re.compile(r"\b(?:node_rank|NODE_RANK|group_rank)\s*[:=]\s*(\d{1,6})\b")
 _NNODES = re.compile(r"\b(?:nnodes|NNODES|group_world_size|max_nodes)\s*[:=]\s*(\d{1,6})\b")
 _ELASTIC_RANK_LOCAL = re.compile(r"^\s*rank\s*:\s*(\d{1,7})\s*\(local_rank:\s*(\d{1,5})\)")
+_HCCL_PID_RANK = re.compile(r"HCCL\((\d{1,9}),.*?RankID:\s?(\d{1,7})")
 _ANNOUNCED_RANK = re.compile(r"\[rank=(\d{1,7}), world_size=\d+\]")
 
 
@@ -666,6 +670,8 @@ class RankMap:
     nnodes: int | None = None
     worker_ranks: dict[str, int] = field(default_factory=dict)
     known: dict[int, int] = field(default_factory=dict)
+    pid_ranks: dict[int, int] = field(default_factory=dict)
+    """Process id -> rank, where a line pairs them (HCCL's `HCCL(pid,...)` with `RankID:N`)."""
     """Local rank -> rank as torchelastic's failure summary pairs them (`rank: 3 (local_rank: 1)`)."""
 
     def learn(self, line: str, prefixes: Prefixes) -> None:
@@ -676,6 +682,8 @@ class RankMap:
             self.global_ranks = _ints(m[1])
         if m := _ELASTIC_RANK_LOCAL.search(line):
             self.known[int(m[2])] = int(m[1])
+        if m := _HCCL_PID_RANK.search(line):
+            self.pid_ranks.setdefault(int(m[1]), int(m[2]))
         if m := _NPROC.search(line):
             self.nproc_per_node = int(m[1])
         if m := _NODE_RANK.search(line):
@@ -793,6 +801,8 @@ class LogParser:
                 chosen_rank = rank if rank is not None else match.rank
                 if chosen_rank is None and match.local_rank is not None:
                     chosen_rank = self.ranks.global_rank(match.local_rank)
+                if chosen_rank is None and (pid := match.fields.get("pid")) is not None:
+                    chosen_rank = self.ranks.pid_ranks.get(pid)
                 return [self._evidence(match.fields, [line], match.node or node, chosen_rank, match.time or moment)]
         if (m := _EXCEPTION_LINE.match(body.strip())) and "ChildFailedError" not in m["type"]:
             fields = _exception_fields(m["type"], m["msg"] or "", body)
