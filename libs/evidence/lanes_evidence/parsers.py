@@ -445,7 +445,9 @@ def _parse_slurm(line: str) -> LineMatch | None:
         rank = int(tasks) if tasks.isdigit() else None
         summary = f"srun: task{'s' if rank is None else ''} {tasks} on {m['host']}: {what}"[:200]
         fields: dict[str, Any] = {"category": C.PROCESS_EXITED, "summary": summary}
-        if code := _SRUN_CODE.search(what):
+        if what == "Out Of Memory":
+            fields["category"] = C.OOM_KILL
+        elif code := _SRUN_CODE.search(what):
             fields["exit_code"] = int(code[1])
         elif what in _SRUN_SIGNAL:
             fields["signal"] = _SRUN_SIGNAL[what]

@@ -133,7 +133,7 @@ def elect_first_error(
     first: FindingCause | None
     if causes:
         cause, chain, contenders = _elect_cause(causes, progress, skew_tolerance)
-        first = _cause_of(cause, chain, _only_failed_rank(items, cause))
+        first = _cause_of(cause, chain, _only_failed_rank(items, cause, world))
         confidence = _confidence(cause, contenders)
         used = {id(item) for item in chain}
     else:
@@ -277,7 +277,9 @@ def _elect_cause(
     timed = [c for c in causes if c.at is not None]
     if timed:
         start = min(c.at for c in timed if c.at is not None)
-        window = [c for c in timed if c.at is not None and c.at <= start + tolerance]
+        # A cause without a time (an lspci listing, a line before any timestamp) cannot be placed after the
+        # first one: it competes with it.
+        window = [c for c in causes if c.at is None or c.at <= start + tolerance]
     else:
         window = causes
     winner = max(window, key=lambda c: (_priority(c.evidence) or 0, -_timestamp(c)))
@@ -330,9 +332,16 @@ def _chain(winner: _Item, causes: list[_Item], window: list[_Item]) -> list[_Ite
     return chain[:_MAX_CHAIN]
 
 
-def _only_failed_rank(items: list[_Item], winner: _Item) -> int | None:
-    """The one rank whose process exited with an error, where the winner's node allows it (else None)."""
+def _only_failed_rank(items: list[_Item], winner: _Item, world: World) -> int | None:
+    """The rank a rank-less cause is about, when only one fits (else None).
+
+    The only rank placed on the cause's node, or else the one rank whose process exited with an error
+    where the cause's node allows it.
+    """
     node = winner.evidence.node
+    placed = [rank for rank, on in world.ranks.items() if node is not None and on == node]
+    if len(placed) == 1:
+        return placed[0]
     failed = {
         i.evidence.rank
         for i in items
