@@ -134,9 +134,7 @@ def parse_time(line: str, year: int | None, tz: tzinfo) -> datetime | None:
         if m["mon"].lower() not in _MONTHS or written is None:
             return None
         month = _MONTHS[m["mon"].lower()]
-        return _moment(
-            (written, month, int(m["d"]), int(m["h"]), int(m["mi"]), int(m["s"]), _fraction(m["f"])), tz
-        )
+        return _moment((written, month, int(m["d"]), int(m["h"]), int(m["mi"]), int(m["s"]), _fraction(m["f"])), tz)
     if year is None:
         return None
     if (m := _GLOG.search(line)) or (m := _LEVEL_MONTH_DAY.search(line)):
@@ -173,6 +171,7 @@ def clock_of(text: str, *, fallback: datetime) -> tuple[int, tzinfo]:
 
 
 # --- one-line formats ----------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Prefixes:
@@ -609,6 +608,8 @@ def classify_exception(error_type: str, message: str) -> EvidenceCategory:
     if _CUDA_ERROR.search(text):
         return C.CUDA_ERROR
     lowered = text.lower()
+    if error_type.startswith("nccl"):
+        return C.COMM_ERROR  # ncclSystemError & co. wrap the "Last error:" line that follows: that one says what
     if "diststoreerror" in lowered or "rendezvous" in lowered or "waiting for clients" in lowered:
         return C.COMM_INIT_FAILURE
     if "gloo" in lowered and ("closed by peer" in lowered or "reset by peer" in lowered):

@@ -18,6 +18,7 @@ Pure: evidence in, finding out.
 
 from __future__ import annotations
 
+import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -282,7 +283,17 @@ def _elect_cause(
         window = [c for c in causes if c.at is None or c.at <= start + tolerance]
     else:
         window = causes
-    winner = max(window, key=lambda c: (_priority(c.evidence) or 0, -_timestamp(c)))
+    # Among equals the one that says more (a rank, a node) tells the story: srun's "task 6: Out Of Memory"
+    # over slurmstepd's anonymous OOM count.
+    winner = max(
+        window,
+        key=lambda c: (
+            _priority(c.evidence) or 0,
+            c.evidence.rank is not None,
+            c.evidence.node is not None,
+            -_timestamp(c),
+        ),
+    )
     chain = _chain(winner, causes, window)
     chained = {id(c) for c in chain}
     contenders = [
@@ -455,16 +466,7 @@ def _explain_hang(items: list[_Item], world: World) -> tuple[FindingCause | None
         i.evidence.data.peer for i in items if i.evidence.category is C.PEER_CLOSED and i.evidence.data.peer
     )
     if peers:
-        peer, count = peers.most_common(1)[0]
-        return FindingCause(
-            category="peer_lost",
-            lane=Lane.HOST,
-            node=_peer_node(peer, world),
-            summary=f"{count} connections were closed by {peer}: its process died or its host went away",
-            evidence=tuple(line for i in items if i.evidence.data.peer == peer for line in i.evidence.data.lines)[
-                :_MAX_CHAIN
-            ],
-        ), 0.4
+        return _peer_finding(items, world, *peers.most_common(1)[0])
     comm = [i for i in items if _is_consequence_category(i.evidence)]
     if comm:
         first = min(comm, key=_timestamp)
@@ -482,6 +484,36 @@ def _explain_hang(items: list[_Item], world: World) -> tuple[FindingCause | None
     return None, 0.0
 
 
+def _peer_finding(items: list[_Item], world: World, peer: str, count: int) -> tuple[FindingCause, float]:
+    """Connections closed by `peer`: the peer's fault only when nothing on the peer's side came first."""
+    closed = [i for i in items if i.evidence.category is C.PEER_CLOSED and i.evidence.data.peer == peer]
+    evidence = tuple(line for i in closed for line in i.evidence.data.lines)[:_MAX_CHAIN]
+    node = _peer_node(peer, world)
+    first_closed = min(_timestamp(i) for i in closed)
+    alive = [
+        i
+        for i in items
+        if node is not None
+        and i.evidence.node == node
+        and i.evidence.category is not C.PEER_CLOSED
+        and _timestamp(i) <= first_closed
+    ]
+    if alive:
+        # The peer was still there, waiting or failing on its own side, before the others lost it: the
+        # connection between them failed, not the peer.
+        waited = alive[0].evidence
+        summary = (
+            f"{count} connection(s) to {peer} were lost while {node} itself was alive and already reporting "
+            f"({_describe(waited)}): the link between them"
+        )
+        lines = (*evidence, *waited.data.lines)[:_MAX_CHAIN]
+        return FindingCause(
+            category="peer_link_lost", lane=Lane.NETWORK, node=node, summary=summary, evidence=lines
+        ), 0.35
+    summary = f"{count} connection(s) were closed by {peer} and nothing on its side came first: its process died or its host went away"
+    return FindingCause(category="peer_lost", lane=Lane.HOST, node=node, summary=summary, evidence=evidence), 0.4
+
+
 def _earliest(items: Iterable[_Item]) -> datetime | None:
     times = [i.evidence.time for i in items if i.evidence.time is not None]
     return min(times) if times else None
@@ -491,6 +523,8 @@ def _peer_node(peer: str, world: World) -> str | None:
     """The node a peer names: a known node, or a host name's first label; never an address."""
     if peer in world.all_nodes:
         return peer
+    if re.fullmatch(r"\d{1,3}(?:\.\d{1,3}){3}", peer):
+        return peer.replace(".", "-")  # as the parsers name a host known only by its address
     if _looks_like_address(peer):
         return None
     label = peer.split(".", 1)[0]
