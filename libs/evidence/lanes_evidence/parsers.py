@@ -303,6 +303,8 @@ _NCCL_DEBUG = re.compile(
 )
 _IB_COMPLETION = re.compile(r"Got completion from peer ([\w.:%-]+?)<\d*> with (?:error |status=?)(?:\w+\()?(\d+)")
 _REMOTE_PEER = re.compile(r"(?:Connection closed by remote peer|Connection reset by peer)\s*([\w.:-]+?)(?:<\d+>|$)")
+_LOCAL_INTERFACE = re.compile(r"NET/Socket : Using \[\d+\](?:docker\d|lo|virbr\d|veth\w*):")
+"""NCCL's sockets on an interface that only reaches the host itself: the other nodes cannot connect back."""
 _IB_RETRY_EXCEEDED = 12
 """IBV_WC_RETRY_EXC_ERR: the transport retry counter ran out: the peer or the path to it is gone."""
 
@@ -315,6 +317,8 @@ def parse_nccl_debug(line: str) -> LineMatch | None:
     node, pid, msg = m["host"], _nonneg(m["pid"]), m["msg"]
     base: dict[str, Any] = {"pid": pid, "gpu": m["dev"]}
     if m["level"] != "WARN":
+        if _LOCAL_INTERFACE.search(msg):
+            return LineMatch(base | {"category": C.CONFIG_MISMATCH, "summary": msg[:200]}, node=node)
         return LineMatch(base | {"category": C.RAW, "summary": f"NCCL {m['level']}"}, node=node)
     if ib := _IB_COMPLETION.search(msg):
         code = int(ib[2])
@@ -405,6 +409,8 @@ _SRUN_CODE = re.compile(r"Exited with exit code (\d+)")
 _SRUN_SIGNAL = {"Segmentation fault": 11, "Aborted": 6, "Bus error": 7}
 _NODE_FAILURE = re.compile(r"(?:srun: error: Node failure on|NODE_FAIL\W+(?:on )?)\s*(?P<host>[\w.-]+)")
 _STEP_OOM = re.compile(r"Detected (\d+) oom.kill events? in (?:StepId=)?([\w.]+)")
+_WORKER_KILLED = re.compile(r"DataLoader worker \(pid (\d+)\) is killed by signal: Killed")
+_WORKER_GONE = re.compile(r"DataLoader worker \(pid\(s\) [\d, ]+\) exited unexpectedly")
 _SIGNAL_RECEIVED = re.compile(r"Signal (\d+) \((SIG\w+)\) received by PID (\d+)")
 
 
@@ -430,6 +436,12 @@ def parse_platform_and_process(line: str) -> LineMatch | None:
         return LineMatch(fields, local_rank=int(m[1]))
     if found := _parse_slurm(line):
         return found
+    if m := _WORKER_KILLED.search(line):
+        # SIGKILL from outside the job: the kernel's OOM killer, most often (its own log says for sure).
+        return LineMatch({"category": C.PROCESS_EXITED, "signal": 9, "pid": _nonneg(m[1]), "summary": m[0]})
+    if _WORKER_GONE.search(line):
+        # The main process noticing a worker's death: how the worker died says why.
+        return LineMatch({"category": C.PROCESS_EXITED, "summary": "a DataLoader worker exited unexpectedly"})
     if m := _SIGNAL_RECEIVED.search(line):
         return LineMatch(
             {"category": C.PROCESS_EXITED, "signal": _signal(int(m[1])), "pid": _nonneg(m[3]), "summary": m[0]}
@@ -503,6 +515,11 @@ _FAMILIES: tuple[_Family, ...] = (
         "bus error: shared memory (/dev/shm) too small",
     ),
     _Family(
+        re.compile(r"DataLoader worker \(pid \d+\) is killed by signal: Bus error"),
+        C.RESOURCE_EXHAUSTED,
+        "a DataLoader worker died of a bus error: shared memory (/dev/shm) too small",
+    ),
+    _Family(
         re.compile(r"EJ0001|last training process is running"),
         C.RESOURCE_EXHAUSTED,
         "devices still held by an earlier training process (HCCL EJ0001)",
@@ -535,6 +552,26 @@ _FAMILIES: tuple[_Family, ...] = (
         C.NUMERIC_ANOMALY,
         "NaN / Inf in the loss or gradients",
         first_named_rank=True,
+    ),
+    _Family(
+        re.compile(r"number of nan iterations:\s*[1-9]|lm loss: nan\b|loss scale already at minimum"),
+        C.NUMERIC_ANOMALY,
+        "NaN / overflowing loss (the loss scale collapsed or NaN iterations counted)",
+    ),
+    _Family(
+        re.compile(r"actor is dead because its node has died|node was terminated unexpectedly"),
+        C.NODE_LOST,
+        "the worker's node died (Ray lost it)",
+    ),
+    _Family(
+        re.compile(r"\bEvicted\b.*low on resource|The node was low on resource"),
+        C.PREEMPTION,
+        "the pod was evicted by the kubelet (node low on a resource)",
+    ),
+    _Family(
+        re.compile(r"NET/Socket : Using \[\d+\](?:docker\d|lo|virbr\d|veth\w*):"),
+        C.CONFIG_MISMATCH,
+        "NCCL uses a host-local interface (docker0 / lo) for inter-node sockets (NCCL_SOCKET_IFNAME)",
     ),
     _Family(
         re.compile(r"socketStartConnect|Connect to \S+ failed|Failed to execute operation Connect|operation=Connect"),
@@ -633,7 +670,7 @@ def _exception_fields(error_type: str, message: str, text: str) -> dict[str, Any
 
 _TRACEBACK_START = "Traceback (most recent call last):"
 _EXCEPTION_LINE = re.compile(
-    r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Failure|Warning))(?::\s?(?P<msg>.*))?$"
+    r"^(?P<type>(?:[A-Za-z_][\w.]*)?(?:Error|Exception|Exit|Interrupt|Failure|Warning))(?::\s?(?P<msg>.*))?$"
 )
 _ELASTIC_ENTRY = re.compile(r"^\s*\[(\d+)\]:\s*$")
 _ELASTIC_FIELD = re.compile(r"^\s*(time|host|rank|exitcode|error_file|traceback)\s*:\s*(.*)$")
