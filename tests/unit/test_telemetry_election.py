@@ -33,7 +33,9 @@ def _timeout_log(rank: int, *, seq: int = 1580, enqueued: int | None = None, at:
 def _rank_logs(logs: dict[int, str]) -> list[Evidence]:
     found: list[Evidence] = []
     for rank, text in logs.items():
-        found += parse_text(text, SourceContext(origin=f"rank{rank}.log", node=EIGHT_RANKS.ranks[rank], rank=rank, year=2026, tz=UTC))
+        found += parse_text(
+            text, SourceContext(origin=f"rank{rank}.log", node=EIGHT_RANKS.ranks[rank], rank=rank, year=2026, tz=UTC)
+        )
     return found
 
 
@@ -217,7 +219,9 @@ def test_checkpoint_and_teardown_stages_from_the_failing_code_path():
             f'[rank2]:   File "/workspace/train.py", line 300, in {frame}\n'
             "[rank2]: OSError: [Errno 5] Input/output error\n"
         )
-        return parse_text(text, SourceContext(node="node-2", rank=2, year=2026, tz=UTC)) + _rank_logs({0: _timeout_log(0, seq=4000)})
+        return parse_text(text, SourceContext(node="node-2", rank=2, year=2026, tz=UTC)) + _rank_logs(
+            {0: _timeout_log(0, seq=4000)}
+        )
 
     assert elect_first_error(failing("save_checkpoint"), world=EIGHT_RANKS).stage == Stage.CHECKPOINT
     assert elect_first_error(failing("destroy_process_group"), world=EIGHT_RANKS).stage == Stage.TEARDOWN

@@ -159,7 +159,9 @@ def test_timestamps(line, expected):
 
 
 def test_a_line_without_time_inherits_the_last_time_seen():
-    found = parse_text("[rank0]:[I1202 10:00:00.000000 1 a.py:1] step 5\nnode-1:1:1 [0] NCCL WARN Cuda failure 'x'\n", CONTEXT)
+    found = parse_text(
+        "[rank0]:[I1202 10:00:00.000000 1 a.py:1] step 5\nnode-1:1:1 [0] NCCL WARN Cuda failure 'x'\n", CONTEXT
+    )
     assert found[1].time == datetime(2026, 12, 2, 10, 0, tzinfo=UTC)
 
 

@@ -134,7 +134,7 @@ def elect_first_error(
     first: FindingCause | None
     if causes:
         cause, chain, contenders = _elect_cause(causes, progress, skew_tolerance)
-        first = _cause_of(cause, chain, _only_failed_rank(items, cause, world))
+        first = _cause_of(cause, chain, _only_failed_rank(items, cause))
         confidence = _confidence(cause, contenders)
         used = {id(item) for item in chain}
     else:
@@ -184,17 +184,27 @@ def worth_reelecting(*, evidence_count: int, new_reporters: int | None, world_si
 
 
 def _attribute(evidence: list[Evidence], world: World) -> list[Evidence]:
-    """Fill in the rank of node-level evidence that names a pid, and the node of rank-level evidence."""
+    """Fill in the rank of node-level evidence and the node of rank-level evidence.
+
+    A node-level line gets the rank of the pid it names, or the only rank placed on its node (as the live
+    service does on ingest: offline and live must elect the same).
+    """
     rank_of_pid: dict[tuple[str | None, int], int] = {}
     for e in evidence:
         if e.rank is not None and e.data.pid is not None:
             rank_of_pid.setdefault((e.node, e.data.pid), e.rank)
             rank_of_pid.setdefault((None, e.data.pid), e.rank)
+    placed: dict[str, list[int]] = defaultdict(list)
+    for placed_rank, placed_node in world.ranks.items():
+        if placed_node is not None:
+            placed[placed_node].append(placed_rank)
     attributed: list[Evidence] = []
     for e in evidence:
         rank, node = e.rank, e.node
         if rank is None and e.data.pid is not None:
             rank = rank_of_pid.get((node, e.data.pid))
+        if rank is None and node is not None and len(placed[node]) == 1:
+            rank = placed[node][0]  # a node that runs one rank: its node-level evidence is that rank's
         if node is None and rank is not None:
             node = world.ranks.get(rank)
         attributed.append(e if (rank, node) == (e.rank, e.node) else replace(e, rank=rank, node=node))
@@ -283,15 +293,15 @@ def _elect_cause(
         window = [c for c in causes if c.at is None or c.at <= start + tolerance]
     else:
         window = causes
-    # Among equals the one that says more (a rank, a node) tells the story: srun's "task 6: Out Of Memory"
-    # over slurmstepd's anonymous OOM count.
+    # The strongest, then the earliest; among equals the one that says more (a rank, a node) tells the story:
+    # srun's "task 6: Out Of Memory" over slurmstepd's anonymous OOM count of the same moment.
     winner = max(
         window,
         key=lambda c: (
             _priority(c.evidence) or 0,
+            -_timestamp(c),
             c.evidence.rank is not None,
             c.evidence.node is not None,
-            -_timestamp(c),
         ),
     )
     chain = _chain(winner, causes, window)
@@ -343,16 +353,9 @@ def _chain(winner: _Item, causes: list[_Item], window: list[_Item]) -> list[_Ite
     return chain[:_MAX_CHAIN]
 
 
-def _only_failed_rank(items: list[_Item], winner: _Item, world: World) -> int | None:
-    """The rank a rank-less cause is about, when only one fits (else None).
-
-    The only rank placed on the cause's node, or else the one rank whose process exited with an error
-    where the cause's node allows it.
-    """
+def _only_failed_rank(items: list[_Item], winner: _Item) -> int | None:
+    """The one rank whose process exited with an error, where the rank-less cause's node allows it (else None)."""
     node = winner.evidence.node
-    placed = [rank for rank, on in world.ranks.items() if node is not None and on == node]
-    if len(placed) == 1:
-        return placed[0]
     failed = {
         i.evidence.rank
         for i in items
@@ -379,7 +382,7 @@ def _cause_of(winner: _Item, chain: list[_Item], only_failed_rank: int | None) -
         node=e.node,
         rank=rank,
         time=e.time,
-        summary=_describe(e),
+        summary=_describe(replace(e, rank=rank)),
         evidence=tuple(line for c in chain for line in c.evidence.data.lines)[: _MAX_CHAIN * 4],
     )
 
@@ -510,7 +513,10 @@ def _peer_finding(items: list[_Item], world: World, peer: str, count: int) -> tu
         return FindingCause(
             category="peer_link_lost", lane=Lane.NETWORK, node=node, summary=summary, evidence=lines
         ), 0.35
-    summary = f"{count} connection(s) were closed by {peer} and nothing on its side came first: its process died or its host went away"
+    summary = (
+        f"{count} connection(s) were closed by {peer} and nothing on its side came first: its process died or its "
+        "host went away"
+    )
     return FindingCause(category="peer_lost", lane=Lane.HOST, node=node, summary=summary, evidence=evidence), 0.4
 
 
