@@ -604,6 +604,16 @@ def parse_known_messages(line: str) -> LineMatch | None:
     return None
 
 
+_COMM_FAILURE = re.compile(r"watchdog thread terminated with exception|\bNCCL error\b")
+
+
+def parse_comm_failure(line: str) -> LineMatch | None:
+    """A communicator that failed for a reason the line does not name (the cause is elsewhere): a consequence."""
+    if _COMM_FAILURE.search(line):
+        return LineMatch({"category": C.COMM_ERROR, "summary": line.strip()[:200]})
+    return None
+
+
 LINE_PARSERS: tuple[Callable[[str], LineMatch | None], ...] = (
     parse_nccl_watchdog,
     parse_gloo,
@@ -612,6 +622,7 @@ LINE_PARSERS: tuple[Callable[[str], LineMatch | None], ...] = (
     parse_platform_and_process,
     parse_known_messages,
     parse_cuda,
+    parse_comm_failure,
 )
 """One-line parsers, most specific first; the first that recognises a line decides."""
 

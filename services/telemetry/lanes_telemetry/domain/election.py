@@ -134,8 +134,10 @@ def elect_first_error(
     first: FindingCause | None
     if causes:
         cause, chain, contenders = _elect_cause(causes, progress, skew_tolerance)
-        first = _cause_of(cause, chain, _only_failed_rank(items, cause))
+        first = _cause_of(cause, chain, _rank_of_rankless(items, cause, skew_tolerance))
         confidence = _confidence(cause, contenders)
+        if first.rank is None and first.node is not None and len(_placed_on(world, first.node)) > 1:
+            confidence -= _UNKNOWN_RANK_PENALTY  # the node is known, but not which of its ranks
         used = {id(item) for item in chain}
     else:
         first, confidence = _explain_hang(items, world)
@@ -178,6 +180,13 @@ def worth_reelecting(*, evidence_count: int, new_reporters: int | None, world_si
     if new_reporters is None or new_reporters < 1:
         return False
     return new_reporters & (new_reporters - 1) == 0 or new_reporters >= world_size
+
+
+_UNKNOWN_RANK_PENALTY = 0.15
+
+
+def _placed_on(world: World, node: str) -> list[int]:
+    return [rank for rank, placed in world.ranks.items() if placed == node]
 
 
 # --- attribution ---------------------------------------------------------------------------------
@@ -353,9 +362,25 @@ def _chain(winner: _Item, causes: list[_Item], window: list[_Item]) -> list[_Ite
     return chain[:_MAX_CHAIN]
 
 
-def _only_failed_rank(items: list[_Item], winner: _Item) -> int | None:
-    """The one rank whose process exited with an error, where the rank-less cause's node allows it (else None)."""
-    node = winner.evidence.node
+def _rank_of_rankless(items: list[_Item], winner: _Item, tolerance: timedelta) -> int | None:
+    """The rank a rank-less cause is about, when the evidence names only one (else None).
+
+    The one rank of its node that reported anything within the skew tolerance after it (an Xid, then that
+    rank's CUDA / NCCL error), or else the one rank whose process exited with an error where the cause's
+    node allows it (an unprefixed traceback, then torchrun's report of the rank that failed).
+    """
+    node, at = winner.evidence.node, winner.at
+    if node is not None and at is not None:
+        right_after = {
+            i.evidence.rank
+            for i in items
+            if i.evidence.node == node
+            and i.evidence.rank is not None
+            and i.at is not None
+            and at <= i.at <= at + tolerance
+        }
+        if len(right_after) == 1:
+            return right_after.pop()
     failed = {
         i.evidence.rank
         for i in items
@@ -367,14 +392,13 @@ def _only_failed_rank(items: list[_Item], winner: _Item) -> int | None:
     return failed.pop() if len(failed) == 1 else None
 
 
-def _cause_of(winner: _Item, chain: list[_Item], only_failed_rank: int | None) -> FindingCause:
+def _cause_of(winner: _Item, chain: list[_Item], rank_of_rankless: int | None) -> FindingCause:
     e = winner.evidence
     rank = e.rank
     if rank is None:
         # Node-level evidence (an Xid, an OOM kill): the rank of the same story on that node, if one.
         ranks = {c.evidence.rank for c in chain if c.evidence.rank is not None and c.evidence.node == e.node}
-        # A line with no rank at all (an unprefixed traceback): the one rank that exited with an error.
-        rank = min(ranks) if len(ranks) == 1 else only_failed_rank
+        rank = min(ranks) if len(ranks) == 1 else rank_of_rankless
     lane = LANE_OF_CATEGORY[e.category]
     return FindingCause(
         category=e.category.value,
