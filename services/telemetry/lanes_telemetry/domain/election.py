@@ -83,6 +83,8 @@ _AFTER_A_TIMEOUT_IS_A_CONSEQUENCE = frozenset({C.PROCESS_EXITED, C.COMM_INIT_FAI
 """A rank's exit or a re-rendezvous after its own collectives timed out happens *because* of them."""
 _EXIT_CODE_PRIORITY = 20
 NOT_ELECTED = frozenset({C.RAW, C.PROCESS_STARTED})
+HANG_READINGS = frozenset({"collective_not_enqueued", "silent_node", "silent_rank", "peer_lost", "collective_hang"})
+"""Categories of a first error read from a hang (no cause among the evidence), not from one piece of evidence."""
 """Evidence the election does not read at all: a rank whose log holds only these said nothing about the
 failure (no error, no timeout), which in a hang is exactly what makes it interesting. A live service may
 leave these out of the election's input and get the same finding."""
