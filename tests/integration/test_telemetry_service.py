@@ -122,6 +122,19 @@ def _comparable(finding: dict[str, Any]) -> dict[str, Any]:
     return {key: finding[key] for key in ("first_error", "consequences", "stage", "missing_evidence", "confidence")}
 
 
+async def _live_finding_equals(js: JetStreamContext, job_id: str, offline: dict[str, Any], what: str) -> None:
+    """Wait until the job's latest live finding is the offline one."""
+
+    async def finding_matches() -> bool:
+        found = [e for e in await _job_events(js, job_id) if isinstance(e, JobFinding)]
+        if not found:
+            return False
+        latest = max(found, key=lambda f: f.data.version)
+        return _comparable(latest.data.model_dump(mode="json")) == _comparable(offline)
+
+    await eventually(finding_matches, what=what)
+
+
 async def test_live_finding_equals_lanes_analyze_on_the_same_per_rank_logs(
     urls: ServerUrls, unique: str, tmp_path: Path
 ) -> None:
@@ -161,15 +174,7 @@ async def test_live_finding_equals_lanes_analyze_on_the_same_per_rank_logs(
             await client.publish(event)
 
         js = conns.nc.jetstream()
-
-        async def finding_matches() -> bool:
-            found = [e for e in await _job_events(js, job_id) if isinstance(e, JobFinding)]
-            if not found:
-                return False
-            latest = max(found, key=lambda f: f.data.version)
-            return _comparable(latest.data.model_dump(mode="json")) == _comparable(offline_finding)
-
-        await eventually(finding_matches, what="the live finding to equal the offline one")
+        await _live_finding_equals(js, job_id, offline_finding, "the live finding to equal the offline one")
         timeline = await _job_events(js, job_id)
         copies = [e for e in timeline if isinstance(e, JobEvidence)]
         findings = [e for e in timeline if isinstance(e, JobFinding)]
@@ -240,16 +245,9 @@ async def test_live_finding_equals_lanes_analyze_on_new_formats(
         await client.publish(placement)
         for event in events:
             await client.publish(event)
-        js = conns.nc.jetstream()
-
-        async def finding_matches() -> bool:
-            found = [e for e in await _job_events(js, job_id) if isinstance(e, JobFinding)]
-            if not found:
-                return False
-            latest = max(found, key=lambda f: f.data.version)
-            return _comparable(latest.data.model_dump(mode="json")) == _comparable(offline)
-
-        await eventually(finding_matches, what=f"the live finding of {case} to equal the offline one")
+        await _live_finding_equals(
+            conns.nc.jetstream(), job_id, offline, f"the live finding of {case} to equal the offline one"
+        )
 
 
 async def test_evidence_outside_the_placement_window_stays_uncorrelated(urls: ServerUrls, unique: str) -> None:
