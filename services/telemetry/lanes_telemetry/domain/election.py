@@ -660,6 +660,7 @@ def _other_group(
     )
 
 
+_KERNEL_CATEGORIES = frozenset({C.OOM_KILL, C.GPU_XID, C.ECC_ERROR, C.NODE_LOST})
 _INIT_CATEGORIES = frozenset({C.COMM_INIT_FAILURE, C.RENDEZVOUS_FAILURE})
 _CHECKPOINT_WORDS = ("checkpoint", "save_state", "torch.save", "dcp.save")
 _TEARDOWN_WORDS = ("destroy_process_group", "shutdown", "atexit")
@@ -710,6 +711,16 @@ def _missing(items: list[_Item], world: World, first: FindingCause | None) -> li
                 lane=Lane.NETWORK, node=first.node, what=f"switch port counters for the links of {first.node}"
             )
         )
+    if first is not None and first.category == C.PROCESS_EXITED.value:
+        # A death by signal with no kernel line beside it: who sent the signal (the OOM killer?) is unread.
+        kernel_seen = any(
+            i.evidence.category in _KERNEL_CATEGORIES and i.evidence.node in {first.node, None} for i in items
+        )
+        if not kernel_seen:
+            where = first.node or "the node"
+            missing.append(
+                MissingEvidence(lane=Lane.HOST, node=first.node, what=f"kernel log of {where}: who killed the process")
+            )
     if first is not None and first.category == "collective_not_enqueued" and first.rank is not None:
         missing.append(
             MissingEvidence(
