@@ -140,6 +140,16 @@ def test_family(line: str, category: C, rank: int | None) -> None:
     assert (found.category, found.rank) == (category, rank)
 
 
+def test_ray_placement_group_without_enough_gpus_is_the_platform():
+    line = "ValueError: Cannot provide a placement group of placement_group_specs=[{'GPU': 1.0}] within 1800 seconds."
+    assert _one(line).category is C.RESOURCE_EXHAUSTED
+
+
+def test_the_year_and_time_zone_have_no_default():
+    with pytest.raises(TypeError):
+        SourceContext(origin="x")  # type: ignore[call-arg]
+
+
 def test_application_xids_are_the_codes_fault_and_xid_45_is_an_aftermath():
     mmu = _one("Dec  3 07:55:01 node-2 kernel: NVRM: Xid (PCI:0000:4e:00): 31, pid=3301, name=python, MMU Fault")
     assert (mmu.category, mmu.node) == (C.CUDA_ERROR, "node-2")

@@ -526,6 +526,11 @@ _FAMILIES: tuple[_Family, ...] = (
     ),
     _Family(re.compile(r"Too many open files"), C.RESOURCE_EXHAUSTED, "out of file descriptors"),
     _Family(
+        re.compile(r"Cannot provide a placement group|creating a placement group of specs"),
+        C.RESOURCE_EXHAUSTED,
+        "the Ray cluster has not enough free GPUs for the placement group",
+    ),
+    _Family(
         re.compile(
             r"Rendezvous(?:Connection|Timeout|Closed)Error|client socket has (?:timed out after|failed to connect)|"
             r"server socket has failed to (?:bind|listen)|Address already in use"
