@@ -8,9 +8,12 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+import asyncpg
+
 from lanes_contract.events import EvidenceData, JobFindingData, RankAssignment
 from lanes_evidence.evidence import Evidence
 from lanes_runtime.store import Db
+from lanes_telemetry.domain.settlement import RankExit
 
 NO_RANK = -1
 """The rank column of node-level evidence in `telemetry_reporters` (a primary key cannot hold NULL)."""
@@ -240,3 +243,152 @@ async def other_jobs_first_error_on(conn: Db, node: str, job_id: str) -> int:
         "SELECT count(DISTINCT job_id) FROM telemetry_findings WHERE first_node = $1 AND job_id <> $2", node, job_id
     )
     return int(count)
+
+
+async def placements_at(conn: Db, node: str, at: datetime, skew: timedelta) -> list[Placement]:
+    """Every attempt placed on `node` around `at` (+/- skew) and not released before it, latest first."""
+    rows = await conn.fetch(
+        """SELECT job_id, attempt, array_agg(rank ORDER BY rank) AS ranks, max(placed_at) AS placed_at
+           FROM telemetry_placements
+           WHERE node = $1 AND placed_at <= $2::timestamptz + $3::interval
+             AND (released_at IS NULL OR released_at >= $2::timestamptz - $3::interval)
+           GROUP BY job_id, attempt ORDER BY max(placed_at) DESC""",
+        node,
+        at,
+        skew,
+    )
+    return [Placement(row["job_id"], row["attempt"], tuple(row["ranks"])) for row in rows]
+
+
+async def process_of_pid(conn: Db, node: str, pid: int, candidates: Sequence[Placement]) -> tuple[str, int, int] | None:
+    """The (job, attempt, rank) among `candidates` whose process on `node` had this pid."""
+    for placement in candidates:
+        rank = await conn.fetchval(
+            "SELECT rank FROM telemetry_processes WHERE job_id = $1 AND attempt = $2 AND node = $3 AND pid = $4",
+            placement.job_id,
+            placement.attempt,
+            node,
+            pid,
+        )
+        if rank is not None:
+            return placement.job_id, placement.attempt, int(rank)
+    return None
+
+
+async def save_started(  # noqa: PLR0917 - one row's columns
+    conn: Db, job_id: str, attempt: int, rank: int, node: str | None, pid: int
+) -> None:
+    """Record a rank's pid (kernel lines name pids)."""
+    await conn.execute(
+        """INSERT INTO telemetry_processes (job_id, attempt, rank, node, pid) VALUES ($1, $2, $3, $4, $5)
+           ON CONFLICT (job_id, attempt, rank) DO UPDATE SET pid = EXCLUDED.pid, node = EXCLUDED.node""",
+        job_id,
+        attempt,
+        rank,
+        node,
+        pid,
+    )
+
+
+async def save_exit(conn: Db, job_id: str, attempt: int, ex: RankExit) -> None:
+    """Record how a rank ended (a redelivered exit overwrites itself)."""
+    await conn.execute(
+        """INSERT INTO telemetry_processes
+               (job_id, attempt, rank, node, exit_code, signal, evidence_count, exited, exited_at, exit_event_id)
+           VALUES ($1, $2, $3, $4, $5, $6, $7, true, $8, $9)
+           ON CONFLICT (job_id, attempt, rank) DO UPDATE SET node = COALESCE(EXCLUDED.node, telemetry_processes.node),
+               exit_code = EXCLUDED.exit_code, signal = EXCLUDED.signal, evidence_count = EXCLUDED.evidence_count,
+               exited = true, exited_at = EXCLUDED.exited_at, exit_event_id = EXCLUDED.exit_event_id""",
+        job_id,
+        attempt,
+        ex.rank,
+        ex.node,
+        ex.exit_code,
+        ex.signal,
+        ex.evidence,
+        ex.time,
+        ex.id,
+    )
+
+
+async def exits_of(conn: Db, job_id: str, attempt: int) -> dict[int, RankExit]:
+    """The attempt's rank exits seen so far."""
+    rows = await conn.fetch(
+        """SELECT rank, node, pid, exit_code, signal, evidence_count, exited_at, exit_event_id
+           FROM telemetry_processes WHERE job_id = $1 AND attempt = $2 AND exited""",
+        job_id,
+        attempt,
+    )
+    return {
+        row["rank"]: RankExit(
+            rank=row["rank"],
+            node=row["node"],
+            exit_code=row["exit_code"],
+            signal=row["signal"],
+            time=row["exited_at"],
+            evidence=row["evidence_count"],
+            id=row["exit_event_id"] or "",
+            pid=row["pid"],
+        )
+        for row in rows
+    }
+
+
+async def heard_per_rank(conn: Db, job_id: str, attempt: int) -> dict[int, int]:
+    """How many evidence items arrived from each rank of the attempt."""
+    rows = await conn.fetch(
+        """SELECT rank, count(*) AS n FROM telemetry_evidence WHERE job_id = $1 AND attempt = $2 AND rank IS NOT NULL
+           GROUP BY rank""",
+        job_id,
+        attempt,
+    )
+    return {row["rank"]: int(row["n"]) for row in rows}
+
+
+async def attempt_ended(conn: Db, job_id: str, attempt: int, ended_at: datetime, window: timedelta) -> None:
+    """Start a failed attempt's settle window (the first end seen counts; a redelivery changes nothing)."""
+    await conn.execute(
+        """INSERT INTO telemetry_attempts (job_id, attempt, ended_at, settle_due_at, window_s)
+           VALUES ($1, $2, $3, $4, $5) ON CONFLICT (job_id, attempt) DO NOTHING""",
+        job_id,
+        attempt,
+        ended_at,
+        ended_at + window,
+        window.total_seconds(),
+    )
+
+
+async def end_window(conn: Db, job_id: str, attempt: int) -> None:
+    """The attempt's settle window ran out: its finding settles on what arrived."""
+    await conn.execute(
+        "UPDATE telemetry_attempts SET window_ended = true WHERE job_id = $1 AND attempt = $2", job_id, attempt
+    )
+
+
+async def window_ended(conn: Db, job_id: str, attempt: int) -> bool:
+    """Whether the attempt's settle window ran out."""
+    ended = await conn.fetchval(
+        "SELECT window_ended FROM telemetry_attempts WHERE job_id = $1 AND attempt = $2", job_id, attempt
+    )
+    return bool(ended)
+
+
+@dataclass(frozen=True)
+class DueWindow:
+    """A settle window that ran out and whose end is not yet on the log."""
+
+    job_id: str
+    attempt: int
+    ended_at: datetime
+    window_s: float
+
+
+async def due_windows(conn: Db | asyncpg.Pool, now: datetime, limit: int = 100) -> list[DueWindow]:
+    """Settle windows past their end that no consumer has closed yet."""
+    rows = await conn.fetch(
+        """SELECT job_id, attempt, ended_at, window_s FROM telemetry_attempts
+           WHERE NOT window_ended AND settle_due_at <= $1 ORDER BY settle_due_at LIMIT $2""",
+        now,
+        limit,
+    )
+    return [DueWindow(row["job_id"], row["attempt"], row["ended_at"], row["window_s"]) for row in rows]

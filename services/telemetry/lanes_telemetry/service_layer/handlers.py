@@ -5,10 +5,18 @@ Two consumers, each under the consumer contract (one transaction per event, outp
 - evidence (`lanes.tel.>`): store it; when a placement explains its node and time, publish a compact
   correlated copy on the job's subject (not for raw, unrecognised lines) and re-elect when the evidence
   can change the finding;
-- placements (`lanes.job.*.placed`, `lanes.job.*.resources_released`): telemetry's own copy of where each
-  rank runs; evidence that arrived before its placement is correlated then.
+- job facts (`placed`, `resources_released`, `rank_started`, `rank_exited`, `state_changed`,
+  `settle_window_ended`): telemetry's own copy of where each rank runs and how it ended; evidence that arrived
+  before its placement is correlated then. A rank's exit is evidence itself, and it says how much evidence its
+  agent sent, so telemetry knows when the rank's story is complete (see `domain/settlement.py`).
 
-A finding is published only when it differs from the previous one, as the next `version`.
+Evidence from a rank's output names its job, attempt and rank (its producer knows them). Node-level evidence
+(a kernel line) is matched to a rank by the pid it names, then to the one attempt placed on the node at that
+time; where several attempts share the node and no pid decides, it is filed under none of them rather than
+under a guess.
+
+A finding is published only when it differs from the previous one, as the next `version`; it says whether it
+is settled, so recovery acts on settled findings only.
 """
 
 from __future__ import annotations
@@ -22,11 +30,16 @@ from lanes_contract.events import (
     JobEvidenceData,
     JobFinding,
     JobPlaced,
+    JobStateChanged,
     Lane,
+    RankExited,
+    RankStarted,
     ResourcesReleased,
+    SettleWindowEnded,
     derive,
 )
 from lanes_contract.ids import is_valid_token
+from lanes_contract.jobs import JobState
 from lanes_evidence.evidence import Evidence, from_event
 from lanes_runtime.consumer import HandlerContext
 from lanes_runtime.store import Db
@@ -34,13 +47,13 @@ from lanes_telemetry.adapters import repository
 from lanes_telemetry.domain.election import (
     ALWAYS_REELECT_UP_TO,
     World,
-    elect_first_error,
     may_be_cause,
     worth_reelecting,
 )
 from lanes_telemetry.domain.election import (
     NOT_ELECTED as NOT_ELECTED_CATEGORIES,
 )
+from lanes_telemetry.domain.settlement import DEFAULT_SETTLE_WINDOW, AttemptStory, RankExit, settled_finding
 
 SOURCE = "lanes/telemetry"
 CORRELATION_SKEW = timedelta(seconds=2)
@@ -59,11 +72,9 @@ async def handle_evidence(event: Event, ctx: HandlerContext) -> Sequence[Event]:
     await repository.lock_nodes(ctx.conn, [node])
     job_id, attempt = event.jobid, event.attempt
     if job_id is None or attempt is None:
-        placement = await repository.placement_at(ctx.conn, node, event.time, CORRELATION_SKEW)
-        if placement is not None:
-            job_id, attempt = placement.job_id, placement.attempt
-            if evidence.rank is None:
-                evidence = Evidence(evidence.data, evidence.time, node, placement.only_rank, evidence.id)
+        job_id, attempt, rank = await _owner_of(ctx.conn, node, evidence)
+        if evidence.rank is None and rank is not None:
+            evidence = Evidence(evidence.data, evidence.time, node, rank, evidence.id)
     await repository.save_evidence(
         ctx.conn,
         event_id=event.id,
@@ -84,8 +95,56 @@ async def handle_evidence(event: Event, ctx: HandlerContext) -> Sequence[Event]:
     return [copy, *await _maybe_reelect(ctx.conn, event, job_id, attempt, [evidence])]
 
 
+async def _owner_of(conn: Db, node: str, evidence: Evidence) -> tuple[str | None, int | None, int | None]:
+    """The (job, attempt, rank) node-level evidence belongs to: by the pid it names, else the one attempt there."""
+    at = evidence.time
+    if at is None:
+        return None, None, None
+    candidates = await repository.placements_at(conn, node, at, CORRELATION_SKEW)
+    if evidence.data.pid is not None:
+        owner = await repository.process_of_pid(conn, node, evidence.data.pid, candidates)
+        if owner is not None:
+            return owner
+    if len(candidates) == 1:
+        return candidates[0].job_id, candidates[0].attempt, candidates[0].only_rank
+    return None, None, None  # several attempts share the node and nothing decides: no guess
+
+
 async def handle_job_event(event: Event, ctx: HandlerContext) -> Sequence[Event]:
-    """Keep telemetry's copy of placements; correlate the evidence that was waiting for one."""
+    """Keep telemetry's copy of placements and processes; correlate the evidence that was waiting for one."""
+    return await Telemetry().handle_job_event(event, ctx)
+
+
+class Telemetry:
+    """The job-facts side of telemetry, under a settle window."""
+
+    def __init__(self, settle_window: timedelta = DEFAULT_SETTLE_WINDOW) -> None:
+        self.settle_window = settle_window
+
+    async def handle_job_event(self, event: Event, ctx: HandlerContext) -> Sequence[Event]:
+        """Fold one job fact; re-elect when it can change the finding or settle it."""
+        if event.attempt is None:
+            return ()
+        job_id, attempt = event.job_key, event.attempt
+        if isinstance(event, RankStarted) and event.rank is not None:
+            await repository.save_started(ctx.conn, job_id, attempt, event.rank, event.node, event.data.pid)
+            return ()
+        if isinstance(event, RankExited) and event.rank is not None:
+            data = event.data
+            ex = RankExit(event.rank, event.node, data.exit_code, data.signal, event.time, data.evidence, event.id)
+            await repository.save_exit(ctx.conn, job_id, attempt, ex)
+            known = await repository.load_finding(ctx.conn, job_id, attempt)
+            return await _elect(ctx.conn, event, job_id, attempt) if ex.failed or known else ()
+        if isinstance(event, JobStateChanged) and event.data.to_state is JobState.FAILED:
+            await repository.attempt_ended(ctx.conn, job_id, attempt, event.time, self.settle_window)
+            return ()
+        if isinstance(event, SettleWindowEnded):
+            await repository.end_window(ctx.conn, job_id, attempt)
+            return await _elect(ctx.conn, event, job_id, attempt)
+        return await _placements(event, ctx)
+
+
+async def _placements(event: Event, ctx: HandlerContext) -> Sequence[Event]:
     if isinstance(event, ResourcesReleased):
         await repository.release(ctx.conn, event.job_key, event.attempt, event.time)
         return ()
@@ -142,10 +201,20 @@ async def _maybe_reelect(conn: Db, cause: Event, job_id: str, attempt: int, new:
         elect = elect or worth_reelecting(evidence_count=count, new_reporters=reporters, world_size=world_size or 0)
     if not elect:
         return ()
+    return await _elect(conn, cause, job_id, attempt)
+
+
+async def _elect(conn: Db, cause: Event, job_id: str, attempt: int) -> Sequence[Event]:
+    """Re-elect the attempt's finding over its evidence and exits; publish it if it changed."""
     await repository.lock_attempt(conn, job_id, attempt)
-    world = World(ranks=await repository.world_of(conn, job_id, attempt))
-    evidence = await repository.evidence_of(conn, job_id, attempt, ignored=NOT_ELECTED)
-    finding = elect_first_error(evidence, world=world)
+    story = AttemptStory(
+        world=World(ranks=await repository.world_of(conn, job_id, attempt)),
+        evidence=await repository.evidence_of(conn, job_id, attempt, ignored=NOT_ELECTED),
+        exits=await repository.exits_of(conn, job_id, attempt),
+        heard=await repository.heard_per_rank(conn, job_id, attempt),
+        window_ended=await repository.window_ended(conn, job_id, attempt),
+    )
+    finding = settled_finding(story)
     first = finding.first_error
     if first is not None and first.node:
         repeats = await repository.other_jobs_first_error_on(conn, first.node, job_id)
