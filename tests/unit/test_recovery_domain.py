@@ -83,9 +83,20 @@ def checkpoint(step: int, attempt: int = 1, seconds: float = 5, **versions: Any)
     return CheckpointSaved(data=data, **_keys(attempt, seconds, rank=0, node="node-1"))
 
 
-def finding(lane: Lane, category: str, node: str | None = "node-2", attempt: int = 1, version: int = 1) -> JobFinding:
-    first = FindingCause(category=category, lane=lane, node=node, summary=f"{category} on {node}")
-    data = JobFindingData(version=version, first_error=first, stage="steady_state", confidence=0.9)
+def finding(  # noqa: PLR0913 - a test builder: every field has a default
+    lane: Lane,
+    category: str,
+    node: str | None = "node-2",
+    attempt: int = 1,
+    version: int = 1,
+    *,
+    settled: bool = True,
+    rank: int | None = None,
+) -> JobFinding:
+    first = FindingCause(category=category, lane=lane, node=node, rank=rank, summary=f"{category} on {node}")
+    data = JobFindingData(
+        version=version, first_error=first, stage="steady_state", confidence=0.9, settled=settled
+    )
     return JobFinding(data=data, **_keys(attempt, 20 + version, lane=lane))
 
 

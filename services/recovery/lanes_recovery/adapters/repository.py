@@ -72,6 +72,11 @@ async def record_decision(conn: Db, decided: RecoveryDecided) -> None:
     )
 
 
+async def mark_superseded(conn: Db, decision_id: str, by: str) -> None:
+    """Note that a later decision replaced this one (it stays on record)."""
+    await conn.execute("UPDATE recovery_decisions SET superseded_by = $2 WHERE decision_id = $1", decision_id, by)
+
+
 async def mark_escalated(conn: Db, decision_id: str, at: datetime) -> None:
     """Note that a manual decision's deadline passed and was escalated."""
     await conn.execute("UPDATE recovery_decisions SET escalated_at = $2 WHERE decision_id = $1", decision_id, at)

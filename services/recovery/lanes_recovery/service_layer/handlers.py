@@ -7,6 +7,11 @@ whose unique index refuses a second policy decision for an attempt) in the same 
 that publish it. Derived ids hang on the state change that ended the attempt, so even a decision re-made
 after a lost commit carries the same id and JetStream keeps one copy.
 
+Recovery decides on a settled finding (or, when its grace runs out, on what it has, and says so). A later
+settled finding that blames someone else supersedes the decision (`domain/supersede.py`): re-planned while
+the next attempt is not placed (uncordon the wrong node, cordon the right one, a new decision), escalated to
+the owner of the culprit's lane once it is.
+
 A new attempt is requested only once the failed attempt's `resources_released` was folded in (and its
 backoff has passed): when the release comes after the decision, the decision is published first and the
 `retry_requested` follows when the release arrives (or the backoff timer fires).
@@ -23,6 +28,7 @@ import structlog
 from lanes_contract.events import (
     CancelRequested,
     CommandData,
+    Culprit,
     Event,
     HoldRequested,
     HoldRequestedData,
@@ -32,6 +38,8 @@ from lanes_contract.events import (
     RecoveryDecided,
     RecoveryEscalated,
     RecoveryEscalatedData,
+    RecoverySuperseded,
+    RecoverySupersededData,
     ReplicaState,
     ReplicaStateChanged,
     ReplicaStateChangedData,
@@ -51,12 +59,15 @@ from lanes_recovery.domain.decisions import (
     RECOVERY,
     Plan,
     Refusal,
+    assumed_first_error,
     decide_failure,
     decide_manual,
+    owner_of,
     spec_is_training,
 )
-from lanes_recovery.domain.knowledge import DecisionRecord, JobKnowledge, SavedCheckpoint, fold
+from lanes_recovery.domain.knowledge import DecisionRecord, FirstError, JobKnowledge, SavedCheckpoint, fold
 from lanes_recovery.domain.policy import Policy
+from lanes_recovery.domain.supersede import Supersession, superseded
 from lanes_runtime.consumer import HandlerContext
 from lanes_runtime.store import Db
 
@@ -141,6 +152,9 @@ class Recovery:
                 known = known.with_attempt(facts.model_copy(update={"decided": True}))
                 known, published = await self._carry_out(conn, known, plan, decision_id, facts.number, now)
                 outputs.extend(published)
+            for supersession in superseded(known):
+                known, published = await self._supersede(conn, known, supersession, now)
+                outputs.extend(published)
         known, hold = self._owed_hold(known)
         outputs.extend(hold)
         known, retry = self._owed_retry(known, now)
@@ -161,6 +175,54 @@ class Recovery:
             digests,
             unrecorded_versions=self.policy.defaults.unrecorded_versions,
         )
+
+    async def _supersede(
+        self, conn: Db, known: JobKnowledge, s: Supersession, now: datetime
+    ) -> tuple[JobKnowledge, list[Event]]:
+        """Re-plan a decision a later settled finding contradicts, or escalate when the next attempt is out."""
+        assert known.spec is not None  # noqa: S101 - only decided jobs are superseded, and those have a spec
+        attempt = s.decision.attempt
+        cause = s.finding.id
+        data = RecoverySupersededData(
+            decision_id=s.decision.id,
+            decided_on=_culprit(s.decided_on),
+            decided_version=s.decision.finding_version,
+            finding_id=s.finding.id,
+            finding_version=s.finding.version,
+            culprit=_culprit(s.culprit),
+            uncordon=s.uncordon,
+            replanned=s.replan,
+            reason=s.reason(attempt + 1),
+        )
+        notice = _derived(RecoverySuperseded, known, cause, attempt=attempt, data=data)
+        log.warning("recovery decision superseded", decision=s.decision.id, reason=data.reason)
+        if not s.replan:
+            owner = owner_of(known.spec, s.culprit.lane)
+            escalation = RecoveryEscalatedData(
+                decision_id=s.decision.id, owner=owner, owner_lane=s.culprit.lane, deadline=now, reason=data.reason
+            )
+            escalated = _derived(RecoveryEscalated, known, cause, attempt=attempt, data=escalation)
+            await repository.mark_superseded(conn, s.decision.id, escalated.id)
+            return _replace_decision(known, s.decision, escalated.id), [notice, escalated]
+        decision_id = derived_event_id(cause, _type_of(RecoveryDecided), "decision")
+        await repository.mark_superseded(conn, s.decision.id, decision_id)
+        known = _replace_decision(known, s.decision, decision_id).model_copy(update={"pending": None, "manual": None})
+        facts = known.attempt(attempt)
+        facts = facts.model_copy(update={"finding": s.finding, "latest": None})
+        known = known.with_attempt(facts)
+        outputs: list[Event] = [notice]
+        for node in s.uncordon:
+            reason = f"uncordoned: {data.reason}"
+            ready = NodeStateChangedData(state=NodeState.READY, reason=reason)
+            outputs.append(
+                _derived(
+                    NodeStateChanged, known, notice.id, key=node, attempt=attempt, node=node,
+                    lane=s.decided_on.lane, data=ready,
+                )
+            )  # fmt: skip
+        plan = decide_failure(known, facts, self.policy, await self._verified(known), now=now, decision_id=decision_id)
+        known, published = await self._carry_out(conn, known, plan, decision_id, attempt, now)
+        return known, [*outputs, *published]
 
     async def _manual(
         self, conn: Db, known: JobKnowledge, event: ManualActionRequested
@@ -245,6 +307,9 @@ class Recovery:
             action=data.action,
             first_error=data.first_error,
             node=first_error.node if first_error else None,
+            culprit=assumed_first_error(facts),
+            finding_version=data.finding_version,
+            cordoned=tuple(c.node for c in plan.cordons),
             resumed_from=facts.resumed_from or 0,
             resume_step=data.resume_step,
             finding_id=data.finding_id,
@@ -306,6 +371,16 @@ class Recovery:
         await repository.mark_escalated(conn, wait.decision_id, now)
         escalated = _derived(RecoveryEscalated, known, wait.decision_id, attempt=wait.attempt, data=data)
         return known.model_copy(update={"manual": wait.model_copy(update={"escalated": True})}), [escalated]
+
+
+def _culprit(first: FirstError) -> Culprit:
+    return Culprit(lane=first.lane, category=first.category, node=first.node, rank=first.rank)
+
+
+def _replace_decision(known: JobKnowledge, old: DecisionRecord, by: str) -> JobKnowledge:
+    """The knowledge with `old` marked as superseded by `by`."""
+    decisions = tuple(d.model_copy(update={"superseded_by": by}) if d.id == old.id else d for d in known.decisions)
+    return known.model_copy(update={"decisions": decisions})
 
 
 def _derived(
