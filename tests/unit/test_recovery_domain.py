@@ -94,9 +94,7 @@ def finding(  # noqa: PLR0913 - a test builder: every field has a default
     rank: int | None = None,
 ) -> JobFinding:
     first = FindingCause(category=category, lane=lane, node=node, rank=rank, summary=f"{category} on {node}")
-    data = JobFindingData(
-        version=version, first_error=first, stage="steady_state", confidence=0.9, settled=settled
-    )
+    data = JobFindingData(version=version, first_error=first, stage="steady_state", confidence=0.9, settled=settled)
     return JobFinding(data=data, **_keys(attempt, 20 + version, lane=lane))
 
 

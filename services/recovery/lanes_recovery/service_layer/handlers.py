@@ -19,7 +19,7 @@ backoff has passed): when the release comes after the decision, the decision is 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
@@ -52,9 +52,9 @@ from lanes_contract.events import (
 )
 from lanes_contract.ids import derived_event_id
 from lanes_contract.topology import NodeState
-from lanes_recovery.adapters import repository
 from lanes_recovery.adapters.digests import verify_all
-from lanes_recovery.domain.checkpoints import DigestVerdict, Verified, verify_checkpoints
+from lanes_recovery.adapters.repository import PostgresRecoveryStore
+from lanes_recovery.domain.checkpoints import Verified, verify_checkpoints
 from lanes_recovery.domain.decisions import (
     RECOVERY,
     Plan,
@@ -65,17 +65,16 @@ from lanes_recovery.domain.decisions import (
     owner_of,
     spec_is_training,
 )
-from lanes_recovery.domain.knowledge import DecisionRecord, FirstError, JobKnowledge, SavedCheckpoint, fold
+from lanes_recovery.domain.knowledge import DecisionRecord, FirstError, JobKnowledge, fold
 from lanes_recovery.domain.policy import Policy
 from lanes_recovery.domain.supersede import Supersession, superseded
+from lanes_recovery.service_layer.ports import DigestCheck, RecoveryStore, StoreFactory
 from lanes_runtime.consumer import HandlerContext
 from lanes_runtime.store import Db
 
 SOURCE = RECOVERY
 log = structlog.get_logger(__name__)
 _E = TypeVar("_E", bound=Event)
-
-DigestCheck = Callable[[Sequence[SavedCheckpoint]], Awaitable[Mapping[tuple[str, str], DigestVerdict]]]
 
 
 def _type_of(cls: type[Event]) -> str:
@@ -91,7 +90,9 @@ class Recovery:
         *,
         check_digests: DigestCheck = verify_all,
         clock: Callable[[], datetime] = utc_now,
+        store: StoreFactory = PostgresRecoveryStore,
     ) -> None:
+        self._store = store
         self._load_policy = policy
         self._policy: Policy | None = None
         self._check_digests = check_digests
@@ -117,27 +118,31 @@ class Recovery:
     async def handle_job_event(self, event: Event, ctx: HandlerContext) -> Sequence[Event]:
         """Fold one job event; decide, carry out a manual action, or publish a retry now owed."""
         job_id = event.job_key
-        await repository.lock_new(ctx.conn, job_id)
-        known = fold(await repository.load(ctx.conn, job_id), event)
+        store = self._store(ctx.conn)
+        await store.lock_new(job_id)
+        known = fold(await store.load(job_id), event)
         outputs: list[Event] = []
         if isinstance(event, ManualActionRequested):
-            known, outputs = await self._manual(ctx.conn, known, event)
-        known, more = await self._advance(ctx.conn, known, self.now())
-        await repository.save(ctx.conn, known, known.next_due_at(self.grace))
+            known, outputs = await self._manual(store, known, event)
+        known, more = await self._advance(store, known, self.now())
+        await store.save(known, known.next_due_at(self.grace))
         return [*outputs, *more]
 
     async def on_timer(self, conn: Db, job_id: str, now: datetime) -> Sequence[Event]:
         """Fire the due timers of one job (a finding's grace, a retry's backoff, a manual deadline)."""
-        known = await repository.claim_due(conn, job_id, now)
+        store = self._store(conn)
+        known = await store.claim_due(job_id, now)
         if known is None:
             return ()  # another recovery process holds it, or an event already moved it on
-        known, outputs = await self._advance(conn, known, now)
-        await repository.save(conn, known, known.next_due_at(self.grace))
+        known, outputs = await self._advance(store, known, now)
+        await store.save(known, known.next_due_at(self.grace))
         return outputs
 
     # --- decisions -------------------------------------------------------------------------------
 
-    async def _advance(self, conn: Db, known: JobKnowledge, now: datetime) -> tuple[JobKnowledge, list[Event]]:
+    async def _advance(
+        self, store: RecoveryStore, known: JobKnowledge, now: datetime
+    ) -> tuple[JobKnowledge, list[Event]]:
         outputs: list[Event] = []
         within = timedelta(seconds=self.policy.defaults.decide_within_s)
         for facts in known.stale_failures(now, within):
@@ -150,16 +155,16 @@ class Recovery:
                 decision_id = derived_event_id(str(facts.ended_by), _type_of(RecoveryDecided), "decision")
                 plan = decide_failure(known, facts, self.policy, verified, now=now, decision_id=decision_id)
                 known = known.with_attempt(facts.model_copy(update={"decided": True}))
-                known, published = await self._carry_out(conn, known, plan, decision_id, facts.number, now)
+                known, published = await self._carry_out(store, known, plan, decision_id, facts.number, now)
                 outputs.extend(published)
             for supersession in superseded(known):
-                known, published = await self._supersede(conn, known, supersession, now)
+                known, published = await self._supersede(store, known, supersession, now)
                 outputs.extend(published)
         known, hold = self._owed_hold(known)
         outputs.extend(hold)
         known, retry = self._owed_retry(known, now)
         outputs.extend(retry)
-        known, escalation = await self._escalation(conn, known, now)
+        known, escalation = await self._escalation(store, known, now)
         outputs.extend(escalation)
         return known, outputs
 
@@ -177,7 +182,7 @@ class Recovery:
         )
 
     async def _supersede(
-        self, conn: Db, known: JobKnowledge, s: Supersession, now: datetime
+        self, store: RecoveryStore, known: JobKnowledge, s: Supersession, now: datetime
     ) -> tuple[JobKnowledge, list[Event]]:
         """Re-plan a decision a later settled finding contradicts, or escalate when the next attempt is out."""
         assert known.spec is not None  # noqa: S101 - only decided jobs are superseded, and those have a spec
@@ -202,10 +207,10 @@ class Recovery:
                 decision_id=s.decision.id, owner=owner, owner_lane=s.culprit.lane, deadline=now, reason=data.reason
             )
             escalated = _derived(RecoveryEscalated, known, cause, attempt=attempt, data=escalation)
-            await repository.mark_superseded(conn, s.decision.id, escalated.id)
+            await store.mark_superseded(s.decision.id, escalated.id)
             return _replace_decision(known, s.decision, escalated.id), [notice, escalated]
         decision_id = derived_event_id(cause, _type_of(RecoveryDecided), "decision")
-        await repository.mark_superseded(conn, s.decision.id, decision_id)
+        await store.mark_superseded(s.decision.id, decision_id)
         known = _replace_decision(known, s.decision, decision_id).model_copy(update={"pending": None, "manual": None})
         facts = known.attempt(attempt)
         facts = facts.model_copy(update={"finding": s.finding, "latest": None})
@@ -221,11 +226,11 @@ class Recovery:
                 )
             )  # fmt: skip
         plan = decide_failure(known, facts, self.policy, await self._verified(known), now=now, decision_id=decision_id)
-        known, published = await self._carry_out(conn, known, plan, decision_id, attempt, now)
+        known, published = await self._carry_out(store, known, plan, decision_id, attempt, now)
         return known, [*outputs, *published]
 
     async def _manual(
-        self, conn: Db, known: JobKnowledge, event: ManualActionRequested
+        self, store: RecoveryStore, known: JobKnowledge, event: ManualActionRequested
     ) -> tuple[JobKnowledge, list[Event]]:
         outcome: Plan | Refusal
         if known.spec is None:
@@ -252,11 +257,11 @@ class Recovery:
         assert wait is not None  # noqa: S101 - decide_manual refuses when nothing waits
         decision_id = derived_event_id(event.id, _type_of(RecoveryDecided), "decision")
         known = known.model_copy(update={"manual": None})
-        return await self._carry_out(conn, known, outcome, decision_id, wait.attempt, self.now(), cause=event.id)
+        return await self._carry_out(store, known, outcome, decision_id, wait.attempt, self.now(), cause=event.id)
 
     async def _carry_out(  # noqa: PLR0917 - the decision and where it sits, passed through as one call
         self,
-        conn: Db,
+        store: RecoveryStore,
         known: JobKnowledge,
         plan: Plan,
         decision_id: str,
@@ -276,7 +281,7 @@ class Recovery:
             time=now,
             data=data,
         )
-        await repository.record_decision(conn, decided)
+        await store.record_decision(decided)
         outputs: list[Event] = [decided]
         for cordon in plan.cordons:
             node_data = NodeStateChangedData(state=NodeState.CORDONED, reason=cordon.reason)
@@ -357,7 +362,9 @@ class Recovery:
         request = _derived(command, known, pending.decision_id, attempt=pending.attempt, data=data)
         return known.model_copy(update={"pending": None}), [request]
 
-    async def _escalation(self, conn: Db, known: JobKnowledge, now: datetime) -> tuple[JobKnowledge, list[Event]]:
+    async def _escalation(
+        self, store: RecoveryStore, known: JobKnowledge, now: datetime
+    ) -> tuple[JobKnowledge, list[Event]]:
         wait = known.manual
         if wait is None or wait.escalated or wait.deadline > now:
             return known, []
@@ -368,7 +375,7 @@ class Recovery:
             deadline=wait.deadline,
             reason=f"nobody decided by {wait.deadline.isoformat()}: {wait.reason}",
         )
-        await repository.mark_escalated(conn, wait.decision_id, now)
+        await store.mark_escalated(wait.decision_id, now)
         escalated = _derived(RecoveryEscalated, known, wait.decision_id, attempt=wait.attempt, data=data)
         return known.model_copy(update={"manual": wait.model_copy(update={"escalated": True})}), [escalated]
 
