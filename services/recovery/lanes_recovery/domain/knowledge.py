@@ -148,7 +148,9 @@ class DecisionRecord(_Frozen):
     finding_version: int | None = None
     cordoned: tuple[str, ...] = ()
     superseded_by: str | None = None
-    """The decision (or escalation) that replaced it when a later finding moved the culprit."""
+    """The decision that replaced it when a later finding moved the culprit before the next attempt was out."""
+    escalated: FirstError | None = None
+    """The culprit of the last escalation about it (the next attempt was out when the finding moved)."""
 
 
 class PendingRetry(_Frozen):

@@ -8,7 +8,7 @@ finding is settled and blames another lane, node or rank than the decision did:
   decision is superseded and re-planned (uncordon the wrongly cordoned node, cordon the right one, a new
   decision on the new finding);
 - otherwise the next attempt may already run on the wrong nodes: the mismatch is escalated to the owner of
-  the culprit's lane. Never silent.
+  the culprit's lane (again each time a later settled finding moves it once more). Never silent.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def superseded(known: JobKnowledge) -> list[Supersession]:
             continue
         if decision.finding_version is not None and latest.version <= decision.finding_version:
             continue
-        if not latest.first_error.blames_other_than(decision.culprit):
+        if not latest.first_error.blames_other_than(decision.escalated or decision.culprit):
             continue
         owed = (known.pending is not None and known.pending.decision_id == decision.id) or (
             known.manual is not None and known.manual.decision_id == decision.id and not known.manual.held

@@ -207,11 +207,13 @@ class Recovery:
                 decision_id=s.decision.id, owner=owner, owner_lane=s.culprit.lane, deadline=now, reason=data.reason
             )
             escalated = _derived(RecoveryEscalated, known, cause, attempt=attempt, data=escalation)
-            await store.mark_superseded(s.decision.id, escalated.id)
-            return _replace_decision(known, s.decision, escalated.id), [notice, escalated]
+            await store.mark_escalated(s.decision.id, now)
+            return _updated(known, s.decision, escalated=s.culprit), [notice, escalated]
         decision_id = derived_event_id(cause, _type_of(RecoveryDecided), "decision")
         await store.mark_superseded(s.decision.id, decision_id)
-        known = _replace_decision(known, s.decision, decision_id).model_copy(update={"pending": None, "manual": None})
+        known = _updated(known, s.decision, superseded_by=decision_id).model_copy(
+            update={"pending": None, "manual": None}
+        )
         facts = known.attempt(attempt)
         facts = facts.model_copy(update={"finding": s.finding, "latest": None})
         known = known.with_attempt(facts)
@@ -384,9 +386,9 @@ def _culprit(first: FirstError) -> Culprit:
     return Culprit(lane=first.lane, category=first.category, node=first.node, rank=first.rank)
 
 
-def _replace_decision(known: JobKnowledge, old: DecisionRecord, by: str) -> JobKnowledge:
-    """The knowledge with `old` marked as superseded by `by`."""
-    decisions = tuple(d.model_copy(update={"superseded_by": by}) if d.id == old.id else d for d in known.decisions)
+def _updated(known: JobKnowledge, old: DecisionRecord, **update: Any) -> JobKnowledge:
+    """The knowledge with one decision record updated (superseded, or escalated about)."""
+    decisions = tuple(d.model_copy(update=update) if d.id == old.id else d for d in known.decisions)
     return known.model_copy(update={"decisions": decisions})
 
 
