@@ -81,7 +81,7 @@ def demo(
         out.print_json(json.dumps(run.as_json()))
     else:
         render_demo(out, run)
-    if problems := run.off_script():
+    if problems := [*run.off_script(), *run.wrong_decisions()]:
         fail("; ".join(problems), EXIT_FAILED)
 
 

@@ -66,6 +66,15 @@ class LostWork(Data):
     gpu_hours: float | None = Field(default=None, ge=0)
 
 
+class Culprit(Data):
+    """Who a decision (or a finding) blames: the first error's lane, node and rank."""
+
+    lane: Lane
+    category: str
+    node: str | None = None
+    rank: int | None = None
+
+
 class RecoveryDecidedData(Data):
     """One recovery decision: what it acted on, under which policy, what it does, and what should follow."""
 
@@ -76,6 +85,7 @@ class RecoveryDecidedData(Data):
         description="Whether that finding was settled; False: decided when the grace ran out, without one.",
     )
     first_error: str = Field(default="", description="lane/category of the first error, e.g. host/oom_killed.")
+    culprit: Culprit | None = Field(default=None, description="Whom the decision blames: lane, node and rank.")
     policy: str = Field(min_length=1)
     policy_version: int = Field(ge=1)
     workload_class: str
@@ -129,15 +139,6 @@ class RecoveryEscalated(Event):
     name = "recovery_escalated"
     lane: Lane = Lane.PLATFORM
     data: RecoveryEscalatedData
-
-
-class Culprit(Data):
-    """Who a decision (or a finding) blames: the first error's lane, node and rank."""
-
-    lane: Lane
-    category: str
-    node: str | None = None
-    rank: int | None = None
 
 
 class RecoverySupersededData(Data):

@@ -14,6 +14,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from lanes_contract.events import (
+    Culprit,
     Lane,
     LostWork,
     ManualAction,
@@ -198,6 +199,7 @@ def decide_failure(
         "finding_version": facts.finding.version if facts.finding else None,
         "settled": facts.finding is not None and facts.finding.settled,
         "first_error": a.first.label,
+        "culprit": Culprit(lane=a.first.lane, category=a.first.category, node=a.first.node, rank=a.first.rank),
         "policy": policy.name,
         "policy_version": policy.version,
         "workload_class": a.spec.workload_class.value,

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from lanes_contract.events import EvidenceCategory, EvidenceData, JobFindingData
 from lanes_evidence.evidence import Evidence
-from lanes_telemetry.domain.election import World, elect_first_error
+from lanes_telemetry.domain.election import World, elect_first_error, may_be_cause
 
 C = EvidenceCategory
 SIGKILL = 9
@@ -79,28 +80,31 @@ class Settlement:
 def exit_evidence(story: AttemptStory) -> list[Evidence]:
     """The failed exits of the attempt, as evidence the election reads beside the agents' and kernels' lines."""
     explained = {e.node for e in story.evidence if e.category in KERNEL_CATEGORIES and e.node}
-    items = []
-    for ex in sorted(story.exits.values(), key=lambda x: x.rank):
-        if not ex.failed:
-            continue
-        if ex.signal == SIGKILL:
-            what = f"rank {ex.rank} killed by SIGKILL: OOM killer or operator" + (
-                "" if ex.node in explained else "; kernel log pending"
-            )
-        elif ex.signal is not None:
-            what = f"rank {ex.rank} killed by signal {ex.signal}"
-        else:
-            what = f"rank {ex.rank} exited with status {ex.exit_code}"
-        data = EvidenceData(
-            category=C.PROCESS_EXITED,
-            summary=what,
-            origin="lifecycle: rank_exited",
-            exit_code=ex.exit_code,
-            signal=ex.signal,
-            pid=ex.pid,
-        )
-        items.append(Evidence(data=data, time=ex.time, node=ex.node, rank=ex.rank, id=ex.id))
-    return items
+    return [_as_evidence(ex, explained) for ex in sorted(story.exits.values(), key=lambda x: x.rank) if ex.failed]
+
+
+def may_explain(ex: RankExit) -> bool:
+    """Whether this exit can be a first error (a SIGTERM from a cancel or a torchrun teardown cannot)."""
+    return ex.failed and may_be_cause(_as_evidence(ex, frozenset()))
+
+
+def _as_evidence(ex: RankExit, explained: AbstractSet[str | None]) -> Evidence:
+    if ex.signal == SIGKILL:
+        pending = "" if ex.node in explained else "; kernel log pending"
+        what = f"rank {ex.rank} killed by SIGKILL: OOM killer or operator{pending}"
+    elif ex.signal is not None:
+        what = f"rank {ex.rank} killed by signal {ex.signal}"
+    else:
+        what = f"rank {ex.rank} exited with status {ex.exit_code}"
+    data = EvidenceData(
+        category=C.PROCESS_EXITED,
+        summary=what,
+        origin="lifecycle: rank_exited",
+        exit_code=ex.exit_code,
+        signal=ex.signal,
+        pid=ex.pid,
+    )
+    return Evidence(data=data, time=ex.time, node=ex.node, rank=ex.rank, id=ex.id)
 
 
 def settlement(story: AttemptStory) -> Settlement:

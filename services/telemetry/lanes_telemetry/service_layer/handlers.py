@@ -53,7 +53,13 @@ from lanes_telemetry.domain.election import (
 from lanes_telemetry.domain.election import (
     NOT_ELECTED as NOT_ELECTED_CATEGORIES,
 )
-from lanes_telemetry.domain.settlement import DEFAULT_SETTLE_WINDOW, AttemptStory, RankExit, settled_finding
+from lanes_telemetry.domain.settlement import (
+    DEFAULT_SETTLE_WINDOW,
+    AttemptStory,
+    RankExit,
+    may_explain,
+    settled_finding,
+)
 
 SOURCE = "lanes/telemetry"
 CORRELATION_SKEW = timedelta(seconds=2)
@@ -134,7 +140,7 @@ class Telemetry:
             ex = RankExit(event.rank, event.node, data.exit_code, data.signal, event.time, data.evidence, event.id)
             await repository.save_exit(ctx.conn, job_id, attempt, ex)
             known = await repository.load_finding(ctx.conn, job_id, attempt)
-            return await _elect(ctx.conn, event, job_id, attempt) if ex.failed or known else ()
+            return await _elect(ctx.conn, event, job_id, attempt) if may_explain(ex) or known else ()
         if isinstance(event, JobStateChanged) and event.data.to_state is JobState.FAILED:
             await repository.attempt_ended(ctx.conn, job_id, attempt, event.time, self.settle_window)
             return ()
