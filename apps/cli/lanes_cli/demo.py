@@ -176,7 +176,7 @@ async def _guarded(work: Coroutine[Any, Any, _T], workers: list[asyncio.Task[Non
     raise TimeoutError(msg)
 
 
-async def run_demo(urls: ServerUrls, *, timeout_s: float = 120.0) -> DemoRun:
+async def run_demo(urls: ServerUrls, *, timeout_s: float = 120.0, kernel_delay_s: float = 0.0) -> DemoRun:
     """Run the scripted scenario and return every job's report and timeline, read back from JetStream."""
     async with connected(urls, name="lanes-demo") as conns:
         stop = asyncio.Event()
@@ -197,7 +197,9 @@ async def run_demo(urls: ServerUrls, *, timeout_s: float = 120.0) -> DemoRun:
                 await _guarded(_run_job(conns, client, train, timeout_s), workers, timeout_s),
                 await _guarded(cancelled_while_starting(conns, timeout_s=timeout_s), workers, timeout_s),
                 await _guarded(one_rank_fails(conns, timeout_s=timeout_s), workers, timeout_s),
-                await _guarded(oom_killed_rank(conns, timeout_s=timeout_s), workers, timeout_s),
+                await _guarded(
+                    oom_killed_rank(conns, timeout_s=timeout_s, kernel_delay_s=kernel_delay_s), workers, timeout_s
+                ),
             ]
             topology = await _guarded(topology_wait_then_placed(conns, timeout_s=timeout_s), workers, timeout_s)
             job_ids += [topology.blocker_job_id, topology.job_id]
