@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
 from lanes_contract.events import RecoveryDecided
-from lanes_recovery.domain.knowledge import JobKnowledge
+from lanes_recovery.domain.checkpoints import NOT_CHECKED, DigestVerdict, digest_key
+from lanes_recovery.domain.knowledge import JobKnowledge, SavedCheckpoint
 from lanes_recovery.service_layer.ports import RecoveryStore
 
 
@@ -54,3 +56,19 @@ class InMemoryRecoveryStore:
 
     async def mark_escalated(self, decision_id: str, at: datetime) -> None:
         self.escalated[decision_id] = at
+
+
+class FakeDigests:
+    """The `Digests` port: every checkpoint unchecked, except paths held back as "still being hashed"."""
+
+    def __init__(self) -> None:
+        self.hashing: set[str] = set()
+
+    def ready(self, checkpoints: Sequence[SavedCheckpoint]) -> Mapping[tuple[str, str], DigestVerdict] | None:
+        if any(c.path in self.hashing for c in checkpoints):
+            return None
+        return {digest_key(c): NOT_CHECKED for c in checkpoints}
+
+    async def wait(self, checkpoints: Sequence[SavedCheckpoint]) -> Mapping[tuple[str, str], DigestVerdict]:
+        self.hashing.clear()
+        return {digest_key(c): NOT_CHECKED for c in checkpoints}

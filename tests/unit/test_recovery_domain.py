@@ -83,7 +83,7 @@ def checkpoint(step: int, attempt: int = 1, seconds: float = 5, **versions: Any)
     return CheckpointSaved(data=data, **_keys(attempt, seconds, rank=0, node="node-1"))
 
 
-def finding(  # noqa: PLR0913 - a test builder: every field has a default
+def finding(
     lane: Lane,
     category: str,
     node: str | None = "node-2",

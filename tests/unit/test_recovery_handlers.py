@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from recovery_fakes import InMemoryRecoveryStore
+from recovery_fakes import FakeDigests, InMemoryRecoveryStore
 from test_recovery_domain import (
+    CONFIG,
+    DATA,
+    MODEL,
     POLICY,
     SPEC,
     T0,
@@ -20,9 +24,12 @@ from test_recovery_domain import (
 )
 
 from lanes_contract.events import (
+    CheckpointSaved,
+    CheckpointSavedData,
     Event,
     Lane,
     NodeStateChanged,
+    RecoveryAction,
     RecoveryDecided,
     RecoveryEscalated,
     RecoverySuperseded,
@@ -31,14 +38,8 @@ from lanes_contract.events import (
 )
 from lanes_contract.jobs import JobSpec, JobState, ProtectionMode, ServingSpec, WorkloadClass
 from lanes_contract.topology import NodeState
-from lanes_recovery.domain.checkpoints import DigestVerdict
-from lanes_recovery.domain.knowledge import SavedCheckpoint
 from lanes_recovery.service_layer.handlers import Recovery
 from lanes_runtime.consumer import HandlerContext
-
-
-async def _no_digests(_: Sequence[SavedCheckpoint]) -> dict[tuple[str, str], DigestVerdict]:
-    return {}
 
 
 class Harness:
@@ -47,7 +48,7 @@ class Harness:
     def __init__(self) -> None:
         self.store = InMemoryRecoveryStore()
         self.now = T0
-        self.recovery = Recovery(lambda: POLICY, check_digests=_no_digests, clock=lambda: self.now, store=self.store)
+        self.recovery = Recovery(lambda: POLICY, digests=FakeDigests(), clock=lambda: self.now, store=self.store)
         self.published: list[Event] = []
 
     async def feed(self, *events: Event) -> list[Event]:
@@ -148,3 +149,40 @@ async def test_an_inference_replica_is_replaced_on_the_right_node():
     (decision,) = _of(out, RecoveryDecided)
     assert decision.data.cordon == ("node-2",)
     assert _of(out, ReplicaStateChanged)[0].data.reason.startswith("recovery: host/gpu_xid on node-2")
+
+
+# --- checkpoint digests: bounded, and off the critical path ----------------------------------------
+
+
+def _zero_checkpoint(job: str) -> CheckpointSaved:
+    versions = {"model_version": MODEL, "data_version": DATA, "config_version": CONFIG, "image": SPEC.image}
+    data = CheckpointSavedData(step=100, path="/dev/zero", digest="sha256:" + "ab" * 32, **versions)
+    return CheckpointSaved(data=data, source="tests", jobid=job, attempt=1, rank=0, node="node-1", time=_at(5))
+
+
+def _job(job: str, *events: Event) -> list[Event]:
+    return [e.model_copy(update={"jobid": job}) for e in events]
+
+
+async def test_a_dev_zero_checkpoint_never_delays_a_canary_jobs_decision_and_its_own_says_unverified():
+    h = Harness()
+    h.recovery = Recovery(lambda: POLICY, clock=lambda: h.now, store=h.store)  # real background digests
+    canary_spec = SPEC.model_copy(update={"workload_class": WorkloadClass.EVALUATION})
+    zero = _job("job-zero", submitted(), placed(), _zero_checkpoint("job-zero"), changed(JobState.FAILED))
+    canary = _job("job-canary", submitted(canary_spec), placed(), changed(JobState.FAILED))
+    settled_oom = finding(Lane.HOST, "oom_kill", node="node-2")
+    assert not _of(await h.feed(*zero, settled_oom.model_copy(update={"jobid": "job-zero"})), RecoveryDecided)
+    (canary_decision,) = _of(
+        await h.feed(*canary, settled_oom.model_copy(update={"jobid": "job-canary"})), RecoveryDecided
+    )
+    assert canary_decision.job_key == "job-canary"  # decided while job-zero's digest is still pending
+    assert h.store.due["job-zero"] is not None  # job-zero's decision comes from its timer
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        out = list(await h.recovery.on_timer(None, "job-zero", _at(60)))  # type: ignore[arg-type]
+        if out:
+            break
+    (decision,) = _of(out, RecoveryDecided)
+    assert decision.data.action is RecoveryAction.MANUAL
+    assert "unverified: /dev/zero is not a regular file" in decision.data.reason
+    assert decision.data.refused[0].found == "unverified: /dev/zero is not a regular file"

@@ -18,7 +18,7 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from recovery_fakes import InMemoryRecoveryStore
+from recovery_fakes import FakeDigests, InMemoryRecoveryStore
 from test_recovery_domain import POLICY, T0, submitted
 
 from lanes_contract.events import (
@@ -112,7 +112,7 @@ class Simulation:
     published: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.recovery = Recovery(lambda: POLICY, clock=lambda: _t(self.now), store=self.store, check_digests=_none)
+        self.recovery = Recovery(lambda: POLICY, clock=lambda: _t(self.now), store=self.store, digests=FakeDigests())
         nodes = ["node-1", "node-2", "node-3", *(["node-4"] if self.scenario.silent_node else [])]
         self.world = World(ranks=dict(enumerate(nodes)))
 
@@ -191,10 +191,6 @@ class Simulation:
         elif kind == "tick":
             self.published.extend(await self.recovery.on_timer(None, JOB, _t(self.now)))  # type: ignore[arg-type]
         del at
-
-
-async def _none(_: Any) -> dict[tuple[str, str], Any]:
-    return {}
 
 
 def _placed(attempt: int, nodes: list[str], seconds: float) -> JobPlaced:

@@ -196,6 +196,8 @@ class JobKnowledge(_Frozen):
     decisions: tuple[DecisionRecord, ...] = ()
     pending: PendingRetry | None = None
     manual: ManualWait | None = None
+    recheck_at: datetime | None = None
+    """When to look again at a decision that waits for checkpoint digests still being computed."""
 
     def attempt(self, number: int) -> AttemptFacts:
         """The facts of attempt `number` (empty when nothing is known yet)."""
@@ -242,6 +244,8 @@ class JobKnowledge(_Frozen):
             moments.append(self.pending.due_at)
         if self.manual is not None and not self.manual.escalated:
             moments.append(self.manual.deadline)
+        if self.recheck_at is not None:
+            moments.append(self.recheck_at)
         return min(moments, default=None)
 
 

@@ -19,8 +19,9 @@ backoff has passed): when the release comes after the decision, the decision is 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
 import structlog
@@ -52,9 +53,9 @@ from lanes_contract.events import (
 )
 from lanes_contract.ids import derived_event_id
 from lanes_contract.topology import NodeState
-from lanes_recovery.adapters.digests import verify_all
+from lanes_recovery.adapters.digests import BackgroundDigests, DigestLimits
 from lanes_recovery.adapters.repository import PostgresRecoveryStore
-from lanes_recovery.domain.checkpoints import Verified, verify_checkpoints
+from lanes_recovery.domain.checkpoints import DigestVerdict, Verified, verify_checkpoints
 from lanes_recovery.domain.decisions import (
     RECOVERY,
     Plan,
@@ -68,11 +69,13 @@ from lanes_recovery.domain.decisions import (
 from lanes_recovery.domain.knowledge import DecisionRecord, FirstError, JobKnowledge, fold
 from lanes_recovery.domain.policy import Policy
 from lanes_recovery.domain.supersede import Supersession, superseded
-from lanes_recovery.service_layer.ports import DigestCheck, RecoveryStore, StoreFactory
+from lanes_recovery.service_layer.ports import Digests, RecoveryStore, StoreFactory
 from lanes_runtime.consumer import HandlerContext
 from lanes_runtime.store import Db
 
 SOURCE = RECOVERY
+DIGEST_RECHECK = timedelta(milliseconds=100)
+"""How soon a decision waiting for its checkpoint digests looks again (the timer's tick bounds it too)."""
 log = structlog.get_logger(__name__)
 _E = TypeVar("_E", bound=Event)
 
@@ -88,14 +91,14 @@ class Recovery:
         self,
         policy: Callable[[], Policy],
         *,
-        check_digests: DigestCheck = verify_all,
+        digests: Digests | None = None,
         clock: Callable[[], datetime] = utc_now,
         store: StoreFactory = PostgresRecoveryStore,
     ) -> None:
         self._store = store
+        self._given_digests = digests
         self._load_policy = policy
         self._policy: Policy | None = None
-        self._check_digests = check_digests
         self._clock = clock
 
     @property
@@ -105,6 +108,16 @@ class Recovery:
             self._policy = self._load_policy()
             log.info("recovery policy loaded", policy=self._policy.name, version=self._policy.version)
         return self._policy
+
+    @property
+    def digests(self) -> Digests:
+        """The digest checker: the one given, else background digests under the policy's roots and limits."""
+        if self._given_digests is None:
+            d = self.policy.defaults
+            roots = tuple(Path(root) for root in d.checkpoint_roots)
+            limits = DigestLimits(roots=roots, max_bytes=d.digest_max_bytes, timeout_s=d.digest_timeout_s)
+            self._given_digests = BackgroundDigests(limits)
+        return self._given_digests
 
     @property
     def grace(self) -> timedelta:
@@ -149,9 +162,14 @@ class Recovery:
             log.warning("failure too old to act on; no decision", attempt=facts.number, ended_at=facts.ended_at)
             skipped = f"failed at {facts.ended_at}, more than {within} before recovery saw it"
             known = known.with_attempt(facts.model_copy(update={"decided": True, "skipped": skipped}))
+        known = known.model_copy(update={"recheck_at": None})
         if known.spec is not None:
             for facts, _without_finding in known.awaiting_decision(now, self.grace):
-                verified = await self._verified(known)
+                verified = self._verified_now(known)
+                if verified is None:
+                    # Its checkpoints are still being hashed: decide it from the timer, never block the consumer.
+                    known = known.model_copy(update={"recheck_at": now + DIGEST_RECHECK})
+                    break
                 decision_id = derived_event_id(str(facts.ended_by), _type_of(RecoveryDecided), "decision")
                 plan = decide_failure(known, facts, self.policy, verified, now=now, decision_id=decision_id)
                 known = known.with_attempt(facts.model_copy(update={"decided": True}))
@@ -168,11 +186,23 @@ class Recovery:
         outputs.extend(escalation)
         return known, outputs
 
-    async def _verified(self, known: JobKnowledge) -> Verified:
+    def _verified_now(self, known: JobKnowledge) -> Verified | None:
+        """The checkpoint gate if every digest is in, else None (the missing ones are being computed)."""
         assert known.spec is not None  # noqa: S101 - callers decide only for jobs whose spec is known
         if not spec_is_training(known.spec):
             return Verified((), ())  # no checkpoint logic outside training: nothing to hash
-        digests = await self._check_digests(known.checkpoints)
+        digests = self.digests.ready(known.checkpoints)
+        return None if digests is None else self._gate(known, digests)
+
+    async def _verified(self, known: JobKnowledge) -> Verified:
+        """The checkpoint gate, waiting (bounded) for the digests (an owner's action, a superseded decision)."""
+        assert known.spec is not None  # noqa: S101 - callers decide only for jobs whose spec is known
+        if not spec_is_training(known.spec):
+            return Verified((), ())
+        return self._gate(known, await self.digests.wait(known.checkpoints))
+
+    def _gate(self, known: JobKnowledge, digests: Mapping[tuple[str, str], DigestVerdict]) -> Verified:
+        assert known.spec is not None  # noqa: S101 - see the callers
         return verify_checkpoints(
             known.checkpoints,
             known.spec,

@@ -6,7 +6,7 @@ checker; PostgreSQL implements the store in `adapters/repository.py`, the unit t
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Protocol
 
@@ -51,5 +51,14 @@ class RecoveryStore(Protocol):
 StoreFactory = Callable[[Db], RecoveryStore]
 """Opens the store on a transaction's connection."""
 
-DigestCheck = Callable[[Sequence[SavedCheckpoint]], Awaitable[Mapping[tuple[str, str], DigestVerdict]]]
-"""Recomputes checkpoint digests: a verdict per (path, digest)."""
+
+class Digests(Protocol):
+    """Recomputes checkpoint digests off the critical path: a verdict per (path, digest)."""
+
+    def ready(self, checkpoints: Sequence[SavedCheckpoint]) -> Mapping[tuple[str, str], DigestVerdict] | None:
+        """The verdicts if all are in, else None (and the missing ones are being computed)."""
+        ...
+
+    async def wait(self, checkpoints: Sequence[SavedCheckpoint]) -> Mapping[tuple[str, str], DigestVerdict]:
+        """The verdicts, waiting (bounded) for those still being computed."""
+        ...
