@@ -176,6 +176,8 @@ async def correlate_late(
         rows = await conn.fetch(
             """UPDATE telemetry_evidence SET job_id = $1, attempt = $2, rank = COALESCE(rank, $3)
                WHERE node = $4 AND job_id IS NULL AND time >= $5
+                 AND NOT EXISTS (SELECT 1 FROM telemetry_shared_evidence AS shared
+                                 WHERE shared.event_id = telemetry_evidence.event_id)
                RETURNING event_id, lane, node, rank, time, data""",
             job_id,
             attempt,
@@ -392,3 +394,14 @@ async def due_windows(conn: Db | asyncpg.Pool, now: datetime, limit: int = 100) 
         limit,
     )
     return [DueWindow(row["job_id"], row["attempt"], row["ended_at"], row["window_s"]) for row in rows]
+
+
+async def share_evidence(conn: Db, event_id: str, job_id: str, attempt: int) -> None:
+    """File node-level evidence under one of the attempts that shared its node (it elects none of them)."""
+    await conn.execute(
+        """INSERT INTO telemetry_shared_evidence (event_id, job_id, attempt) VALUES ($1, $2, $3)
+           ON CONFLICT DO NOTHING""",
+        event_id,
+        job_id,
+        attempt,
+    )

@@ -77,8 +77,9 @@ async def handle_evidence(event: Event, ctx: HandlerContext) -> Sequence[Event]:
     node = event.node
     await repository.lock_nodes(ctx.conn, [node])
     job_id, attempt = event.jobid, event.attempt
+    sharing: list[repository.Placement] = []
     if job_id is None or attempt is None:
-        job_id, attempt, rank = await _owner_of(ctx.conn, node, evidence)
+        job_id, attempt, rank, sharing = await _owner_of(ctx.conn, node, evidence)
         if evidence.rank is None and rank is not None:
             evidence = Evidence(evidence.data, evidence.time, node, rank, evidence.id)
     await repository.save_evidence(
@@ -91,29 +92,48 @@ async def handle_evidence(event: Event, ctx: HandlerContext) -> Sequence[Event]:
         job_id=job_id,
         attempt=attempt,
     )
-    if job_id is None or attempt is None:
-        return ()
     if evidence.category.value in NOT_ELECTED:
         # Unrecognised lines stay on LANES_TELEMETRY and in the evidence table, but do not flood the
         # job's year-long audit timeline: only evidence that means something to a lane is copied there.
+        return ()
+    if sharing:
+        return await _shared(ctx.conn, event, evidence, sharing)
+    if job_id is None or attempt is None:
         return ()
     copy = _copy(event, job_id, attempt, repository.StoredEvidence(event.id, event.lane.value, evidence))
     return [copy, *await _maybe_reelect(ctx.conn, event, job_id, attempt, [evidence])]
 
 
-async def _owner_of(conn: Db, node: str, evidence: Evidence) -> tuple[str | None, int | None, int | None]:
-    """The (job, attempt, rank) node-level evidence belongs to: by the pid it names, else the one attempt there."""
+async def _owner_of(
+    conn: Db, node: str, evidence: Evidence
+) -> tuple[str | None, int | None, int | None, list[repository.Placement]]:
+    """Whose node-level evidence this is: (job, attempt, rank), or the attempts that share it.
+
+    By the pid it names first, else the one attempt placed on the node then. Where several attempts share the
+    node and nothing decides, it is shared evidence: filed under each, never elected as anyone's first error.
+    """
     at = evidence.time
     if at is None:
-        return None, None, None
+        return None, None, None, []
     candidates = await repository.placements_at(conn, node, at, CORRELATION_SKEW)
     if evidence.data.pid is not None:
         owner = await repository.process_of_pid(conn, node, evidence.data.pid, candidates)
         if owner is not None:
-            return owner
+            return (*owner, [])
     if len(candidates) == 1:
-        return candidates[0].job_id, candidates[0].attempt, candidates[0].only_rank
-    return None, None, None  # several attempts share the node and nothing decides: no guess
+        return candidates[0].job_id, candidates[0].attempt, candidates[0].only_rank, []
+    return None, None, None, candidates
+
+
+async def _shared(conn: Db, event: Event, evidence: Evidence, sharing: Sequence[repository.Placement]) -> list[Event]:
+    """File node-level evidence under every attempt sharing the node, labelled shared (it elects nobody)."""
+    stored = repository.StoredEvidence(event.id, event.lane.value, evidence)
+    copies: list[Event] = []
+    for placement in sharing:
+        await repository.share_evidence(conn, event.id, placement.job_id, placement.attempt)
+        copy = _copy(event, placement.job_id, placement.attempt, stored, key=f"shared:{placement.job_id}")
+        copies.append(copy.model_copy(update={"data": copy.data.model_copy(update={"shared": True})}))
+    return copies
 
 
 async def handle_job_event(event: Event, ctx: HandlerContext) -> Sequence[Event]:

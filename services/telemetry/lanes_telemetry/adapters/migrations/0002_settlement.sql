@@ -28,3 +28,12 @@ CREATE TABLE telemetry_attempts (
     PRIMARY KEY (job_id, attempt)
 );
 CREATE INDEX telemetry_attempts_due ON telemetry_attempts (settle_due_at) WHERE NOT window_ended;
+
+-- Node-level evidence that names no pid, on a node several attempts shared when it happened: filed under
+-- each of them (their timelines show it, labelled shared), and never any one's first error on its own.
+CREATE TABLE telemetry_shared_evidence (
+    event_id text    NOT NULL,
+    job_id   text    NOT NULL,
+    attempt  integer NOT NULL,
+    PRIMARY KEY (event_id, job_id, attempt)
+);
