@@ -16,8 +16,8 @@ from typing import Any
 
 import asyncpg
 import pytest
-from contract_support import eventually
-from lifecycle_support import clean_run, lifecycle_spec, long_story
+from support.lifecycle import clean_run, lifecycle_spec, long_story
+from support.waiting import eventually
 
 from lanes_cli.timeline import read_stream
 from lanes_contract.client import LanesClient
@@ -31,7 +31,7 @@ from lanes_contract.events import (
     TransitionRejected,
 )
 from lanes_contract.jobs import JobState
-from lanes_contract.streams import DEAD, JOBS, provision_streams
+from lanes_contract.streams import DEAD, JOBS
 from lanes_lifecycle.adapters import repository
 from lanes_lifecycle.adapters.transitions import TransitionConflictError
 from lanes_lifecycle.entrypoints.service import SERVICE
@@ -43,14 +43,6 @@ from lanes_runtime.store import apply_migrations, apply_runtime_migrations, crea
 
 pytestmark = pytest.mark.real_servers
 CHILD = Path(__file__).parent / "lifecycle_child.py"
-
-
-@pytest.fixture
-async def lanes(urls: ServerUrls) -> AsyncIterator[LanesClient]:
-    client = await LanesClient.connect(urls.nats_url, source="tests")
-    await provision_streams(client.js)
-    yield client
-    await client.close()
 
 
 async def _pool(url: str) -> asyncpg.Pool:
@@ -190,6 +182,7 @@ def _kill(child: subprocess.Popen[str]) -> None:
     child.wait(timeout=30)
 
 
+@pytest.mark.slow
 async def test_sigkill_at_random_points_during_2000_events_ends_with_exactly_the_clean_transitions(
     lanes: LanesClient, pool: asyncpg.Pool, urls: ServerUrls, unique: str
 ) -> None:

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from contract_support import eventually
 
 from lanes_agent.launcher import listening_endpoint
 from lanes_contract.client import LanesClient, connect_nats
@@ -41,6 +40,7 @@ from lanes_router.entrypoints.runner import RouterRunner
 from lanes_runtime.cache import connect_redis
 from lanes_runtime.reader import Selection, iter_stream
 from lanes_runtime.settings import ServerUrls
+from support.waiting import eventually
 
 LISTENING = "Uvicorn running on "
 TEST_CONFIG = {
