@@ -9,7 +9,7 @@ finding is settled, so the killed rank's node is cordoned and a node that merely
 from __future__ import annotations
 
 import pytest
-from cli_support import local_stack
+from support.cli import local_stack
 
 from lanes_cli.bootstrap import SERVICES
 from lanes_cli.incident import bundle
@@ -18,7 +18,7 @@ from lanes_cli.timeline import job_timeline, row_kind
 from lanes_cli.verdicts import decision_verdicts
 from lanes_runtime.settings import ServerUrls
 
-pytestmark = pytest.mark.real_servers
+pytestmark = [pytest.mark.real_servers, pytest.mark.slow]
 KERNEL_DELAY_S = 3.0
 """Less than telemetry's settle window (5 s): the finding waits for the line instead of settling without it."""
 

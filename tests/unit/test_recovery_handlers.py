@@ -7,21 +7,21 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from recovery_fakes import FakeDigests, InMemoryRecoveryStore
-from test_recovery_domain import (
+from support.recovery_events import (
     CONFIG,
     DATA,
     MODEL,
     POLICY,
     SPEC,
     T0,
-    _at,
+    at,
     changed,
     finding,
     placed,
     released,
     submitted,
 )
+from support.recovery_fakes import FakeDigests, InMemoryRecoveryStore
 
 from lanes_contract.events import (
     CheckpointSaved,
@@ -88,7 +88,7 @@ async def test_an_unsettled_finding_is_not_acted_on_and_a_settled_one_is_with_it
 async def test_when_the_grace_runs_out_the_decision_says_it_had_no_settled_finding():
     h = Harness()
     await h.feed(*START, finding(Lane.HOST, "process_exited", node="node-3", settled=False))
-    out = await h.tick(_at(30 + 61))
+    out = await h.tick(at(30 + 61))
     (decision,) = _of(out, RecoveryDecided)
     assert decision.data.settled is False
     assert decision.data.finding_version == 1
@@ -111,7 +111,7 @@ async def test_a_later_settled_finding_before_the_next_placement_supersedes_and_
     assert (decision.data.finding_version, decision.data.cordon) == (3, ("node-3",))
     retry = _of(await h.feed(released()), RetryRequested)
     assert not retry  # backoff: the retry waits for its timer
-    (retry_event,) = _of(await h.tick(_at(60)), RetryRequested)
+    (retry_event,) = _of(await h.tick(at(60)), RetryRequested)
     assert retry_event.data.avoid_nodes == ("node-3",)
     assert h.store.superseded_by  # the first decision stays on record, marked
 
@@ -120,7 +120,7 @@ async def test_a_later_settled_finding_after_the_next_placement_is_escalated_to_
     h = Harness()
     await h.feed(submitted(), placed(nodes=("node-1", "node-2", "node-3")), changed(JobState.FAILED))
     await h.feed(finding(Lane.HOST, "silent_node", node="node-1"), released())
-    await h.tick(_at(60))
+    await h.tick(at(60))
     await h.feed(changed(JobState.RETRYING, seconds=61), placed(attempt=2, nodes=("node-2", "node-3"), seconds=62))
     out = await h.feed(finding(Lane.HOST, "oom_kill", node="node-3", version=3, rank=2))
     (escalated,) = _of(out, RecoveryEscalated)
@@ -157,7 +157,7 @@ async def test_an_inference_replica_is_replaced_on_the_right_node():
 def _zero_checkpoint(job: str) -> CheckpointSaved:
     versions = {"model_version": MODEL, "data_version": DATA, "config_version": CONFIG, "image": SPEC.image}
     data = CheckpointSavedData(step=100, path="/dev/zero", digest="sha256:" + "ab" * 32, **versions)
-    return CheckpointSaved(data=data, source="tests", jobid=job, attempt=1, rank=0, node="node-1", time=_at(5))
+    return CheckpointSaved(data=data, source="tests", jobid=job, attempt=1, rank=0, node="node-1", time=at(5))
 
 
 def _job(job: str, *events: Event) -> list[Event]:
@@ -179,7 +179,7 @@ async def test_a_dev_zero_checkpoint_never_delays_a_canary_jobs_decision_and_its
     assert h.store.due["job-zero"] is not None  # job-zero's decision comes from its timer
     for _ in range(200):
         await asyncio.sleep(0.01)
-        out = list(await h.recovery.on_timer(None, "job-zero", _at(60)))  # type: ignore[arg-type]
+        out = list(await h.recovery.on_timer(None, "job-zero", at(60)))  # type: ignore[arg-type]
         if out:
             break
     (decision,) = _of(out, RecoveryDecided)

@@ -18,8 +18,8 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from recovery_fakes import FakeDigests, InMemoryRecoveryStore
-from test_recovery_domain import POLICY, T0, submitted
+from support.recovery_events import POLICY, T0, submitted
+from support.recovery_fakes import FakeDigests, InMemoryRecoveryStore
 
 from lanes_contract.events import (
     EvidenceCategory,
