@@ -64,6 +64,9 @@ class FakeDigests:
     def __init__(self) -> None:
         self.hashing: set[str] = set()
 
+    def start(self, checkpoints: Sequence[SavedCheckpoint]) -> None:
+        del checkpoints
+
     def ready(self, checkpoints: Sequence[SavedCheckpoint]) -> Mapping[tuple[str, str], DigestVerdict] | None:
         if any(c.path in self.hashing for c in checkpoints):
             return None

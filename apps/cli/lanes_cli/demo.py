@@ -28,7 +28,7 @@ from lanes_cli.scenarios.telemetry import oom_killed_rank
 from lanes_cli.scenarios.topology import topology_wait_then_placed
 from lanes_cli.scheduling import scheduling_view
 from lanes_cli.timeline import TimelineEntry, job_timeline, read_stream
-from lanes_cli.verdicts import decision_verdicts
+from lanes_cli.verdicts import DecisionVerdict, decision_verdicts
 from lanes_contract.client import LanesClient
 from lanes_contract.codec import decode
 from lanes_contract.errors import DecodeError
@@ -125,10 +125,13 @@ class DemoRun:
             if job["state"] != expected[job["job_id"]]
         ]
 
+    def verdicts(self) -> list[DecisionVerdict]:
+        """Every decision in force against its attempt's final settled finding."""
+        return decision_verdicts(row for job in self.jobs for row in job["timeline"])
+
     def wrong_decisions(self) -> list[str]:
         """Decisions whose culprit is not their attempt's final settled finding's: the demo fails on any."""
-        rows = [row for job in self.jobs for row in job["timeline"]]
-        return [verdict.explain() for verdict in decision_verdicts(rows) if not verdict.agrees]
+        return [verdict.explain() for verdict in self.verdicts() if not verdict.agrees]
 
     def incident(self) -> dict[str, Any]:
         """The fault bundle of the OOM-killed job."""

@@ -158,9 +158,21 @@ class BackgroundDigests:
         self._verdicts: dict[tuple[str, str], DigestVerdict] = {}
         self._running: dict[tuple[str, str], asyncio.Task[DigestVerdict]] = {}
 
+    def start(self, checkpoints: Sequence[SavedCheckpoint]) -> None:
+        """Start hashing these checkpoints now (a failed attempt's decision will want them soon)."""
+        self._collect({digest_key(c) for c in checkpoints})
+
     def ready(self, checkpoints: Sequence[SavedCheckpoint]) -> Mapping[tuple[str, str], DigestVerdict] | None:
         """The verdicts of these checkpoints, or None while some are still being computed (they are started)."""
         keys = {digest_key(c) for c in checkpoints}
+        self._collect(keys)
+        if keys - self._verdicts.keys():
+            return None
+        # Handed out once: the next decision reads the files again (a checkpoint may have changed since).
+        return {key: self._verdicts.pop(key) for key in keys}
+
+    def _collect(self, keys: set[tuple[str, str]]) -> None:
+        """Start the digests not yet running, and keep the verdicts of those that finished."""
         for key in keys - self._verdicts.keys():
             task = self._running.get(key)
             if task is None:
@@ -168,10 +180,6 @@ class BackgroundDigests:
             elif task.done():
                 self._verdicts[key] = task.result()
                 del self._running[key]
-        if keys - self._verdicts.keys():
-            return None
-        # Handed out once: the next decision reads the files again (a checkpoint may have changed since).
-        return {key: self._verdicts.pop(key) for key in keys}
 
     async def wait(self, checkpoints: Sequence[SavedCheckpoint]) -> Mapping[tuple[str, str], DigestVerdict]:
         """The verdicts, waiting for those still being computed (each is bounded by the time limit)."""

@@ -224,6 +224,10 @@ class JobKnowledge(_Frozen):
                 ready.append((facts, True))
         return ready
 
+    def failed_undecided(self) -> bool:
+        """Whether an attempt failed and awaits its decision."""
+        return any(f.outcome == "failed" and not f.decided for f in self.attempts.values())
+
     def stale_failures(self, now: datetime, within: timedelta) -> list[AttemptFacts]:
         """Undecided failures older than `within`: recovery deployed on an existing log must not act on history."""
         return [

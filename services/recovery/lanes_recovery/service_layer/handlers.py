@@ -163,6 +163,8 @@ class Recovery:
             skipped = f"failed at {facts.ended_at}, more than {within} before recovery saw it"
             known = known.with_attempt(facts.model_copy(update={"decided": True, "skipped": skipped}))
         known = known.model_copy(update={"recheck_at": None})
+        if known.spec is not None and spec_is_training(known.spec) and known.failed_undecided():
+            self.digests.start(known.checkpoints)  # hashed while the finding settles, ready when it is
         if known.spec is not None:
             for facts, _without_finding in known.awaiting_decision(now, self.grace):
                 verified = self._verified_now(known)

@@ -55,6 +55,10 @@ StoreFactory = Callable[[Db], RecoveryStore]
 class Digests(Protocol):
     """Recomputes checkpoint digests off the critical path: a verdict per (path, digest)."""
 
+    def start(self, checkpoints: Sequence[SavedCheckpoint]) -> None:
+        """Start computing these verdicts in the background (a decision will ask for them soon)."""
+        ...
+
     def ready(self, checkpoints: Sequence[SavedCheckpoint]) -> Mapping[tuple[str, str], DigestVerdict] | None:
         """The verdicts if all are in, else None (and the missing ones are being computed)."""
         ...
