@@ -125,7 +125,8 @@ class _Watch:
     """What the scenario needs to see on the job's timeline: pids, the victim's exit, findings, states."""
 
     def __init__(self) -> None:
-        self.pids: dict[int, tuple[str, int]] = {}
+        self.pids: dict[tuple[int, int], tuple[str, int]] = {}
+        """(attempt, rank) -> (node, pid): a later attempt's ranks must not stand in for the killed one."""
         self.killed: asyncio.Future[RankExited] = asyncio.get_running_loop().create_future()
         self.finding: JobFinding | None = None
         self.oom_elected = asyncio.Event()
@@ -138,7 +139,7 @@ class _Watch:
         with contextlib.suppress(DecodeError):
             event = decode(msg.subject, msg.headers, msg.data)
             if isinstance(event, RankStarted) and event.rank is not None and event.node:
-                self.pids[event.rank] = (event.node, event.data.pid)
+                self.pids[event.attempt or 1, event.rank] = (event.node, event.data.pid)
             elif isinstance(event, RankExited) and event.data.signal == 9 and not self.killed.done():  # noqa: PLR2004
                 self.killed.set_result(event)
             elif isinstance(event, JobFinding) and event.data.first_error is not None:
@@ -211,7 +212,7 @@ def _digest(text: str) -> str:
 
 async def _kernel_reports_the_oom_kill(conns: Connections, watch: _Watch, killed: RankExited) -> None:
     """Publish the kernel log line of the OOM kill, as the victim node's agent would read it from dmesg."""
-    node, pid = watch.pids[killed.rank or 0]
+    node, pid = watch.pids[killed.attempt or 1, killed.rank or 0]
     at = killed.time.astimezone(UTC)
     line = (
         f"{at:%b} {at.day:2d} {at:%H:%M:%S} {node} kernel: [{at.timestamp() % 1e6:.6f}] Out of memory: Killed process"
