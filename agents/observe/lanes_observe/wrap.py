@@ -36,6 +36,7 @@ _SRUN_TASK = re.compile(
 )
 _RANK_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 _RETRY_S = 2.0
+_LONGEST_RETRY_S = 60.0
 
 
 def parse_ranks(text: str) -> tuple[int, ...]:
@@ -290,10 +291,10 @@ async def run_wrapped(
     """Run the command; report it; return its status once its events are published or safely buffered."""
     sender = Sender(outbox, nats_url, name=f"lanes-run-{identity.node}")
     wake = asyncio.Event()
-    started = utc_now()
     if identity.register:
         chosen = placement or [RankAssignment(rank=r, node=identity.node, gpus=()) for r in identity.ranks]
         outbox.append(registration(identity, chosen))
+    started = utc_now()
     proc = await asyncio.create_subprocess_exec(
         *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )
@@ -312,12 +313,15 @@ async def run_wrapped(
     stop_sending = asyncio.Event()
 
     async def keep_sending() -> None:
+        backoff = _RETRY_S
         while not stop_sending.is_set():
             wake.clear()
             if not await sender.send():
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop_sending.wait(), timeout=_RETRY_S)
+                    await asyncio.wait_for(stop_sending.wait(), timeout=backoff)
+                backoff = min(backoff * 2, _LONGEST_RETRY_S)  # Lanes is down: retry, less and less often
                 continue
+            backoff = _RETRY_S
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), timeout=_RETRY_S)
 
