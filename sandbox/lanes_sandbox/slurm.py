@@ -67,7 +67,7 @@ class SlurmCluster:
         try:
             self._configure()
             self._spawn("munged", "-F", "-f", *self._munge_args())
-            self._wait(lambda: (self.directory / "munge.sock").exists(), "munged's socket")
+            self._wait((self.directory / "munge.sock").exists, "munged's socket")
             self._spawn("slurmctld", "-D", "-i")
             self._spawn("slurmd", "-D", "-N", self.node_name)
             self._wait(self._node_ready, f"node {self.node_name} idle")
@@ -98,7 +98,9 @@ class SlurmCluster:
     def __enter__(self) -> Self:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
     # --- clients -----------------------------------------------------------------------------------

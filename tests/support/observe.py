@@ -6,12 +6,11 @@ import json
 import socket
 from typing import Any
 
-from support.cli import run_lanes_async
-
 from lanes_cli.timeline import job_timeline
 from lanes_contract.events import Event
 from lanes_runtime.service import Connections
 from lanes_runtime.settings import ServerUrls
+from support.cli import run_lanes_async
 
 OBSERVE_SERVICES = ["scheduler", "lifecycle", "telemetry", "recovery"]
 """What treats an observed job like any other: the scheduler (which must leave it alone) and the rest."""
