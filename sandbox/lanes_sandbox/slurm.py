@@ -209,7 +209,7 @@ PartitionName=debug Nodes={self.node_name} Default=YES MaxTime=INFINITE State=UP
             for proc in self._procs:
                 if proc.poll() is not None and must:
                     logs = {p.name: p.read_text()[-2000:] for p in self.directory.glob("*.out")}
-                    msg = f"{proc.args[0]} exited ({proc.returncode}) while waiting for {what}: {logs}"  # type: ignore[index]
+                    msg = f"{proc.args!r} exited ({proc.returncode}) while waiting for {what}: {logs}"
                     raise RuntimeError(msg)
             if time.monotonic() > deadline:
                 if must:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import structlog
@@ -33,7 +34,7 @@ class Outbox:
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def append(self, events: list[Event]) -> None:
+    def append(self, events: Sequence[Event]) -> None:
         """Write events at the end of the file (created with its directory when missing)."""
         if not events:
             return
