@@ -129,6 +129,10 @@ class SlurmCluster:
         self._wait(lambda: self.job(slurm_id)["job_state"] in states, f"job {slurm_id} in {sorted(states)}", timeout_s)
         return self.job(slurm_id)
 
+    def wait_idle(self, timeout_s: float = 60.0) -> None:
+        """Wait until the node is idle: no job, not even one still being cleaned up, holds it."""
+        self._wait(self._node_ready, f"node {self.node_name} idle", timeout_s)
+
     # --- internals ---------------------------------------------------------------------------------
 
     def _munge_args(self) -> list[str]:

@@ -102,6 +102,7 @@ def test_a_plain_command_is_one_rank_with_the_command_status() -> None:
 def _job(**fields: Any) -> SlurmJob:
     base: dict[str, Any] = {
         "job_id": 7,
+        "cluster": "lanes",
         "name": "train llm",
         "job_state": "PENDING",
         "state_reason": "None",
@@ -141,7 +142,7 @@ def test_slurm_job_that_succeeds() -> None:
     )
     submitted = events[0]
     assert isinstance(submitted, JobSubmitted)
-    assert submitted.jobid == "slurm-7"
+    assert submitted.jobid == "slurm-lanes-7"
     assert submitted.data.spec.managed_by == "slurm"
     assert (submitted.data.spec.name, submitted.data.spec.tenant, submitted.data.spec.pool) == (
         "train-llm",

@@ -52,7 +52,7 @@ from lanes_contract.ids import derived_event_id
 from lanes_contract.topology import NodeState
 from lanes_observe import observed
 from lanes_observe.outbox import Outbox, Sender
-from lanes_observe.wrap import SLURM_JOB_PREFIX
+from lanes_observe.wrap import slurm_job_id
 
 MANAGED_BY = "slurm"
 SOURCE = "lanes-slurm"
@@ -120,6 +120,7 @@ class SlurmJob:
     """What `squeue --json` says about one job."""
 
     slurm_id: int
+    cluster: str
     name: str
     state: str
     reason: str
@@ -136,7 +137,7 @@ class SlurmJob:
     @property
     def job_id(self) -> str:
         """Its Lanes job id, the one `lanes run` inside the job uses too."""
-        return f"{SLURM_JOB_PREFIX}{self.slurm_id}"
+        return slurm_job_id(self.cluster, self.slurm_id)
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> SlurmJob:
@@ -144,6 +145,7 @@ class SlurmJob:
         allocated = (raw.get("job_resources") or {}).get("allocated_nodes") or []
         return cls(
             slurm_id=int(raw["job_id"]),
+            cluster=str(raw.get("cluster") or ""),
             name=str(raw.get("name") or "slurm-job"),
             state=str(raw.get("job_state") or "PENDING"),
             reason=str(raw.get("state_reason") or "None"),

@@ -29,8 +29,13 @@ from lanes_observe import observed
 from lanes_observe.outbox import Outbox, Sender
 
 MANAGED_BY = "lanes-run"
-SLURM_JOB_PREFIX = "slurm-"
-"""A Slurm job's Lanes id is `slurm-<SLURM_JOB_ID>`, whether `lanes run` or the Slurm adapter sees it first."""
+
+
+def slurm_job_id(cluster: str, slurm_id: int | str) -> str:
+    """A Slurm job's Lanes id, `slurm-<cluster>-<id>`: the same whether `lanes run` or the adapter sees it first."""
+    return f"slurm-{observed.token(cluster)}-{slurm_id}" if cluster else f"slurm-{slurm_id}"
+
+
 _SRUN_TASK = re.compile(
     r"task (?P<task>\d+): (?:Exited with exit code (?P<code>\d+)|(?P<killed>Killed)|(?P<terminated>Terminated))"
 )
@@ -111,7 +116,8 @@ def identity_from(
     kind = launcher_kind(command)
     slurm_id = env.get("SLURM_JOB_ID")
     node_name = observed.token(node or env.get("SLURMD_NODENAME") or socket.gethostname(), fallback="localhost")
-    job_id = job or (f"{SLURM_JOB_PREFIX}{slurm_id}" if slurm_id else f"run-{node_name}-{new_event_id()[-12:]}")
+    fresh = f"run-{node_name}-{new_event_id()[-12:]}"
+    job_id = job or (slurm_job_id(env.get("SLURM_CLUSTER_NAME", ""), slurm_id) if slurm_id else fresh)
     number = attempt or int(env.get("SLURM_RESTART_COUNT", "0") or 0) + 1
     chosen: tuple[int, ...]
     if ranks:
@@ -342,7 +348,7 @@ async def run_wrapped(
         await sending
     outbox.append(report.finish())
     outbox.append(report.rank_exits(returncode))
-    if identity.register:
+    if identity.register and not identity.slurm:  # under Slurm, the allocation ends with the job: the adapter says so
         outbox.append([observed.released(identity.job_id, identity.attempt, [identity.node], source=identity.source)])
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(sender.send(), timeout=final_flush_s)
