@@ -231,3 +231,27 @@ async def test_a_drained_node_is_a_host_lane_event_and_topology_agrees(
     view = await _released(own_urls, job_id)
     assert view["attempts"][0]["cause"] == "normal_completion"
     assert (await poc_verdicts(own_urls, job_id))[LIFECYCLE] == "passed"
+
+
+async def test_lanes_slurm_watch_once_publishes_what_slurm_shows(
+    own_urls: ServerUrls, cluster: slurm.SlurmCluster, tmp_path: Path
+) -> None:
+    slurm_id = await _sbatch(cluster, "-n2", _script(cluster, "once.sh", "true"))
+    await asyncio.to_thread(cluster.wait_job, slurm_id, {"COMPLETED"})
+    outbox = tmp_path / "outbox.ndjson"
+    ran = await run_lanes_async(
+        own_urls, "slurm", "watch", "--once", "--outbox", str(outbox), env={"SLURM_CONF": cluster.env["SLURM_CONF"]}
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert not outbox.exists()  # everything was published
+    async with local_stack(own_urls, [], nodes=False) as conns:
+        kinds = [type(e).__name__ for e in await timeline_events(conns, _lanes_id(slurm_id))]
+    assert kinds == [
+        "JobSubmitted",
+        "JobPlaced",
+        "RankStarted",
+        "RankStarted",
+        "RankExited",
+        "RankExited",
+        "ResourcesReleased",
+    ]
