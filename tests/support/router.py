@@ -190,10 +190,12 @@ def start_router_process(urls: ServerUrls, **overrides: Any) -> RouterProcess:
     )
     assert process.stderr is not None
     deadline = time.monotonic() + 60
+    said: list[str] = []
     while time.monotonic() < deadline:
         line = process.stderr.readline()
         if not line:
             break
+        said.append(line)
         with contextlib.suppress(ValueError):
             record = json.loads(line)
             if record.get("event") == "router listening":
@@ -201,7 +203,7 @@ def start_router_process(urls: ServerUrls, **overrides: Any) -> RouterProcess:
                 threading.Thread(target=process.stderr.read, daemon=True).start()
                 return RouterProcess(process, record["url"])
     process.kill()
-    msg = "the router process did not start listening"
+    msg = f"the router process did not start listening (exit {process.wait(10)}); it said:\n{''.join(said[-20:])}"
     raise AssertionError(msg)
 
 
