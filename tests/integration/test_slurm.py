@@ -132,9 +132,9 @@ async def test_a_job_that_fails_on_one_task(
         return verdicts[LIFECYCLE] == verdicts["communication observability"] == "passed"
 
     await eventually(judged, what="poc passes lifecycle and first-error finding", timeout_s=60)
-    view = await job_view(own_urls, job_id)
-    assert view is not None
-    assert "CUDA error" in view["attempts"][0]["cause_detail"]
+    refined = await job_view(own_urls, job_id)
+    assert refined is not None
+    assert "CUDA error" in refined["attempts"][0]["cause_detail"]
 
 
 async def test_a_requeued_job_has_two_attempts(
@@ -218,7 +218,7 @@ async def test_a_drained_node_is_a_host_lane_event_and_topology_agrees(
     async def topology_says_draining() -> bool:
         shown = await run_lanes_async(own_urls, "topology", "show", "--json")
         nodes = {n["node_id"]: n for n in json.loads(shown.stdout)["nodes"]} if shown.returncode == 0 else {}
-        return nodes.get(NODE, {}).get("state") == "draining"
+        return bool(nodes.get(NODE, {}).get("state") == "draining")
 
     await eventually(topology_says_draining, what="lanes topology show agrees", timeout_s=60)
 
