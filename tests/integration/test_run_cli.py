@@ -19,7 +19,7 @@ from support.cli import LANES, local_stack, run_lanes_async
 from support.observe import OBSERVE_SERVICES, closed_nats_url, in_state, job_view, poc_verdicts, timeline_events
 from support.waiting import eventually
 
-from lanes_contract.events import JobFinding, JobSubmitted, RankExited, RankStarted
+from lanes_contract.events import JobFinding, JobSubmitted, RankExited, RankStarted, RecoveryDecided
 from lanes_runtime.service import Connections
 from lanes_runtime.settings import ServerUrls
 
@@ -129,5 +129,18 @@ async def test_live_run_reports_ranks_and_its_finding_is_the_one_lanes_analyze_e
     assert live.first_error.summary == expected["summary"]
     assert live.stage == offline["stage"]
 
-    verdicts = await poc_verdicts(own_urls, job_id)
-    assert verdicts  # the scorecard judges an observed job like any other
+    assert (await poc_verdicts(own_urls, job_id))["communication observability"] == "passed"
+
+    # Observe mode: the scheduler never placed (nor rejected) the job; recovery decided but acted on nothing.
+    async def decided() -> bool:
+        return any(isinstance(e, RecoveryDecided) for e in await timeline_events(stack, job_id))
+
+    await eventually(decided, what="recovery's decision", timeout_s=60)
+    events = await timeline_events(stack, job_id)
+    assert not [e for e in events if e.source == "lanes/scheduler"]
+    from_recovery = {type(e).__name__ for e in events if e.source == "lanes/recovery"}
+    assert from_recovery <= {"RecoveryDecided", "RecoveryEscalated"}
+    view = await job_view(own_urls, job_id)
+    assert view is not None
+    assert view["state"] == "released"
+    assert len(view["attempts"]) == 1
