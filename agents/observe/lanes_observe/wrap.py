@@ -345,6 +345,7 @@ async def run_wrapped(
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.remove_signal_handler(signum)
         stop_sending.set()
+        wake.set()  # a sender waiting for new events stops now, not at its next retry
         await sending
     outbox.append(report.finish())
     outbox.append(report.rank_exits(returncode))
