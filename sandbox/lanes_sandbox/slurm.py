@@ -1,7 +1,8 @@
 """A real one-node Slurm cluster for tests: munged, slurmctld and slurmd (Debian's packages) on this machine.
 
 Everything lives in a temporary directory: the munge key and socket, `slurm.conf` (free ports, root as
-SlurmUser, no accounting), state and logs. `SLURM_CONF` in `env` points the clients (sbatch, squeue,
+SlurmUser, no accounting, job credentials that expire after 5 s so a requeued job may start again
+after 6 s rather than the default 2 minutes), state and logs. `SLURM_CONF` in `env` points the clients (sbatch, squeue,
 scontrol, sinfo) at it. On exit every job is cancelled, then the daemons are stopped, each in its own
 process group, and the directory is removed: nothing is left running.
 
@@ -129,10 +130,6 @@ class SlurmCluster:
         self._wait(lambda: self.job(slurm_id)["job_state"] in states, f"job {slurm_id} in {sorted(states)}", timeout_s)
         return self.job(slurm_id)
 
-    def wait_idle(self, timeout_s: float = 60.0) -> None:
-        """Wait until the node is idle: no job, not even one still being cleaned up, holds it."""
-        self._wait(self._node_ready, f"node {self.node_name} idle", timeout_s)
-
     # --- internals ---------------------------------------------------------------------------------
 
     def _munge_args(self) -> list[str]:
@@ -162,7 +159,7 @@ SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={d / "munge.sock"}
+AuthInfo=socket={d / "munge.sock"},cred_expire=5
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation={d / "state"}
