@@ -18,6 +18,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC
 from pathlib import Path
 from typing import BinaryIO
 
@@ -168,7 +169,10 @@ class RunReport:
     def __init__(self, identity: RunIdentity) -> None:
         self.identity = identity
         single = identity.ranks[0] if len(identity.ranks) == 1 else None
-        context = SourceContext(origin=f"{identity.job_id}/{identity.node}", node=identity.node, rank=single)
+        # Read as it is written: year-less timestamps are of this year, in UTC (this machine's clock).
+        context = SourceContext(
+            origin=f"{identity.job_id}/{identity.node}", node=identity.node, rank=single, year=utc_now().year, tz=UTC
+        )
         self._parsers = {"stdout": LogParser(context), "stderr": LogParser(context)}
         self._lines = {"stdout": 0, "stderr": 0}
         self.exits: dict[int, RankExitedData] = {}
