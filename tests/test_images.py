@@ -36,6 +36,7 @@ DEPLOYABLES = {
     "lanes-router": "lanes_router.__main__",
     "lanes-audit": "lanes_audit.__main__",
     "lanes-agent": "lanes_agent.launcher",
+    "lanes-observe": "lanes_observe.slurm",
 }
 
 

@@ -173,7 +173,7 @@ class LocalLauncher:
         elif isinstance(event, JobPlaced):
             mine = [a for a in event.data.assignments if a.node in self._nodes]
             spec = self._specs.get(str(event.jobid))
-            if mine and spec is not None:
+            if mine and spec is not None and spec.managed_by is None:  # observed jobs run elsewhere
                 world = len(event.data.assignments)
                 await asyncio.gather(*(self._run_rank(event, spec, a, world, msg) for a in mine))
         await msg.ack()

@@ -17,7 +17,18 @@ import yaml
 from pydantic import ValidationError
 
 from lanes_agent.launcher import LocalLauncher
-from lanes_cli import analyze_cli, audit_cli, import_cli, incident_cli, jobs_cli, poc_cli, recover_cli, router_cli
+from lanes_cli import (
+    analyze_cli,
+    audit_cli,
+    import_cli,
+    incident_cli,
+    jobs_cli,
+    poc_cli,
+    recover_cli,
+    router_cli,
+    run_cli,
+    slurm_cli,
+)
 from lanes_cli.bootstrap import SERVICES, prepare_services
 from lanes_cli.console import (
     EXIT_BAD_INPUT,
@@ -341,6 +352,8 @@ app.add_typer(audit_cli.app, name="audit")
 app.command()(poc_cli.poc)
 app.command()(incident_cli.incident)
 app.command("import")(import_cli.import_events)
+app.command(context_settings={"allow_interspersed_args": False})(run_cli.run)
+app.add_typer(slurm_cli.app, name="slurm")
 
 
 def main() -> None:

@@ -49,7 +49,7 @@ def summarize(event: Event) -> str:
     if isinstance(event, JobWaiting):
         return f"{event.data.reason}: {event.data.detail}"
     if isinstance(event, RankStarted):
-        return f"pid {event.data.pid}"
+        return f"pid {event.data.pid}" if event.data.pid else "started"
     if isinstance(event, RankExited):
         ended = event.data
         return f"signal {ended.signal}" if ended.signal else f"exit {ended.exit_code}"

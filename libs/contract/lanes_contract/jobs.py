@@ -150,6 +150,15 @@ class JobSpec(BaseModel):
     owners: Owners = Owners()
     # --- router: what an inference job serves (required for inference, absent otherwise) ---
     serving: ServingSpec | None = None
+    # --- observe mode: a job another system places and runs (default: Lanes places it) ---
+    managed_by: Token | None = Field(
+        default=None,
+        description=(
+            "The outside system that places, runs and requeues this job (e.g. slurm, lanes-run). Lanes' "
+            "scheduler never places it and recovery only advises; attempts, placement, ranks and evidence "
+            "come from that system's producer."
+        ),
+    )
 
     @model_validator(mode="after")
     def _command_fits_exec(self) -> JobSpec:

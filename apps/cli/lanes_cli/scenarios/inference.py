@@ -86,7 +86,7 @@ class _Replicas:
         with contextlib.suppress(DecodeError):
             event = decode(msg.subject, msg.headers, msg.data)
             key = (event.job_key, event.attempt or 1)
-            if isinstance(event, RankStarted) and event.node:
+            if isinstance(event, RankStarted) and event.node and event.data.pid:
                 self.pids[key] = (event.node, event.data.pid)
             elif isinstance(event, ReplicaStateChanged) and event.data.state is ReplicaState.READY:
                 self.ready.add(key)

@@ -138,7 +138,7 @@ class _Watch:
     async def on_message(self, msg: Msg) -> None:
         with contextlib.suppress(DecodeError):
             event = decode(msg.subject, msg.headers, msg.data)
-            if isinstance(event, RankStarted) and event.rank is not None and event.node:
+            if isinstance(event, RankStarted) and event.rank is not None and event.node and event.data.pid:
                 self.pids[event.attempt or 1, event.rank] = (event.node, event.data.pid)
             elif isinstance(event, RankExited) and event.data.signal == 9 and not self.killed.done():  # noqa: PLR2004
                 self.killed.set_result(event)

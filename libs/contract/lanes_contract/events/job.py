@@ -91,7 +91,9 @@ class JobPlaced(Event):
 class RankStartedData(Data):
     """The started process."""
 
-    pid: int = Field(ge=1)
+    pid: int | None = Field(
+        default=None, ge=1, description="The process id, or None when the producer does not see the process."
+    )
 
 
 class RankStarted(Event):

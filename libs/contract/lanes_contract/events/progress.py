@@ -115,6 +115,9 @@ class AttemptRequestedData(Data):
     avoid_nodes: tuple[Token, ...] = Field(
         default=(), description="Nodes the scheduler must never place this attempt on (carried from the retry)."
     )
+    managed_by: Token | None = Field(
+        default=None, description="The job spec's `managed_by`: set when another system places the attempt."
+    )
 
 
 class AttemptRequested(Event):

@@ -70,6 +70,9 @@ async def handle_job_event(event: Event, ctx: HandlerContext) -> Sequence[Event]
     if transition.new_attempt is None:
         return []
     requested = AttemptRequestedData(
-        reason=transition.reason, resume_step=transition.resume_step, avoid_nodes=transition.avoid_nodes
+        reason=transition.reason,
+        resume_step=transition.resume_step,
+        avoid_nodes=transition.avoid_nodes,
+        managed_by=after.spec.managed_by,
     )
     return [derive(AttemptRequested, event, source=SOURCE, attempt=transition.new_attempt, data=requested)]

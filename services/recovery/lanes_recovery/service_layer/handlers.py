@@ -360,6 +360,13 @@ class Recovery:
             update["manual"] = plan.hold
         if plan.retry is not None:
             update["pending"] = plan.retry
+        if known.spec is not None and known.spec.managed_by is not None:
+            # An observed job: another system (e.g. Slurm) acts on it. Recovery publishes its decision and
+            # still escalates a wait nobody answers, but sends no cordon, retry, cancel or hold.
+            update.pop("pending", None)
+            if plan.hold is not None:
+                update["manual"] = plan.hold.model_copy(update={"held": True})
+            outputs = [decided]
         log.info("recovery decided", action=data.action, attempt=attempt, first_error=data.first_error)
         return known.model_copy(update=update), outputs
 

@@ -79,6 +79,8 @@ async def _queue(
 
 async def handle_job_event(event: Event, ctx: HandlerContext) -> Sequence[Event]:
     """Queue submitted jobs and new attempts, free the allocation of finished ones; then place what waits."""
+    if _observed(event):
+        return []  # another system places this job (observe mode): nothing to queue, hold or free
     if isinstance(event, JobStateChanged) and event.data.to_state not in TERMINAL:
         return []  # only the end of an attempt concerns the scheduler
     await repository.lock_scheduling(ctx.conn)
@@ -113,6 +115,13 @@ async def handle_job_event(event: Event, ctx: HandlerContext) -> Sequence[Event]
         return [freed, *await _schedule(event, ctx, state)]
     msg = f"the scheduler does not handle {event.type} on the job stream"
     raise PoisonEventError(msg)
+
+
+def _observed(event: Event) -> bool:
+    """A submission or new attempt of a job that another system (e.g. Slurm) places and runs."""
+    if isinstance(event, JobSubmitted):
+        return event.data.spec.managed_by is not None
+    return isinstance(event, AttemptRequested) and event.data.managed_by is not None
 
 
 async def handle_node_event(event: Event, ctx: HandlerContext) -> Sequence[Event]:

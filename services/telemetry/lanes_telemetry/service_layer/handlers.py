@@ -165,7 +165,8 @@ class Telemetry:
         store = self._store(ctx.conn)
         job_id, attempt = event.job_key, event.attempt
         if isinstance(event, RankStarted) and event.rank is not None:
-            await store.save_started(job_id, attempt, event.rank, event.node, event.data.pid)
+            if event.data.pid is not None:  # an observed job's scheduler may not see the process
+                await store.save_started(job_id, attempt, event.rank, event.node, event.data.pid)
             return ()
         if isinstance(event, RankExited) and event.rank is not None:
             data = event.data

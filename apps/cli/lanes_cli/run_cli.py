@@ -1,0 +1,58 @@
+"""`lanes run -- <command>`: wrap any launcher; its job, ranks and evidence go on the timeline."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from lanes_cli.console import EXIT_BAD_INPUT, err, fail, load_settings, run_async
+from lanes_observe.outbox import Outbox
+from lanes_observe.wrap import default_outbox, identity_from, run_wrapped, slurm_placement
+
+
+def run(  # noqa: PLR0917 - typer maps each option to a parameter
+    command: Annotated[list[str], typer.Argument(help="The command to run, after `--`.", show_default=False)],
+    job: Annotated[str | None, typer.Option(help="Job id (default: slurm-$SLURM_JOB_ID, else a new one).")] = None,
+    attempt: Annotated[int | None, typer.Option(min=1, help="Attempt (default: $SLURM_RESTART_COUNT + 1).")] = None,
+    node: Annotated[str | None, typer.Option(help="Node (default: $SLURMD_NODENAME, else the host name).")] = None,
+    ranks: Annotated[
+        str | None, typer.Option(help="Ranks this command runs, e.g. 0-3 (default: from torchrun/srun or $RANK).")
+    ] = None,
+    world_size: Annotated[int | None, typer.Option(min=1, help="Ranks in the whole job (default: env).")] = None,
+    register: Annotated[
+        bool, typer.Option("--register/--no-register", help="Publish the job's submission and placement.")
+    ] = True,
+    outbox: Annotated[
+        Path | None, typer.Option(help="Where events wait while Lanes is unreachable (default: ~/.cache/lanes/outbox).")
+    ] = None,
+) -> None:
+    """Run COMMAND unchanged and exit with its status; report its job, ranks and evidence to Lanes.
+
+    If Lanes is unreachable, the command still runs: events wait in the outbox file and are sent as soon as
+    NATS answers; any left at the end are named on stderr, to publish later with `lanes import FILE`.
+    """
+    settings = load_settings(quiet=True)
+    env = dict(os.environ)
+    try:
+        identity = identity_from(
+            command, env, job=job, attempt=attempt, node=node, ranks=ranks, world_size=world_size, register=register
+        )
+    except ValueError as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
+    box = Outbox(outbox or default_outbox(identity, env))
+    placement = slurm_placement(identity) if identity.register else None
+    try:
+        result = run_async(lambda: run_wrapped(command, identity, box, settings.nats_url, placement=placement))
+    except FileNotFoundError as exc:
+        fail(f"cannot run {command[0]}: {exc.strerror}", 127)
+    if result.unsent:
+        err.print(
+            f"lanes run: Lanes unreachable ({result.error}); {result.unsent} events kept in {result.outbox}; "
+            f"publish them with: lanes import {result.outbox}",
+            highlight=False,
+            soft_wrap=True,
+        )
+    raise typer.Exit(result.status)
