@@ -166,7 +166,13 @@ PEOPLE_IDENTITIES = (
     Identity(
         "producer",
         (*subjects_of(JobSubmitted, *RANK_EVENTS), f"lanes.{Family.TELEMETRY}.>"),
-        "an outside producer observing a job run elsewhere (`lanes run`, platform adapters): never places",
+        "an outside launcher or script posting a job's rank and progress events and evidence: never places",
+    ),
+    Identity(
+        "observer",
+        (*subjects_of(JobSubmitted, JobPlaced, ResourcesReleased, *RANK_EVENTS), f"lanes.{Family.TELEMETRY}.>"),
+        "a platform adapter observing jobs another scheduler placed (`lanes run` under Slurm or Kubernetes):"
+        " it records that scheduler's placements, so it is trusted like one",
     ),
 )
 SERVICE_NAMES = tuple(identity.name for identity in SERVICE_IDENTITIES)
