@@ -34,8 +34,7 @@ from lanes_contract.jobs import JobState
 from lanes_contract.streams import DEAD, JOBS, provision_streams
 from lanes_lifecycle.adapters import repository
 from lanes_lifecycle.adapters.transitions import TransitionConflictError
-from lanes_lifecycle.entrypoints.service import SERVICE
-from lanes_lifecycle.service_layer.handlers import handle_job_event
+from lanes_lifecycle.entrypoints.service import SERVICE, job_event_handler
 from lanes_runtime.consumer import EventConsumer, HandlerContext
 from lanes_runtime.reader import Selection
 from lanes_runtime.settings import ServerUrls
@@ -106,7 +105,13 @@ def _as_logged(changes: list[JobStateChanged]) -> list[tuple[str | None, str, st
 
 
 async def _processed(pool: asyncpg.Pool, durable: str) -> int:
-    return int(await pool.fetchval("SELECT count(*) FROM lanes_processed WHERE consumer = $1", durable))
+    """Events recorded and folded (an ordered consumer stages an event in its inbox before folding it)."""
+    count = await pool.fetchval(
+        """SELECT count(*) FROM lanes_processed p WHERE consumer = $1
+           AND NOT EXISTS (SELECT 1 FROM lanes_inbox i WHERE i.consumer = p.consumer AND i.event_id = p.event_id)""",
+        durable,
+    )
+    return int(count)
 
 
 # --- in process ----------------------------------------------------------------------------------
@@ -118,7 +123,7 @@ async def test_a_story_is_folded_into_jobs_attempts_ranks_and_spans_and_a_stray_
     job_id = f"life-{unique}"
     durable = f"life-{unique}"
     events = long_story(job_id, total=400)
-    consumer = EventConsumer(lanes._nc, pool, lifecycle_spec(durable, job_id), handle_job_event)
+    consumer = EventConsumer(lanes._nc, pool, lifecycle_spec(durable, job_id), job_event_handler(lanes.js))
     stop = asyncio.Event()
     task = asyncio.create_task(consumer.run(stop))
     try:
@@ -285,21 +290,22 @@ async def test_a_writer_that_lost_the_race_is_refused_and_rolls_back(
     story = long_story(job_id, total=400)
     prefix = story[: next(i for i, e in enumerate(story) if e.type.endswith("heartbeat.v1")) + 1]  # running
     other = await _pool(second_database)
+    handle_job_event = job_event_handler(lanes.js)
     try:
         for event in prefix:
             await lanes.publish(event)
         for db in (pool, other):
             for seq, event in enumerate(prefix, start=1):
                 async with db.acquire() as conn, conn.transaction():
-                    await handle_job_event(event, HandlerContext(conn, seq, 1, lanes.js))
+                    await handle_job_event(event, HandlerContext(conn, seq, 1))
         keys: dict[str, Any] = {"source": "tests", "jobid": job_id, "attempt": 1}
         cancel = CancelRequested(data=CommandData(requested_by="alice"), **keys)
         failure = RankExited(rank=1, node="node-1", data=RankExitedData(exit_code=3), **keys)
         async with pool.acquire() as conn, conn.transaction():
-            await handle_job_event(cancel, HandlerContext(conn, 1000, 1, lanes.js))
+            await handle_job_event(cancel, HandlerContext(conn, 1000, 1))
         with pytest.raises(TransitionConflictError, match="another writer"):
             async with other.acquire() as conn, conn.transaction():
-                await handle_job_event(failure, HandlerContext(conn, 1001, 1, lanes.js))
+                await handle_job_event(failure, HandlerContext(conn, 1001, 1))
         async with other.acquire() as conn:
             loser = await repository.load(conn, job_id)
         assert loser is not None

@@ -42,7 +42,7 @@ from lanes_contract.streams import JOBS, NODES
 from lanes_contract.topology import ClusterPolicy, Level, NodeState, Tenant, TopologyConstraint
 from lanes_lifecycle.entrypoints.service import SERVICE as LIFECYCLE
 from lanes_runtime.consumer import ConsumerSpec, EventConsumer, Outcome
-from lanes_runtime.service import Connections, connected
+from lanes_runtime.service import Connections, RunnerContext, bind, connected
 from lanes_runtime.settings import ServerUrls
 from lanes_runtime.store import apply_migrations
 from lanes_sandbox.embedded import EmbeddedNats
@@ -398,7 +398,8 @@ async def test_lanes_job_json_shows_the_time_spent_in_each_wait_reason(urls: Ser
         for spec, handler in LIFECYCLE.consumers:
             subjects = tuple(s.replace(".*.", f".{j}.") for s in spec.subjects for j in c.jobs.values())
             narrowed = ConsumerSpec(durable=f"{spec.durable}-{unique}", stream=spec.stream, subjects=subjects)
-            consumer = EventConsumer(c.conns.nc, c.conns.pool, narrowed, handler)
+            context = RunnerContext(c.conns.nc, c.conns.pool, c.conns.redis)
+            consumer = EventConsumer(c.conns.nc, c.conns.pool, narrowed, bind(handler, context))
             await consumer.provision()
             tasks.append(asyncio.create_task(consumer.run(stop)))
         try:

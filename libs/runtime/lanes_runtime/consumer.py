@@ -147,10 +147,6 @@ class _HandlerFailedError(Exception):
     """A handler failed inside the batch transaction: roll the batch back and retry it singly."""
 
 
-_FOLD_LIMIT = 512
-"""Staged events folded per transaction by an ordered consumer."""
-
-
 class EventConsumer:
     """Runs one ConsumerSpec with one handler until stopped. Several replicas may share the durable."""
 
@@ -487,7 +483,7 @@ class EventConsumer:
                 """SELECT stream_seq, event_id, subject, headers, payload, attempts FROM lanes_inbox
                    WHERE consumer = $1 ORDER BY stream_seq LIMIT $2""",
                 self.spec.durable,
-                _FOLD_LIMIT,
+                self.spec.batch,
             )
             if not rows:
                 return 0, False
@@ -543,7 +539,7 @@ class EventConsumer:
         await self._flush_outbox([event.id for event, _ in outbox])
         if retried:
             await asyncio.sleep(self.spec.delay_after(1))
-        return len(finished), len(rows) == _FOLD_LIMIT and bool(finished)
+        return len(finished), len(rows) == self.spec.batch and bool(finished)
 
     async def _fold_event(
         self, conn: Db, row: asyncpg.Record
