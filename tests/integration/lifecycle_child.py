@@ -1,6 +1,7 @@
 """Child process for the lifecycle's crash and concurrency tests: one lifecycle replica for one job.
 
 Usage: lifecycle_child.py NATS_URL DATABASE_URL DURABLE JOB_ID DIE_PER_MILLE
+JOB_ID `*` reads every job's events (the service's own consumer, with the test's short timings).
 With DIE_PER_MILLE > 0 it also kills itself with SIGKILL at random instants: before the handler, after
 the handler ran but before the commit, before the outbox is published, before the ack, and (fifty times
 as often, the narrowest window) right after a transition was appended to the log, before the commit.
