@@ -42,6 +42,7 @@ import structlog
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from lanes_contract.client import publish_encoded
@@ -575,22 +576,12 @@ class EventConsumer:
         reason: str,
         deliveries: int,
     ) -> None:
-        original = dict(headers or {})
-        dead_headers = {k: v for k, v in original.items() if not k.startswith("Nats-")}
-        if MSG_ID_HEADER in original:
-            dead_headers[ORIGINAL_MSG_ID] = original[MSG_ID_HEADER]
-        dead_headers |= {
-            DEAD_REASON: " ".join(reason.split())[:1024],  # header values are single-line
-            DEAD_STREAM: self.spec.stream.name,
-            DEAD_SEQUENCE: str(stream_seq),
-            DEAD_SUBJECT: subject,
-            DEAD_CONSUMER: self.spec.durable,
-            DEAD_DELIVERIES: str(deliveries),
-            # One dead letter per (stream, sequence, consumer), however often this runs.
-            MSG_ID_HEADER: f"dead-{self.spec.stream.name}-{stream_seq}-{self.spec.durable}",
-        }
-        dead_subject = f"lanes.dead.{self.spec.stream.name}.{self.spec.durable}"
-        await self._js.publish(dead_subject, payload, headers=dead_headers, stream=DEAD.name)
+        await dead_letter(
+            self._js,
+            DeadLetter(self.spec.stream.name, self.spec.durable, subject, stream_seq, deliveries, reason),
+            headers,
+            payload,
+        )
 
     async def _on_max_deliveries(self, advisory: Msg) -> None:
         try:
@@ -609,6 +600,42 @@ class EventConsumer:
             self._metrics.count(Outcome.DEAD_LETTERED)
         except Exception:  # noqa: BLE001 - a subscription callback must not die; the failure is logged
             self._log.exception("could not dead-letter from a max-deliveries advisory", advisory=advisory.data[:512])
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """Where a dead message came from, and why it died."""
+
+    stream: str
+    consumer: str
+    subject: str
+    stream_seq: int
+    deliveries: int
+    reason: str
+
+
+async def dead_letter(
+    js: JetStreamContext, letter: DeadLetter, headers: Mapping[str, str] | None, payload: bytes
+) -> None:
+    """Publish a message to LANES_DEAD with its original headers and payload and where and why it died.
+
+    Its id is one per (stream, sequence, consumer), so dead-lettering twice keeps one letter, and
+    `lanes dead replay` can re-drive it under its original id.
+    """
+    original = dict(headers or {})
+    dead_headers = {k: v for k, v in original.items() if not k.startswith("Nats-")}
+    if MSG_ID_HEADER in original:
+        dead_headers[ORIGINAL_MSG_ID] = original[MSG_ID_HEADER]
+    dead_headers |= {
+        DEAD_REASON: " ".join(letter.reason.split())[:1024],  # header values are single-line
+        DEAD_STREAM: letter.stream,
+        DEAD_SEQUENCE: str(letter.stream_seq),
+        DEAD_SUBJECT: letter.subject,
+        DEAD_CONSUMER: letter.consumer,
+        DEAD_DELIVERIES: str(letter.deliveries),
+        MSG_ID_HEADER: f"dead-{letter.stream}-{letter.stream_seq}-{letter.consumer}",
+    }
+    await js.publish(f"lanes.dead.{letter.stream}.{letter.consumer}", payload, headers=dead_headers, stream=DEAD.name)
 
 
 class _StoppedError(Exception):
