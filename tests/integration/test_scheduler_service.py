@@ -47,8 +47,9 @@ from lanes_runtime.settings import ServerUrls
 from lanes_runtime.store import apply_migrations
 from lanes_sandbox.embedded import EmbeddedNats
 from lanes_scheduler.adapters import repository
+from lanes_scheduler.domain.queue import gang_of
 from lanes_scheduler.entrypoints.service import SERVICE as SCHEDULER
-from lanes_scheduler.service_layer.handlers import handle_job_event, handle_node_event
+from lanes_scheduler.entrypoints.service import handlers
 
 pytestmark = pytest.mark.real_servers
 LANES = str(Path(sys.executable).parent / "lanes")
@@ -89,6 +90,7 @@ class Cluster:
             f"lanes.node.{n}.{name}" for n in self.nodes.values() for name in ("registered", "state_changed")
         )
         node_subjects += (f"lanes.node.{self.policy_node}.policy_set",)
+        handle_job_event, handle_node_event = handlers()
         return [
             (
                 ConsumerSpec(durable=f"sched-jobs-{self.unique}{suffix}", stream=JOBS, subjects=job_subjects, batch=4),
@@ -382,7 +384,7 @@ async def test_the_allocation_key_refuses_a_double_booking_even_without_the_lock
         spec = JobSpec(name="t", workers=1, gpus_per_worker=8)
         async with c.conns.pool.acquire() as conn, conn.transaction():
             await repository.add_pending_job(conn, c.jobs["b"], 1, spec, 10**9)
-        gang = repository.gang_of(c.jobs["b"], 1, spec, 0)
+        gang = gang_of(c.jobs["b"], 1, spec, 0)
         with pytest.raises(asyncpg.UniqueViolationError):
             async with c.conns.pool.acquire() as conn, conn.transaction():
                 await repository.allocate(conn, gang, (RankAssignment(rank=0, node=c.nodes["n1"], gpus=(3,)),))
