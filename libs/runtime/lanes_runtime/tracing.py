@@ -28,7 +28,12 @@ def event_span(event: Event, consumer: str) -> Iterator[trace.Span]:
         f"{consumer} {event.name}",
         context=parent,
         kind=trace.SpanKind.CONSUMER,
-        attributes={"lanes.event.type": event.type, "lanes.event.id": event.id, "lanes.consumer": consumer},
+        attributes={
+            "lanes.event.type": event.type,
+            "lanes.event.id": event.id,
+            "lanes.consumer": consumer,
+            "lanes.job": event.jobid or "",
+        },
     ) as span:
         yield span
 
