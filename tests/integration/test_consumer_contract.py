@@ -27,6 +27,7 @@ from lanes_runtime.consumer import (
     EventConsumer,
     HandlerContext,
     Outcome,
+    prune_processed,
 )
 from lanes_runtime.settings import ServerUrls
 from lanes_runtime.store import apply_runtime_migrations, create_pool
@@ -307,3 +308,40 @@ async def test_two_writers_cannot_both_append_after_the_same_job_state(lanes: La
         await lanes.publish(submission(job_id), expected_last_subject_seq=first, expected_subject=job_subjects)
     assert winner > first
     assert await stored(lanes.js, JOBS.name, f"lanes.job.{job_id}.submitted") == 2
+
+
+async def test_processed_records_stay_bounded_and_a_redelivery_inside_the_window_is_still_recognised(
+    lanes: LanesClient, pool: asyncpg.Pool, unique: str
+) -> None:
+    job_id = f"prune-{unique}"
+    spec = spec_for(job_id, ack_wait_s=1.0)
+    consumer = EventConsumer(lanes._nc, pool, spec, record_effect)
+    await consumer.provision()
+    sub = await lanes.js.pull_subscribe_bind(spec.durable, stream=JOBS.name)
+    event = submission(job_id)
+    await lanes.publish(event)
+    (first,) = await sub.fetch(1, timeout=10)
+
+    async def lost() -> None:  # the acknowledgement never reaches the server
+        return None
+
+    first.ack = lost  # type: ignore[method-assign]
+    await consumer.process_batch([first])
+    assert consumer.outcomes[Outcome.PROCESSED] == 1
+
+    # A million records from long ago, as a busy consumer leaves them behind.
+    await pool.execute(
+        """INSERT INTO lanes_processed (consumer, event_id, stream, stream_seq, processed_at)
+           SELECT $1, 'old-' || n, 'LANES_JOBS', n, now() - interval '1 day' FROM generate_series(1, 1000000) AS n""",
+        spec.durable,
+    )
+    assert await prune_processed(pool, spec.durable, spec.retention_s) == 1_000_000
+    left = await pool.fetchval("SELECT count(*) FROM lanes_processed WHERE consumer = $1", spec.durable)
+    assert left == 1  # only the record inside the retention window
+
+    (again,) = await sub.fetch(1, timeout=10)  # redelivered after ack_wait
+    assert again.metadata.num_delivered == 2
+    await consumer.process_batch([again])
+    assert consumer.outcomes[Outcome.DUPLICATE] == 1
+    assert await effects(pool, event.id) == 1
+    await sub.unsubscribe()

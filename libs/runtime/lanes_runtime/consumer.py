@@ -97,6 +97,16 @@ class ConsumerSpec:
             max_ack_pending=self.max_ack_pending or max(self.batch * 4, 256),
         )
 
+    @property
+    def retention_s(self) -> float:
+        """How long a processed record must be kept to recognise a redelivery or a re-publication.
+
+        JetStream itself drops a re-published id within the stream's duplicate window, and an unacknowledged
+        message comes back at most max_deliver times, each after ack_wait or a redelivery delay. After both
+        horizons a record can no longer be needed.
+        """
+        return self.stream.duplicate_window_s + self.max_deliver * self.ack_wait_s + sum(self.redelivery_delays_s)
+
     def delay_after(self, deliveries: int) -> float:
         """How long to wait before the next delivery after `deliveries` failed ones."""
         return self.redelivery_delays_s[max(1, min(deliveries, len(self.redelivery_delays_s))) - 1]
@@ -193,6 +203,7 @@ class EventConsumer:
             cb=self._on_max_deliveries,
         )
         self._log.info("consumer started", stream=self.spec.stream.name, subjects=self.spec.subjects)
+        next_prune = time.monotonic() + _PRUNE_EVERY_S
         try:
             while not stop.is_set():
                 try:
@@ -207,6 +218,10 @@ class EventConsumer:
                     continue
                 if msgs:
                     await self.process_batch(msgs, stop)
+                if time.monotonic() >= next_prune:
+                    next_prune = time.monotonic() + _PRUNE_EVERY_S
+                    with contextlib.suppress(Exception):  # bookkeeping: it is tried again at the next turn
+                        await prune_processed(self._pool, self.spec.durable, self.spec.retention_s)
                 if self.spec.ordered:
                     with contextlib.suppress(_StoppedError):
                         await self._hold_through_outages(self.fold, stop)
@@ -636,6 +651,31 @@ async def dead_letter(
         MSG_ID_HEADER: f"dead-{letter.stream}-{letter.stream_seq}-{letter.consumer}",
     }
     await js.publish(f"lanes.dead.{letter.stream}.{letter.consumer}", payload, headers=dead_headers, stream=DEAD.name)
+
+
+_PRUNE_EVERY_S = 60.0
+_PRUNE_CHUNK = 10_000
+
+
+async def prune_processed(pool: asyncpg.Pool, consumer: str, retention_s: float) -> int:
+    """Delete the consumer's processed records older than `retention_s`, in bounded chunks; return how many.
+
+    The table then holds at most the records of one retention window, however many events went through.
+    """
+    deleted = 0
+    while True:
+        status = await pool.execute(
+            """DELETE FROM lanes_processed WHERE ctid IN (
+                   SELECT ctid FROM lanes_processed
+                   WHERE consumer = $1 AND processed_at < now() - make_interval(secs => $2) LIMIT $3)""",
+            consumer,
+            retention_s,
+            _PRUNE_CHUNK,
+        )
+        count = int(status.rsplit(" ", 1)[-1])
+        deleted += count
+        if count < _PRUNE_CHUNK:
+            return deleted
 
 
 class _StoppedError(Exception):

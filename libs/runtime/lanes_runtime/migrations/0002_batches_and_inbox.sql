@@ -1,5 +1,5 @@
 -- Pruning finds old processed records by time; the primary key serves the duplicate checks.
-CREATE INDEX lanes_processed_by_age ON lanes_processed (processed_at);
+CREATE INDEX lanes_processed_by_age ON lanes_processed (consumer, processed_at);
 
 -- Per-key ordered consumers (ConsumerSpec.ordered) stage each fetched event here in the transaction that
 -- records it, and acknowledge it; a fold step then applies the staged events at or below the consumer's
