@@ -11,6 +11,7 @@ from pathlib import Path
 
 import asyncpg
 import pytest
+from cli_support import run_lanes_async
 from contract_support import EFFECTS_DDL, effects, eventually, record_effect, spec_for, stored, submission
 from nats.js.errors import APIError
 
@@ -345,3 +346,36 @@ async def test_processed_records_stay_bounded_and_a_redelivery_inside_the_window
     assert consumer.outcomes[Outcome.DUPLICATE] == 1
     assert await effects(pool, event.id) == 1
     await sub.unsubscribe()
+
+
+async def test_lanes_dead_replay_re_drives_a_dead_letter_after_a_fix_and_nothing_doubles(
+    lanes: LanesClient, pool: asyncpg.Pool, urls: ServerUrls, unique: str
+) -> None:
+    broken = True
+
+    async def until_fixed(event: Event, ctx: HandlerContext) -> list[Event]:
+        if broken:
+            raise PoisonEventError("a bug, fixed by the next deploy")
+        return list(await record_effect(event, ctx))
+
+    job_id = f"replay-{unique}"
+    spec = spec_for(job_id)
+    consumer = EventConsumer(lanes._nc, pool, spec, until_fixed)
+    stop, task = await _running(consumer)
+    event = submission(job_id)
+    await lanes.publish(event)
+    await eventually(lambda: _dead(consumer), what="dead letter")
+    broken = False  # the fix
+
+    listed = await run_lanes_async(urls, "dead", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    (letter,) = [json.loads(line) for line in listed.stdout.splitlines() if spec.durable in line]
+    assert letter["event_id"] == event.id
+    assert "fixed by the next deploy" in letter["reason"]
+    for _ in range(2):  # a second replay of the same letter publishes nothing new
+        replayed = await run_lanes_async(urls, "dead", "replay", str(letter["dead_seq"]))
+        assert replayed.returncode == 0, replayed.stderr
+    await eventually(lambda: _processed(consumer, 1), what="the replayed event processed")
+    await _stop(stop, task)
+    assert await effects(pool, event.id) == 1
+    assert await stored(lanes.js, JOBS.name, event.nats_subject()) == 2  # the original and one replay

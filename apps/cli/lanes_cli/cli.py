@@ -17,7 +17,17 @@ import yaml
 from pydantic import ValidationError
 
 from lanes_agent.launcher import LocalLauncher
-from lanes_cli import analyze_cli, audit_cli, import_cli, incident_cli, jobs_cli, poc_cli, recover_cli, router_cli
+from lanes_cli import (
+    analyze_cli,
+    audit_cli,
+    dead_cli,
+    import_cli,
+    incident_cli,
+    jobs_cli,
+    poc_cli,
+    recover_cli,
+    router_cli,
+)
 from lanes_cli.bootstrap import SERVICES, prepare_services
 from lanes_cli.console import (
     EXIT_BAD_INPUT,
@@ -290,6 +300,7 @@ def replay(  # noqa: PLR0917 - typer maps each option to a parameter
 
 
 app.add_typer(audit_cli.app, name="audit")
+app.add_typer(dead_cli.app, name="dead")
 app.command()(poc_cli.poc)
 app.command()(incident_cli.incident)
 app.command("import")(import_cli.import_events)

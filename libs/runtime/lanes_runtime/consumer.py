@@ -132,6 +132,8 @@ class Outcome(StrEnum):
     DUPLICATE = "duplicate"
     RETRY = "retry"
     """Sent back for redelivery (spends a delivery)."""
+    STAGED = "staged"
+    """Recorded in the inbox of an ordered consumer, to be folded (counted PROCESSED when folded)."""
     HELD = "held"
     """Kept and tried again in place while a server was unavailable (spends none)."""
     DEAD_LETTERED = "dead_lettered"
@@ -423,7 +425,10 @@ class EventConsumer:
         match verdict:
             case decision.Ack():
                 await _settle(item.msg.ack())
-                tally = Outcome.DUPLICATE if isinstance(outcome, decision.Duplicate) else Outcome.PROCESSED
+                if isinstance(outcome, decision.Duplicate):
+                    tally = Outcome.DUPLICATE
+                else:
+                    tally = Outcome.STAGED if self.spec.ordered else Outcome.PROCESSED
             case decision.Nak(delay_s):
                 self._log.warning("redelivering", reason=_reason(outcome), delay_s=delay_s, seq=item.seq)
                 await _settle(item.msg.nak(delay=delay_s))
