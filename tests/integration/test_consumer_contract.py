@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import subprocess
 import sys
+import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -30,6 +32,7 @@ from lanes_runtime.consumer import (
     Outcome,
     prune_processed,
 )
+from lanes_runtime.metrics import serve_metrics
 from lanes_runtime.settings import ServerUrls
 from lanes_runtime.store import apply_runtime_migrations, create_pool
 
@@ -379,3 +382,27 @@ async def test_lanes_dead_replay_re_drives_a_dead_letter_after_a_fix_and_nothing
     await _stop(stop, task)
     assert await effects(pool, event.id) == 1
     assert await stored(lanes.js, JOBS.name, event.nats_subject()) == 2  # the original and one replay
+
+
+async def test_metrics_endpoint_shows_the_consumer_counters_and_histograms_without_job_labels(
+    lanes: LanesClient, pool: asyncpg.Pool, unique: str
+) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    serve_metrics(port, host="127.0.0.1")
+    job_id = f"metrics-{unique}"
+    consumer = EventConsumer(lanes._nc, pool, spec_for(job_id), record_effect)
+    stop, task = await _running(consumer)
+    await lanes.publish(submission(job_id))
+    await eventually(lambda: _processed(consumer, 1), what="processing")
+    await _stop(stop, task)
+    body = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode())
+    durable = consumer.spec.durable
+    assert f'lanes_consumer_events_total{{consumer="{durable}",outcome="processed"}} 1.0' in body
+    for family in ("lanes_consumer_batch_size", "lanes_consumer_handler_seconds", "lanes_consumer_commit_seconds"):
+        assert f'{family}_count{{consumer="{durable}"}}' in body
+    assert f'lanes_consumer_ready{{consumer="{durable}"}} 1.0' in body
+    assert f'lanes_consumer_pending{{consumer="{durable}"}}' in body
+    assert "job=" not in body  # labelled by consumer, never by job
+    assert "job_id=" not in body
