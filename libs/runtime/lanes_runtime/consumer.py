@@ -33,9 +33,9 @@ import json
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import asyncpg
 import structlog
@@ -112,6 +112,30 @@ class ConsumerSpec:
         return self.redelivery_delays_s[max(1, min(deliveries, len(self.redelivery_delays_s))) - 1]
 
 
+@dataclass
+class TransactionScope:
+    """What handlers share for the rest of one transaction (a batch): a cache, and work to do before commit.
+
+    A handler that reads and rewrites the same rows for every event (a fold) can keep them here and write
+    them once, just before the batch commits.
+    """
+
+    deferred: bool = False
+    """True when the consumer runs `flush` before commit; a scope a caller made itself writes at once."""
+    cache: dict[object, Any] = field(default_factory=dict)
+    _before_commit: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+    def before_commit(self, action: Callable[[], Awaitable[None]]) -> None:
+        """Run `action` inside the transaction, after the last handler and before the commit."""
+        self._before_commit.append(action)
+
+    async def flush(self) -> None:
+        """Run the registered actions, in order (the consumer calls this)."""
+        actions, self._before_commit = self._before_commit, []
+        for action in actions:
+            await action()
+
+
 @dataclass(frozen=True)
 class HandlerContext:
     """What a handler gets besides the event: the open transaction and where the event came from."""
@@ -119,6 +143,7 @@ class HandlerContext:
     conn: Db
     stream_seq: int
     deliveries: int
+    scope: TransactionScope = field(default_factory=TransactionScope)
 
 
 Handler = Callable[[Event, HandlerContext], Awaitable[Sequence[Event]]]
@@ -225,8 +250,13 @@ class EventConsumer:
                     with contextlib.suppress(Exception):  # bookkeeping: it is tried again at the next turn
                         await prune_processed(self._pool, self.spec.durable, self.spec.retention_s)
                 if self.spec.ordered:
-                    with contextlib.suppress(_StoppedError):
+                    try:
                         await self._hold_through_outages(self.fold, stop)
+                    except _StoppedError:
+                        pass
+                    except Exception:  # noqa: BLE001 - the staged events stay; the next turn folds them again
+                        self._log.exception("fold failed; trying again")
+                        await asyncio.sleep(self.spec.delay_after(1))
         finally:
             with contextlib.suppress(Exception):
                 await advisory.unsubscribe()
@@ -300,6 +330,7 @@ class EventConsumer:
         started = time.perf_counter()
         async with self._pool.acquire() as conn, conn.transaction():
             fresh = await self._record(conn, items)
+            scope = TransactionScope(deferred=True)
             outcomes: list[decision.Outcome] = []
             outbox: list[tuple[Event, Event]] = []
             for item in items:
@@ -311,13 +342,19 @@ class EventConsumer:
                     outcomes.append(decision.Processed())
                 else:
                     try:
-                        outputs = await self._run_handler(conn, item.event, item.seq, item.deliveries)
+                        outputs = await self._run_handler(conn, item.event, item.seq, item.deliveries, scope)
                     except Exception as exc:
                         if is_infrastructure(exc):
                             raise
                         raise _HandlerFailedError from exc
                     outbox += [(item.event, output) for output in outputs]
                     outcomes.append(decision.Processed())
+            try:
+                await scope.flush()
+            except Exception as exc:
+                if is_infrastructure(exc):
+                    raise
+                raise _HandlerFailedError from exc
             if self.spec.ordered:
                 await self._stage(conn, [item for item in items if item.event is not None and item.event.id in fresh])
             await self._store_outbox(conn, outbox)
@@ -333,7 +370,9 @@ class EventConsumer:
                 fresh = await self._record(conn, [item])
                 if item.event.id not in fresh:
                     return decision.Duplicate()
-                outputs = await self._run_handler(conn, item.event, item.seq, item.deliveries)
+                scope = TransactionScope(deferred=True)
+                outputs = await self._run_handler(conn, item.event, item.seq, item.deliveries, scope)
+                await scope.flush()
                 await self._store_outbox(conn, [(item.event, output) for output in outputs])
         except Exception as exc:
             if is_infrastructure(exc):
@@ -341,13 +380,15 @@ class EventConsumer:
             return classify(exc)
         return decision.Processed()
 
-    async def _run_handler(self, conn: Db, event: Event, stream_seq: int, deliveries: int) -> Sequence[Event]:
+    async def _run_handler(
+        self, conn: Db, event: Event, stream_seq: int, deliveries: int, scope: TransactionScope
+    ) -> Sequence[Event]:
         started = time.perf_counter()
         with (
             structlog.contextvars.bound_contextvars(event_id=event.id, job_id=event.jobid),
             event_span(event, self.spec.durable),
         ):
-            outputs = traced(await self._handler(event, HandlerContext(conn, stream_seq, deliveries)))
+            outputs = traced(await self._handler(event, HandlerContext(conn, stream_seq, deliveries, scope)))
         self._metrics.handler_seconds.observe(time.perf_counter() - started)
         return outputs
 
@@ -509,6 +550,7 @@ class EventConsumer:
             if not rows:
                 return 0, False
             floor = await self._ack_floor()
+            scope = TransactionScope(deferred=True)
             blocked: set[str] = set()
             finished: list[int] = []
             retried: list[int] = []
@@ -519,7 +561,7 @@ class EventConsumer:
                 if seq > floor or key in blocked:
                     blocked.add(key)
                     continue
-                outcome, outputs, event = await self._fold_event(conn, row)
+                outcome, outputs, event = await self._fold_event(conn, row, scope)
                 verdict = decision.decide(outcome, int(row["attempts"]) + 1, self.spec)
                 match verdict:
                     case decision.Ack():
@@ -545,6 +587,7 @@ class EventConsumer:
                         blocked.add(key)
                         self.outcomes[Outcome.RETRY] += 1
                         self._metrics.count(Outcome.RETRY)
+            await scope.flush()
             await conn.execute(
                 "DELETE FROM lanes_inbox WHERE consumer = $1 AND stream_seq = ANY($2::bigint[])",
                 self.spec.durable,
@@ -563,17 +606,19 @@ class EventConsumer:
         return len(finished), len(rows) == self.spec.batch and bool(finished)
 
     async def _fold_event(
-        self, conn: Db, row: asyncpg.Record
+        self, conn: Db, row: asyncpg.Record, scope: TransactionScope
     ) -> tuple[decision.Outcome, Sequence[Event], Event | None]:
         """Run the handler for one staged event in a savepoint; an infrastructure failure aborts the fold."""
         try:
             event = decode(row["subject"], json.loads(row["headers"]), bytes(row["payload"]))
         except DecodeError as exc:
             return decision.Invalid(str(exc)), (), None
+        before = dict(scope.cache)
         try:
             async with conn.transaction():
-                outputs = await self._run_handler(conn, event, int(row["stream_seq"]), int(row["attempts"]) + 1)
+                outputs = await self._run_handler(conn, event, int(row["stream_seq"]), int(row["attempts"]) + 1, scope)
         except Exception as exc:
+            scope.cache = before  # what the failed handler kept is rolled back with its savepoint
             if is_infrastructure(exc):
                 raise
             return classify(exc), (), event

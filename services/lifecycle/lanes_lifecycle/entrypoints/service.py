@@ -53,7 +53,7 @@ def job_event_handler(js: JetStreamContext) -> Handler:
     transitions = JetStreamTransitions(js)
 
     async def handle(event: Event, ctx: HandlerContext) -> Sequence[Event]:
-        return await apply_job_event(event, LifecycleUnitOfWork(ctx.conn, transitions))
+        return await apply_job_event(event, LifecycleUnitOfWork(ctx.conn, transitions, ctx.scope))
 
     return handle
 
