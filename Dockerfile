@@ -1,15 +1,23 @@
-# One image for every Lanes service: `docker run <image> serve scheduler`, `... serve router`, and so on.
-# Versions come from the pins in pyproject.toml (there is no lock file).
+# One image per deployable, each with only what it runs:
+#   docker build --build-arg SERVICE=scheduler -t lanes-scheduler .
+# SERVICE is one of scheduler, lifecycle, telemetry, recovery, router, audit. The image installs that
+# service's package and its dependencies (the event contract and the consumer runtime), never the embedded
+# servers, the sandbox or the CLI; tests/test_images.py checks that installed set without a Docker engine.
+# Versions come from the pins in each pyproject.toml (no lock file is committed).
 
 FROM python:3.11-slim AS build
+ARG SERVICE
 ENV PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN python -m venv /opt/lanes
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    UV_PROJECT_ENVIRONMENT=/opt/lanes \
+    UV_LINK_MODE=copy \
+    UV_COMPILE_BYTECODE=1
+RUN test -n "$SERVICE" || { echo "build with --build-arg SERVICE=<service>" >&2; exit 2; }
+RUN pip install uv==0.13.9
 WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY libs/ libs/
-COPY services/ services/
-RUN /opt/lanes/bin/pip install .
+COPY . .
+RUN uv sync --no-dev --no-editable --package "lanes-${SERVICE}" \
+    && ln -s "/opt/lanes/bin/lanes-${SERVICE}" /opt/lanes/bin/lanes-service
 
 FROM python:3.11-slim
 ENV PATH=/opt/lanes/bin:$PATH \
@@ -21,5 +29,4 @@ RUN groupadd --system --gid 10001 lanes \
 COPY --from=build /opt/lanes /opt/lanes
 USER 10001:10001
 WORKDIR /home/lanes
-ENTRYPOINT ["lanes"]
-CMD ["--help"]
+ENTRYPOINT ["lanes-service"]

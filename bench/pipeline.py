@@ -19,19 +19,14 @@ import asyncio
 import json
 import resource
 import statistics
-import sys
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from scheduler import end_to_end  # type: ignore[import-not-found]
-from telemetry import one_ingest_run  # type: ignore[import-not-found]
+from scheduler import end_to_end
+from telemetry import one_ingest_run
 
 from lanes_cli.stack import servers
 from lanes_contract.client import publish_encoded

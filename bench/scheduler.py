@@ -29,6 +29,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from baselines.first_fit import GangRequest, NodeCapacity, place_first_fit
+
 from lanes_cli.stack import servers
 from lanes_contract.client import LanesClient
 from lanes_contract.events import JobSubmitted, JobSubmittedData, NodeRegistered, NodeRegisteredData
@@ -50,7 +52,6 @@ from lanes_scheduler.domain.admission import (
     queue_order,
     reservation,
 )
-from lanes_scheduler.domain.placement import GangRequest, NodeCapacity, place_first_fit
 from lanes_scheduler.entrypoints.service import SERVICE as SCHEDULER
 from lanes_scheduler.entrypoints.service import handlers
 

@@ -339,14 +339,14 @@ def test_every_server_has_a_healthcheck(services, lanes_containers):
 # --- The Lanes services --------------------------------------------------------------------------------------------
 
 
-def test_each_service_has_exactly_one_serve_container(lanes_containers):
+def test_each_service_has_exactly_one_container_built_for_it(lanes_containers):
     served: dict[str, list[str]] = {}
     for container, spec in lanes_containers.items():
-        command = _command(spec)
-        if command[:1] == ["serve"]:
-            assert len(command) == 2, f"{container}: {command}"
-            assert command[1] in SERVICES, f"{container}: serves unknown service {command[1]!r}"
-            served.setdefault(command[1], []).append(container)
+        build = spec["build"]
+        assert isinstance(build, dict), f"{container}: build needs args.SERVICE"
+        service = build["args"]["SERVICE"]
+        assert service in SERVICES, f"{container}: builds unknown service {service!r}"
+        served.setdefault(service, []).append(container)
     assert set(served) == set(SERVICES), f"not served: {sorted(set(SERVICES) - set(served))}"
     duplicates = {name: containers for name, containers in served.items() if len(containers) != 1}
     assert not duplicates, duplicates
@@ -422,18 +422,20 @@ def _final_stage() -> list[tuple[str, str]]:
     return instructions[starts[-1] :]
 
 
-def test_dockerfile_runs_lanes_as_a_non_root_user():
+def test_dockerfile_runs_one_service_as_a_non_root_user():
     stage = _final_stage()
     base = stage[0][1].split()[0]
     assert base.startswith("python:3.11-slim"), base
     entrypoints = [json.loads(args) for instruction, args in stage if instruction == "ENTRYPOINT"]
     assert entrypoints, "no ENTRYPOINT"
-    assert entrypoints[-1] == ["lanes"]
-    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts.get("lanes") == "lanes_cli.cli:main"
+    assert entrypoints[-1] == ["lanes-service"]
+    text = DOCKERFILE.read_text()
+    assert 'uv sync --no-dev --no-editable --package "lanes-${SERVICE}"' in text
+    assert 'ln -s "/opt/lanes/bin/lanes-${SERVICE}" /opt/lanes/bin/lanes-service' in text
+    for service in SERVICES:
+        scripts = tomllib.loads((ROOT / "services" / service / "pyproject.toml").read_text())["project"]["scripts"]
+        assert scripts == {f"lanes-{service}": f"lanes_{service}.__main__:main"}
     users = [args.split(":")[0] for instruction, args in stage if instruction == "USER"]
     assert users, "the image runs as root"
     assert users[-1] not in {"root", "0"}
-    commands = [json.loads(args) for instruction, args in stage if instruction == "CMD"]
-    assert commands[-1] == ["--help"]
-    assert "uv.lock" not in DOCKERFILE.read_text(), "the image must not use a lock file"
+    assert "COPY uv.lock" not in text, "the image must not use a committed lock file"

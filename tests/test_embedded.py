@@ -21,7 +21,6 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +29,7 @@ import asyncpg
 import nats
 import pytest
 import redis.asyncio as aioredis
+from support.waiting import eventually_in_sync_code
 
 from lanes_sandbox import embedded
 from lanes_sandbox.embedded import (
@@ -126,12 +126,7 @@ def _port_open(port: int) -> bool:
 
 
 def _eventually(check: Callable[[], object], what: str, timeout: float = CLEANUP_TIMEOUT) -> None:
-    """Poll ``check`` until truthy; fail with ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for: {what}")
-        time.sleep(0.05)
+    eventually_in_sync_code(check, timeout_s=timeout, what=what)
 
 
 def _assert_cleaned(pids: Iterable[int], ports: Iterable[int], dirs: Iterable[Path]) -> None:

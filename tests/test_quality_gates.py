@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
@@ -24,6 +26,7 @@ def test_ruff_format_is_applied() -> None:
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_mypy_strict_finds_nothing() -> None:
     result = _run(str(BIN / "mypy"))
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]

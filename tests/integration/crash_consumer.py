@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from contract_support import EFFECTS_DDL, record_effect, spec_for
 from nats.aio.msg import Msg
+from support.contract import EFFECTS_DDL, record_effect, spec_for
 
 import lanes_runtime.consumer as consumer_module
 from lanes_contract.client import connect_nats

@@ -18,10 +18,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from lifecycle_support import lifecycle_spec
 from nats.aio.msg import Msg
+from support.lifecycle import lifecycle_spec
 
 import lanes_runtime.consumer as consumer_module
 from lanes_contract.client import connect_nats, publish_encoded

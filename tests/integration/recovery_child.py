@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
 
 import lanes_runtime.consumer as consumer_module
 from lanes_contract.client import connect_nats, publish_encoded

@@ -7,8 +7,9 @@ from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
-from contract_support import eventually, submission
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from support.contract import submission
+from support.waiting import eventually
 
 from lanes_audit.adapters.signing import Signer
 from lanes_audit.domain.chain import ProblemKind
@@ -16,19 +17,11 @@ from lanes_audit.entrypoints.recorder import AuditRecorder
 from lanes_cli.audit_cli import verify
 from lanes_contract.client import LanesClient, publish_encoded
 from lanes_contract.codec import encode
-from lanes_contract.streams import JOBS, provision_streams
+from lanes_contract.streams import JOBS
 from lanes_runtime.settings import ServerUrls
 from lanes_runtime.store import apply_migrations, create_pool, migrations_of
 
 pytestmark = pytest.mark.real_servers
-
-
-@pytest.fixture
-async def lanes(urls: ServerUrls) -> AsyncIterator[LanesClient]:
-    client = await LanesClient.connect(urls.nats_url, source="tests")
-    await provision_streams(client.js)
-    yield client
-    await client.close()
 
 
 @pytest.fixture
@@ -133,6 +126,7 @@ async def test_tampering_is_found_at_its_place(
         assert verdict.problem.position == middle
 
 
+@pytest.mark.slow
 async def test_a_large_clean_history_raises_no_false_alarm(
     lanes: LanesClient, pool: asyncpg.Pool, urls: ServerUrls, unique: str
 ) -> None:

@@ -8,7 +8,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -16,12 +15,12 @@ from pathlib import Path
 
 import asyncpg
 import pytest
-from test_servers_and_streams import _server_announcing
+from support.cli import LANES
+from support.servers import server_announcing
 
 from lanes_runtime.settings import ServerUrls
 
 pytestmark = pytest.mark.real_servers
-LANES = str(Path(sys.executable).parent / "lanes")
 SERVER_NAMES = ("nats-server", "postgres", "redis-server")
 
 
@@ -67,6 +66,7 @@ def _gone(root: Path, timeout_s: float = 20) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_demo_json_on_embedded_servers_runs_the_job_to_the_end(private_tmp: Path) -> None:
     result = _lanes("demo", "--json", env=_env(TMPDIR=str(private_tmp)))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -106,6 +106,7 @@ def test_demo_json_on_embedded_servers_runs_the_job_to_the_end(private_tmp: Path
     _gone(private_tmp)
 
 
+@pytest.mark.slow
 def test_demo_prints_the_timeline_grouped_by_lane() -> None:
     result = _lanes("demo", env=_env())
     assert result.returncode == 0, result.stderr[-3000:]
@@ -124,6 +125,7 @@ def test_demo_prints_the_timeline_grouped_by_lane() -> None:
         assert "job." in line  # the event type
 
 
+@pytest.mark.slow
 async def test_demo_uses_the_servers_the_environment_names(servers: ServerUrls, database_url: str) -> None:
     env = _env(DATABASE_URL=database_url, REDIS_URL=servers.redis_url)
     result = await asyncio.to_thread(_lanes, "demo", "--json", env=env)
@@ -137,6 +139,7 @@ async def test_demo_uses_the_servers_the_environment_names(servers: ServerUrls, 
     assert state == "released"
 
 
+@pytest.mark.slow
 def test_up_serves_submit_job_and_timeline_then_stops_cleanly_on_ctrl_c(tmp_path: Path, private_tmp: Path) -> None:
     up = subprocess.Popen(
         [LANES, "up"], env=_env(TMPDIR=str(private_tmp)), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
@@ -178,6 +181,7 @@ def test_up_serves_submit_job_and_timeline_then_stops_cleanly_on_ctrl_c(tmp_path
     _gone(private_tmp)
 
 
+@pytest.mark.slow
 def test_bad_input_gets_a_one_line_error_and_a_meaningful_exit_code(tmp_path: Path, servers: ServerUrls) -> None:
     env = _env(NATS_URL=servers.nats_url, DATABASE_URL=servers.database_url, REDIS_URL=servers.redis_url)
     missing = _lanes("submit", str(tmp_path / "nope.yaml"), env=env)
@@ -209,7 +213,7 @@ def test_an_unreachable_server_exits_4() -> None:
 
 
 async def test_an_old_nats_is_refused_by_the_cli() -> None:
-    async with _server_announcing("2.9.10") as url:
+    async with server_announcing("2.9.10") as url:
         result = await asyncio.to_thread(_lanes, "timeline", "x", env=_env(NATS_URL=url), timeout=60)
     assert result.returncode == 4
     assert "too old" in result.stderr

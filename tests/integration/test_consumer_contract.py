@@ -13,9 +13,10 @@ from pathlib import Path
 
 import asyncpg
 import pytest
-from cli_support import run_lanes_async
-from contract_support import EFFECTS_DDL, effects, eventually, record_effect, spec_for, stored, submission
 from nats.js.errors import APIError
+from support.cli import run_lanes_async
+from support.contract import EFFECTS_DDL, effects, record_effect, spec_for, stored, submission
+from support.waiting import eventually
 
 from lanes_contract.client import LanesClient, connect_nats
 from lanes_contract.errors import InvalidEventError, PoisonEventError
@@ -37,14 +38,6 @@ from lanes_runtime.settings import ServerUrls
 from lanes_runtime.store import apply_runtime_migrations, create_pool
 
 pytestmark = pytest.mark.real_servers
-
-
-@pytest.fixture
-async def lanes(urls: ServerUrls) -> AsyncIterator[LanesClient]:
-    client = await LanesClient.connect(urls.nats_url, source="tests")
-    await provision_streams(client.js)
-    yield client
-    await client.close()
 
 
 @pytest.fixture

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.cli import Ran, run_lanes
 
 from lanes_contract.client import LanesClient
 from lanes_contract.events import (
@@ -29,14 +27,11 @@ from lanes_runtime.settings import ServerUrls
 from lanes_sandbox.embedded import EmbeddedNats
 
 pytestmark = pytest.mark.real_servers
-LANES = str(Path(sys.executable).parent / "lanes")
 
 
-def _lanes(nats_url: str, *args: str, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "REDIS_URL"}} | {"NATS_URL": nats_url}
-    return subprocess.run(
-        [LANES, *args], env=env | (extra_env or {}), capture_output=True, text=True, timeout=180, check=False
-    )
+def _lanes(nats_url: str, *args: str, extra_env: dict[str, str] | None = None) -> Ran:
+    env: dict[str, str | None] = {"NATS_URL": nats_url, "DATABASE_URL": None, "REDIS_URL": None}
+    return run_lanes(None, *args, env=env | (extra_env or {}))
 
 
 async def _failing_job(nats_url: str, job_id: str) -> None:
@@ -59,6 +54,7 @@ async def _failing_job(nats_url: str, job_id: str) -> None:
         await lanes.publish(RankExited(source="agent/n2", jobid=job_id, attempt=1, node="n2", rank=1, data=killed))
 
 
+@pytest.mark.slow
 async def test_a_bundle_replays_into_an_empty_server_with_the_same_findings(
     servers: ServerUrls, unique: str, tmp_path: Path
 ) -> None:
@@ -94,6 +90,7 @@ def test_a_bad_line_in_an_import_file_is_named(tmp_path: Path, servers: ServerUr
     assert f"{bad}:1:" in result.stderr
 
 
+@pytest.mark.slow
 async def test_the_demos_failing_job_bundle_replays_with_the_same_finding_and_verdicts(
     servers: ServerUrls, database_url: str, tmp_path: Path
 ) -> None:

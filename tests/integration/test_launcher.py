@@ -9,9 +9,9 @@ import sys
 from collections.abc import AsyncIterator
 
 import pytest
-from cli_support import local_stack
-from contract_support import eventually
 from nats.aio.msg import Msg
+from support.cli import local_stack
+from support.waiting import eventually
 
 from lanes_cli.demo import DEMO_NODES
 from lanes_cli.timeline import job_timeline

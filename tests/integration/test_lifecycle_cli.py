@@ -14,7 +14,8 @@ from typing import Any
 
 import asyncpg
 import pytest
-from cli_support import local_stack, run_lanes_async
+from support.cli import local_stack, run_lanes_async
+from support.waiting import eventually
 
 from lanes_cli.bootstrap import SERVICES
 from lanes_cli.scenarios.lifecycle import (
@@ -58,15 +59,18 @@ async def _once_on_timeline(conns: Connections, job_id: str, kind: type[Event]) 
 
 
 async def _wait_for_state(urls: ServerUrls, job_id: str, *states: str) -> dict[str, Any]:
-    for _ in range(300):
+    job: dict[str, Any] = {}
+
+    async def reached() -> bool:
         shown = await run_lanes_async(urls, "job", job_id, "--json")
-        if shown.returncode == 0 and (job := json.loads(shown.stdout))["state"] in states:
-            return dict(job)
-        await asyncio.sleep(0.1)
-    msg = f"{job_id} never reached {states}"
-    raise AssertionError(msg)
+        job.update(json.loads(shown.stdout) if shown.returncode == 0 else {})
+        return job.get("state") in states
+
+    await eventually(reached, timeout_s=60, what=f"{job_id} in {states}")
+    return job
 
 
+@pytest.mark.slow
 async def test_the_demo_scenarios_show_every_state_with_its_cause_and_the_cli_reads_and_commands_them(
     stack: Connections, own_urls: ServerUrls
 ) -> None:
@@ -133,6 +137,7 @@ async def test_the_demo_scenarios_show_every_state_with_its_cause_and_the_cli_re
     assert (await run_lanes_async(own_urls, "retry", "bad.id")).returncode == 2
 
 
+@pytest.mark.slow
 async def test_projections_rebuild_verify_exits_0_after_the_demo_and_1_when_the_projection_is_wrong(
     own_urls: ServerUrls,
 ) -> None:

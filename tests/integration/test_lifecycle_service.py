@@ -16,9 +16,9 @@ from typing import Any
 
 import asyncpg
 import pytest
-from cli_support import run_lanes_async
-from contract_support import eventually
-from lifecycle_support import clean_run, lifecycle_spec, long_story
+from support.cli import run_lanes_async
+from support.lifecycle import clean_run, lifecycle_spec, long_story
+from support.waiting import eventually
 
 from lanes_cli.timeline import read_stream
 from lanes_contract.client import LanesClient
@@ -43,14 +43,6 @@ from lanes_runtime.store import apply_migrations, apply_runtime_migrations, crea
 
 pytestmark = pytest.mark.real_servers
 CHILD = Path(__file__).parent / "lifecycle_child.py"
-
-
-@pytest.fixture
-async def lanes(urls: ServerUrls) -> AsyncIterator[LanesClient]:
-    client = await LanesClient.connect(urls.nats_url, source="tests")
-    await provision_streams(client.js)
-    yield client
-    await client.close()
 
 
 async def _pool(url: str) -> asyncpg.Pool:
@@ -196,6 +188,7 @@ def _kill(child: subprocess.Popen[str]) -> None:
     child.wait(timeout=30)
 
 
+@pytest.mark.slow
 async def test_sigkill_at_random_points_during_2000_events_ends_with_exactly_the_clean_transitions(
     lanes: LanesClient, pool: asyncpg.Pool, urls: ServerUrls, unique: str
 ) -> None:

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cli_support import local_stack, run_lanes_async
-from contract_support import eventually
+from support.cli import local_stack, run_lanes_async
+from support.waiting import eventually
 
 from lanes_contract.client import LanesClient
 from lanes_contract.events import JobSubmitted, JobSubmittedData

@@ -14,14 +14,13 @@ import signal
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 import pytest
-from contract_support import eventually
-from recovery_support import events_of, node_events, spec, submit
+from support.recovery import events_of, node_events, spec, submit
+from support.waiting import eventually
 
 from lanes_contract.client import LanesClient
 from lanes_contract.events import (
@@ -45,7 +44,6 @@ from lanes_contract.events import (
     RetryRequested,
 )
 from lanes_contract.jobs import FailureCause, JobState
-from lanes_contract.streams import provision_streams
 from lanes_runtime.settings import ServerUrls
 from lanes_runtime.store import create_pool
 
@@ -57,14 +55,6 @@ IMAGE_FIELDS = {
     "config_version": "sha256:" + "33" * 32,
     "image": "registry.local/train:1",
 }
-
-
-@pytest.fixture
-async def lanes(urls: ServerUrls) -> AsyncIterator[LanesClient]:
-    client = await LanesClient.connect(urls.nats_url, source="tests")
-    await provision_streams(client.js)
-    yield client
-    await client.close()
 
 
 async def _failed_attempt(client: LanesClient, job_id: str) -> None:
@@ -102,6 +92,7 @@ async def _decisions_in_db(pool: asyncpg.Pool) -> int:
     return int(await pool.fetchval("SELECT count(*) FROM recovery_decisions"))
 
 
+@pytest.mark.slow
 async def test_sigkill_while_deciding_still_gives_exactly_one_decision_per_finding(
     lanes: LanesClient, urls: ServerUrls, unique: str
 ) -> None:

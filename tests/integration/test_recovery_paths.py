@@ -13,9 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cli_support import run_lanes_async
-from contract_support import eventually
-from recovery_support import (
+from support.cli import run_lanes_async
+from support.recovery import (
     ScriptedLauncher,
     events_of,
     node_events,
@@ -28,6 +27,7 @@ from recovery_support import (
     wait_for,
     write_checkpoint,
 )
+from support.waiting import eventually
 
 from lanes_contract.client import LanesClient
 from lanes_contract.events import (
@@ -237,6 +237,7 @@ async def test_a_python_exception_waits_for_its_owner_escalates_once_past_the_de
         assert "no manual recovery decision is pending" in refused.data.reason
 
 
+@pytest.mark.slow
 async def test_lanes_recover_rollback_resumes_from_the_checkpoint_before_the_last_and_abandon_ends_the_job(
     own_urls: ServerUrls, tmp_path: Path, unique: str
 ) -> None:

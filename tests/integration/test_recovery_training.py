@@ -11,8 +11,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from contract_support import eventually
-from recovery_support import (
+from support.recovery import (
     CONFIG,
     Checkpoint,
     ScriptedLauncher,
@@ -27,6 +26,7 @@ from recovery_support import (
     wait_for,
     write_checkpoint,
 )
+from support.waiting import eventually
 
 from lanes_contract.client import LanesClient
 from lanes_contract.events import (

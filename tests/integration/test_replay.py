@@ -2,45 +2,28 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import subprocess
-import sys
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
-from contract_support import submission
+from support.cli import run_lanes_async
+from support.contract import submission
 
 from lanes_contract.client import LanesClient
 from lanes_contract.codec import decode
 from lanes_contract.events import NodeRegistered, NodeRegisteredData
-from lanes_contract.streams import JOBS, provision_streams
+from lanes_contract.streams import JOBS
 from lanes_runtime.settings import ServerUrls
 
 pytestmark = pytest.mark.real_servers
-LANES = str(Path(sys.executable).parent / "lanes")
-
-
-@pytest.fixture
-async def lanes(servers: ServerUrls) -> AsyncIterator[LanesClient]:
-    client = await LanesClient.connect(servers.nats_url, source="tests")
-    await provision_streams(client.js)
-    yield client
-    await client.close()
 
 
 async def _replay(nats_url: str, *args: str) -> tuple[int, list[dict[str, object]], str]:
-    result = await asyncio.to_thread(
-        subprocess.run,
-        [LANES, "replay", *args],
-        env={"NATS_URL": nats_url, "PATH": "/usr/bin:/bin"},
-        capture_output=True,
-        timeout=60,
-        check=False,
+    # Replay needs NATS alone: the other servers' URLs are removed.
+    result = await run_lanes_async(
+        None, "replay", *args, env={"NATS_URL": nats_url, "DATABASE_URL": None, "REDIS_URL": None}
     )
     lines = [json.loads(line) for line in result.stdout.splitlines()]
-    return result.returncode, lines, result.stderr.decode()
+    return result.returncode, lines, result.stderr
 
 
 async def test_replay_of_a_job_is_its_whole_timeline_in_order_and_resumable(

@@ -6,9 +6,8 @@ import json
 
 import aiohttp
 import pytest
-from cli_support import run_lanes_async
-from contract_support import eventually
-from router_support import (
+from support.cli import run_lanes_async
+from support.router import (
     announce_replica,
     chat,
     lanes_client,
@@ -18,12 +17,14 @@ from router_support import (
     wait_routable,
     wait_served,
 )
+from support.waiting import eventually
 
 from lanes_runtime.settings import ServerUrls
 
 pytestmark = pytest.mark.real_servers
 
 
+@pytest.mark.slow
 async def test_requests_lists_provenance_and_route_drains_and_readies_a_replica(urls: ServerUrls, unique: str) -> None:
     model = f"m-{unique}"
     replica = f"r-{unique}"

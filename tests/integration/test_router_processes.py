@@ -7,8 +7,7 @@ import asyncio
 
 import aiohttp
 import pytest
-from contract_support import eventually
-from router_support import (
+from support.router import (
     announce_replica,
     chat,
     lanes_client,
@@ -18,6 +17,7 @@ from router_support import (
     toys,
     wait_routable,
 )
+from support.waiting import eventually
 
 from lanes_contract.codec import decode
 from lanes_contract.events import NodeRegistered, NodeRegisteredData, ReplicaState, ReplicaStateChanged
@@ -29,6 +29,7 @@ from lanes_runtime.settings import ServerUrls
 pytestmark = pytest.mark.real_servers
 
 
+@pytest.mark.slow
 async def test_the_concurrency_cap_holds_across_two_router_processes(servers: ServerUrls, unique: str) -> None:
     model = f"m-{unique}"
     spec = serving(model, "v1", max_concurrency=3, protection="queue", queue_timeout_s=30)
@@ -53,6 +54,7 @@ async def test_the_concurrency_cap_holds_across_two_router_processes(servers: Se
     assert stats["max_in_flight"] == 3
 
 
+@pytest.mark.slow
 async def test_a_crashed_router_leaks_no_slots(servers: ServerUrls, unique: str) -> None:
     model = f"m-{unique}"
     replica = f"r-{unique}"
@@ -99,6 +101,7 @@ async def test_a_crashed_router_leaks_no_slots(servers: ServerUrls, unique: str)
         await redis.aclose()
 
 
+@pytest.mark.slow
 async def test_two_routers_publish_a_replica_transition_once(servers: ServerUrls, unique: str) -> None:
     model = f"m-{unique}"
     replica = f"r-{unique}"

@@ -8,8 +8,7 @@ import json
 
 import aiohttp
 import pytest
-from contract_support import eventually
-from router_support import (
+from support.router import (
     announce_replica,
     chat,
     end_job,
@@ -24,6 +23,7 @@ from router_support import (
     wait_routable,
     wait_served,
 )
+from support.waiting import eventually
 
 from lanes_contract.events import ReplicaState, ReplicaStateChanged, ReplicaStateChangedData
 from lanes_contract.jobs import JobState
@@ -36,6 +36,7 @@ def _fingerprint(body: bytes) -> str:
     return str(json.loads(body)["system_fingerprint"])
 
 
+@pytest.mark.slow
 async def test_requests_are_served_streaming_and_not_with_one_provenance_event_each(
     servers: ServerUrls, unique: str
 ) -> None:
@@ -74,6 +75,7 @@ async def test_requests_are_served_streaming_and_not_with_one_provenance_event_e
     assert served[f"stream-{unique}"].data.stream
 
 
+@pytest.mark.slow
 async def test_a_pinned_version_never_goes_to_another_version(servers: ServerUrls, unique: str) -> None:
     model = f"m-{unique}"
     async with (
@@ -114,6 +116,7 @@ async def test_a_pinned_version_never_goes_to_another_version(servers: ServerUrl
     assert all(a.replica == f"c-{unique}" for e in pinned_to_v2 for a in e.data.attempts)
 
 
+@pytest.mark.slow
 async def test_a_client_that_hangs_up_before_a_slow_answer_is_recorded_as_client_closed(
     servers: ServerUrls, unique: str
 ) -> None:
@@ -130,6 +133,7 @@ async def test_a_client_that_hangs_up_before_a_slow_answer_is_recorded_as_client
     assert event.data.status == "client_closed"
 
 
+@pytest.mark.slow
 async def test_failover_before_the_first_byte_is_invisible_to_the_client(servers: ServerUrls, unique: str) -> None:
     model = f"m-{unique}"
     ids = [f"a-{unique}", f"b-{unique}"]
@@ -173,6 +177,7 @@ async def test_failover_before_the_first_byte_is_invisible_to_the_client(servers
     assert all(a.outcome == "refused" for a in dead.data.attempts[:-1])
 
 
+@pytest.mark.slow
 async def test_a_replica_failing_mid_stream_ends_the_stream_with_a_clear_error(
     servers: ServerUrls, unique: str
 ) -> None:
@@ -199,6 +204,7 @@ async def test_a_replica_failing_mid_stream_ends_the_stream_with_a_clear_error(
     ("protection", "expected_status", "error_type"),
     [("pause", 503, "overloaded"), ("reject", 429, "rate_limited"), ("queue", 503, "overloaded")],
 )
+@pytest.mark.slow
 async def test_each_protection_mode_answers_as_specified_when_no_replica_has_room(
     servers: ServerUrls, unique: str, protection: str, expected_status: int, error_type: str
 ) -> None:
@@ -239,6 +245,7 @@ async def test_each_protection_mode_answers_as_specified_when_no_replica_has_roo
     assert rejected[0].data.http_status == expected_status
 
 
+@pytest.mark.slow
 async def test_no_ready_replica_gets_the_protection_answer_and_bad_input_a_400(
     servers: ServerUrls, unique: str
 ) -> None:
@@ -291,6 +298,7 @@ async def test_no_ready_replica_gets_the_protection_answer_and_bad_input_a_400(
         assert len(await served_events(lanes, f"nope-{unique}")) == 1
 
 
+@pytest.mark.slow
 async def test_draining_takes_no_new_requests_and_lets_in_flight_ones_finish(servers: ServerUrls, unique: str) -> None:
     model = f"m-{unique}"
     async with (
@@ -332,6 +340,7 @@ async def test_draining_takes_no_new_requests_and_lets_in_flight_ones_finish(ser
         await eventually(b_gone, what="the cancelled replica to leave rotation")
 
 
+@pytest.mark.slow
 async def test_one_provenance_event_per_request_including_retried_ones(servers: ServerUrls, unique: str) -> None:
     model = f"m-{unique}"
     ids = [f"a-{unique}", f"b-{unique}"]
@@ -366,6 +375,7 @@ async def test_one_provenance_event_per_request_including_retried_ones(servers: 
         assert event.data.replica != failing
 
 
+@pytest.mark.slow
 async def test_a_slow_first_token_moves_the_stream_to_another_replica(servers: ServerUrls, unique: str) -> None:
     model = f"m-{unique}"
     ids = [f"a-{unique}", f"b-{unique}"]

@@ -8,15 +8,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import AsyncIterator, Awaitable
-from pathlib import Path
 from typing import Any
 
 import asyncpg
 import pytest
-from contract_support import eventually
 from nats.js import JetStreamContext
+from support.cli import LANES, run_lanes_async
+from support.waiting import eventually
 
 from lanes_contract.client import LanesClient
 from lanes_contract.codec import decode
@@ -52,7 +51,6 @@ from lanes_scheduler.entrypoints.service import SERVICE as SCHEDULER
 from lanes_scheduler.entrypoints.service import handlers
 
 pytestmark = pytest.mark.real_servers
-LANES = str(Path(sys.executable).parent / "lanes")
 
 
 async def _job_events(js: JetStreamContext, job_id: str) -> list[Event]:
@@ -180,7 +178,14 @@ async def test_topology_wait_then_placed_after_a_leaf_is_released_with_history(u
         await eventually(lambda: _is(c.reason("big"), "topology_unsatisfiable"), what="big waits for topology")
         await c.finish("small")
         await eventually(lambda: _is(c.status("big"), "placed"), what="big placed after the release")
-        events = await _job_events(c.conns.nc.jetstream(), c.jobs["big"])
+        # The projection commits before the outbox is published: wait for the placement on the log too.
+        events: list[Event] = []
+
+        async def placed_on_the_log() -> bool:
+            events[:] = await _job_events(c.conns.nc.jetstream(), c.jobs["big"])
+            return any(e.type == "io.lanes.job.placed.v1" for e in events)
+
+        await eventually(placed_on_the_log, what="big's placement on the log")
         waiting = [e for e in events if e.type == "io.lanes.job.waiting.v1"]
         assert len(waiting) == 1
         data = waiting[0].data
@@ -424,10 +429,13 @@ async def test_lanes_job_json_shows_the_time_spent_in_each_wait_reason(urls: Ser
         finally:
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
-        env = {k: v for k, v in os.environ.items() if k not in {"NATS_URL", "REDIS_URL"}}
-        env |= {"DATABASE_URL": urls.database_url, "LANES_LOG_FORMAT": "json"}
-        result = await asyncio.to_thread(
-            subprocess.run, [LANES, "job", c.jobs["w"], "--json"], env=env, capture_output=True, text=True, check=False
+        # `lanes job` reads the projections from PostgreSQL alone.
+        result = await run_lanes_async(
+            None,
+            "job",
+            c.jobs["w"],
+            "--json",
+            env={"DATABASE_URL": urls.database_url, "NATS_URL": None, "REDIS_URL": None},
         )
     assert result.returncode == 0, result.stderr[-2000:]
     scheduling = json.loads(result.stdout)["scheduling"]

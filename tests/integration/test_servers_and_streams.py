@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from nats.js.api import RetentionPolicy
+from support.servers import server_announcing
 
 from lanes_contract.client import MIN_NATS_VERSION, connect_nats
 from lanes_contract.errors import ServerUnavailableError, StreamConflictError, UnsupportedServerError
@@ -23,29 +21,8 @@ from lanes_runtime.settings import ServerUrls
 pytestmark = pytest.mark.real_servers
 
 
-@contextlib.asynccontextmanager
-async def _server_announcing(version: str) -> AsyncIterator[str]:
-    """A TCP peer that speaks just enough of the NATS protocol to announce a server version."""
-
-    async def greet(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        info = {"server_id": "old", "version": version, "proto": 1, "max_payload": 1048576, "headers": True}
-        writer.write(f"INFO {json.dumps(info)}\r\n".encode())
-        await writer.drain()
-        with contextlib.suppress(ConnectionError):
-            while line := await reader.readline():
-                if line.startswith(b"PING"):
-                    writer.write(b"PONG\r\n")
-                    await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_server(greet, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    async with server:
-        yield f"nats://127.0.0.1:{port}"
-
-
 async def test_a_nats_server_below_the_floor_is_refused_with_what_to_run() -> None:
-    async with _server_announcing("2.9.10") as url:
+    async with server_announcing("2.9.10") as url:
         with pytest.raises(UnsupportedServerError) as refused:
             await connect_nats(url, name="tests")
     message = str(refused.value)

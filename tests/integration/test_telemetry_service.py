@@ -6,16 +6,15 @@ import asyncio
 import contextlib
 import json
 import shutil
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from contract_support import eventually
 from nats.js import JetStreamContext
+from support.cli import run_lanes_async
+from support.waiting import eventually
 
 from lanes_cli.analyze_cli import load_evidence
 from lanes_contract.client import LanesClient
@@ -45,7 +44,6 @@ from lanes_telemetry.entrypoints.service import SERVICE
 from lanes_telemetry.service_layer.handlers import handle_evidence, handle_job_event
 
 pytestmark = pytest.mark.real_servers
-LANES = str(Path(sys.executable).parent / "lanes")
 OOM_JOB = Path(__file__).resolve().parent.parent / "data" / "logs" / "oom_job"
 PLACED_AT = datetime(2026, 12, 2, 9, 50, tzinfo=UTC)
 
@@ -132,13 +130,7 @@ async def test_live_finding_equals_lanes_analyze_on_the_same_per_rank_logs(
     nodes = sorted(world.all_nodes)
     assert len(nodes) == 4
 
-    offline = await asyncio.to_thread(
-        subprocess.run,
-        [LANES, "analyze", str(logs), "--json", "--year", "2026"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    offline = await run_lanes_async(None, "analyze", str(logs), "--json", "--year", "2026")
     assert offline.returncode == 0, offline.stderr
     offline_finding = json.loads(offline.stdout)
     assert offline_finding["first_error"]["rank"] == 3

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from cli_support import local_stack, run_lanes, run_lanes_async
+from support.cli import local_stack, run_lanes, run_lanes_async
 
 from lanes_cli.bootstrap import SERVICES
 from lanes_cli.scenarios.topology import TOPOLOGY_NODES, topology_wait_then_placed
@@ -24,6 +24,7 @@ async def stack(own_urls: ServerUrls) -> AsyncIterator[Connections]:
         yield conns
 
 
+@pytest.mark.slow
 async def test_import_show_export_and_the_topology_demo_with_its_wait_history(
     stack: Connections, own_urls: ServerUrls
 ) -> None:

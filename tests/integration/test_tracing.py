@@ -10,12 +10,12 @@ from __future__ import annotations
 import sys
 
 import pytest
-from cli_support import local_stack
-from contract_support import eventually
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from support.cli import local_stack
+from support.waiting import eventually
 
 from lanes_cli.timeline import job_timeline
 from lanes_contract.client import LanesClient

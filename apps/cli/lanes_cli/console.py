@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import NoReturn, TypeVar
@@ -52,7 +53,10 @@ def run_async(
     def on_sigterm(_signum: int, _frame: object) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    # Only the main thread may install signal handlers; embedded elsewhere (a test's worker thread), the
+    # caller owns shutdown.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_sigterm)
     try:
         with asyncio.Runner(loop_factory=loop_factory) as runner:
             return runner.run(work())  # type: ignore[arg-type]

@@ -1,7 +1,13 @@
-"""`python -m lanes_lifecycle`: the lifecycle service as its own process (NATS_URL, DATABASE_URL, REDIS_URL)."""
+"""`lanes-lifecycle` (or `python -m lanes_lifecycle`): the lifecycle service as its own process."""
 
 from lanes_lifecycle.entrypoints.service import SERVICE
 from lanes_runtime.service import serve_main
 
-if __name__ == "__main__":
+
+def main() -> None:
+    """Run the service until SIGTERM or Ctrl-C."""
     serve_main(SERVICE)
+
+
+if __name__ == "__main__":
+    main()

@@ -5,11 +5,11 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from baselines.first_fit import Blocked, GangRequest, NodeCapacity, WaitReason, place_first_fit
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lanes_contract.events import RankAssignment
-from lanes_scheduler.domain.placement import Blocked, GangRequest, NodeCapacity, WaitReason, place_first_fit
 
 
 def _node(node_id: str, free: int | tuple[int, ...], *, model: str = "H100", memory: int = 80) -> NodeCapacity:

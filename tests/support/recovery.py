@@ -10,8 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from contract_support import eventually
-
 from lanes_cli.bootstrap import SERVICES, prepare_services
 from lanes_cli.timeline import read_stream
 from lanes_contract.client import LanesClient
@@ -42,6 +40,7 @@ from lanes_recovery.entrypoints.service import recovery_service
 from lanes_runtime.reader import Selection
 from lanes_runtime.service import Connections, connected, run_consumers
 from lanes_runtime.settings import ServerUrls
+from support.waiting import eventually
 
 _E = TypeVar("_E", bound=Event)
 MODEL = "sha256:" + "11" * 32

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
 import asyncpg
 from nats.js import JetStreamContext
@@ -54,13 +52,3 @@ async def stored(js: JetStreamContext, stream: str, subject: str) -> int:
     """How many messages a stream holds on a subject."""
     info = await js.stream_info(stream, subjects_filter=subject)
     return int((info.state.subjects or {}).get(subject, 0))
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], *, timeout_s: float = 20.0, what: str = "condition") -> None:
-    """Wait until `check` holds, polling; fail with `what` if it never does."""
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        if time.monotonic() > deadline:
-            msg = f"timed out waiting for {what}"
-            raise AssertionError(msg)
-        await asyncio.sleep(0.05)

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from contract_support import eventually
 
 from lanes_agent.launcher import listening_endpoint
 from lanes_contract.client import LanesClient, connect_nats
@@ -41,6 +40,7 @@ from lanes_router.entrypoints.runner import RouterRunner
 from lanes_runtime.cache import connect_redis
 from lanes_runtime.reader import Selection, iter_stream
 from lanes_runtime.settings import ServerUrls
+from support.waiting import eventually
 
 LISTENING = "Uvicorn running on "
 TEST_CONFIG = {
@@ -190,10 +190,12 @@ def start_router_process(urls: ServerUrls, **overrides: Any) -> RouterProcess:
     )
     assert process.stderr is not None
     deadline = time.monotonic() + 60
+    said: list[str] = []
     while time.monotonic() < deadline:
         line = process.stderr.readline()
         if not line:
             break
+        said.append(line)
         with contextlib.suppress(ValueError):
             record = json.loads(line)
             if record.get("event") == "router listening":
@@ -201,7 +203,7 @@ def start_router_process(urls: ServerUrls, **overrides: Any) -> RouterProcess:
                 threading.Thread(target=process.stderr.read, daemon=True).start()
                 return RouterProcess(process, record["url"])
     process.kill()
-    msg = "the router process did not start listening"
+    msg = f"the router process did not start listening (exit {process.wait(10)}); it said:\n{''.join(said[-20:])}"
     raise AssertionError(msg)
 
 
