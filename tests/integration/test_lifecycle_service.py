@@ -313,6 +313,7 @@ async def test_a_writer_that_lost_the_race_is_refused_and_rolls_back(
     assert [c.data.sequence for c in logged] == list(range(1, len(logged) + 1))
 
 
+@pytest.mark.slow
 async def test_two_replicas_killed_at_random_during_50_interleaved_jobs_leave_a_projection_equal_to_a_clean_fold(
     own_urls: ServerUrls, unique: str
 ) -> None:
