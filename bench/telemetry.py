@@ -243,9 +243,12 @@ async def batched_sketch(conns: Connections, run: str, subjects: tuple[str, ...]
             }
             batch = [event for _, event in decoded if event.id in fresh]
             nodes = sorted({event.node_key for event in batch})
-            await repository.lock_nodes(conn, nodes)
+            await repository.PostgresTelemetryStore(conn).lock_nodes(nodes)
             latest = max((event.time for event in batch), default=T0)
-            placed = {node: await repository.placement_at(conn, node, latest, CORRELATION_SKEW) for node in nodes}
+            placed = {
+                node: await repository.PostgresTelemetryStore(conn).placement_at(node, latest, CORRELATION_SKEW)
+                for node in nodes
+            }
             rows, copies = [], []
             for event in batch:
                 placement = placed[event.node_key]
@@ -295,7 +298,7 @@ async def batched_sketch(conns: Connections, run: str, subjects: tuple[str, ...]
                 [json.dumps(c.headers) for c in copies],
                 [c.payload for c in copies],
             )
-            evidence_rows = await repository.evidence_of(conn, job_id, 1, ignored=NOT_ELECTED)
+            evidence_rows = await repository.PostgresTelemetryStore(conn).evidence_of(job_id, 1, ignored=NOT_ELECTED)
             elect_first_error(evidence_rows)
         await asyncio.gather(*(publish_encoded(js, c, stream=JOBS.name) for c in copies))
         await conns.pool.execute("DELETE FROM lanes_outbox WHERE id = ANY($1::bigint[])", [r["id"] for r in outbox])

@@ -69,7 +69,7 @@ async def _failed_attempt(client: LanesClient, job_id: str) -> None:
     saved = CheckpointSavedData(step=200, path=f"s3://ckpt/{job_id}/200", digest="sha256:" + "ab" * 32, **IMAGE_FIELDS)
     await client.publish(CheckpointSaved(data=saved, rank=0, **keys))
     cause = FindingCause(category="gpu_xid", lane=Lane.HOST, node=node, summary=f"Xid 79 on {node}")
-    finding = JobFindingData(version=1, first_error=cause, stage="steady_state", confidence=0.9)
+    finding = JobFindingData(version=1, first_error=cause, stage="steady_state", confidence=0.9, settled=True)
     await client.publish(JobFinding(lane=Lane.HOST, data=finding, **keys | {"source": "lanes/telemetry"}))
     failed = JobStateChangedData(
         from_state=JobState.PARTIALLY_FAILED, to_state=JobState.FAILED, cause_type="x", cause=FailureCause.NODE_FAULT

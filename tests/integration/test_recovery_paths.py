@@ -379,7 +379,7 @@ async def _fail_with(  # noqa: PLR0917 - a failure story's parameters, named at 
     await run.steps([max(checkpoints, default=0) + 30])
     if lane is not None:
         cause = FindingCause(category=category, lane=lane, node=node, summary=f"{category} on {node}")
-        finding = JobFindingData(version=1, first_error=cause, stage="steady_state", confidence=0.9)
+        finding = JobFindingData(version=1, first_error=cause, stage="steady_state", confidence=0.9, settled=True)
         await client.publish(JobFinding(source="tests", jobid=job_id, attempt=attempt, lane=lane, data=finding))
     await run.exit(1, exit_code=1 if lane is Lane.ALGORITHM else None, signal=None if lane is Lane.ALGORITHM else 9)
     await run.exit(0, exit_code=None, signal=signal.SIGTERM)

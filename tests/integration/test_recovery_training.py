@@ -138,7 +138,7 @@ async def test_a_new_attempt_is_never_requested_before_the_failed_attempts_resou
         await ranks.start()
         await ranks.steps([10, 20])
         cause = FindingCause(category="gpu_xid", lane=Lane.HOST, node="n-2", summary="Xid 79 on n-2")
-        finding = JobFindingData(version=1, first_error=cause, stage="steady_state", confidence=0.9)
+        finding = JobFindingData(version=1, first_error=cause, stage="steady_state", confidence=0.9, settled=True)
         await client.publish(JobFinding(source="tests", jobid=job_id, attempt=1, lane=Lane.HOST, data=finding))
         await ranks.exit(1, exit_code=None, signal=signal.SIGKILL)
         await ranks.exit(0, exit_code=None, signal=signal.SIGTERM)

@@ -16,7 +16,7 @@ from nats.js import JetStreamContext
 from support.cli import run_lanes_async
 from support.waiting import eventually
 
-from lanes_cli.analyze_cli import load_evidence
+from lanes_cli.analyze_cli import finding_json, load_evidence
 from lanes_contract.client import LanesClient
 from lanes_contract.codec import decode
 from lanes_contract.events import (
@@ -42,6 +42,7 @@ from lanes_runtime.settings import ServerUrls
 from lanes_runtime.store import apply_migrations
 from lanes_telemetry.entrypoints.service import SERVICE
 from lanes_telemetry.service_layer.handlers import handle_evidence, handle_job_event
+from lanes_telemetry.views import elect_first_error
 
 pytestmark = pytest.mark.real_servers
 OOM_JOB = Path(__file__).resolve().parent.parent / "data" / "logs" / "oom_job"
@@ -105,10 +106,10 @@ async def telemetry(
             await asyncio.gather(*tasks)
 
 
-def _unique_copy(tmp_path: Path, unique: str) -> Path:
-    """The OOM job's logs with node names made unique to this test (the NATS server is shared)."""
+def _unique_copy(tmp_path: Path, unique: str, source: Path = OOM_JOB) -> Path:
+    """A job's logs (the OOM job's by default) with node names made unique to this test (the NATS server is shared)."""
     target = tmp_path / "logs"
-    shutil.copytree(OOM_JOB, target)
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("label.toml"))
     for path in sorted(target.rglob("*"), reverse=True):
         if path.is_file():
             path.write_text(path.read_text().replace("node-", f"{unique}-n"))
@@ -119,6 +120,19 @@ def _unique_copy(tmp_path: Path, unique: str) -> Path:
 
 def _comparable(finding: dict[str, Any]) -> dict[str, Any]:
     return {key: finding[key] for key in ("first_error", "consequences", "stage", "missing_evidence", "confidence")}
+
+
+async def _live_finding_equals(js: JetStreamContext, job_id: str, offline: dict[str, Any], what: str) -> None:
+    """Wait until the job's latest live finding is the offline one."""
+
+    async def finding_matches() -> bool:
+        found = [e for e in await _job_events(js, job_id) if isinstance(e, JobFinding)]
+        if not found:
+            return False
+        latest = max(found, key=lambda f: f.data.version)
+        return _comparable(latest.data.model_dump(mode="json")) == _comparable(offline)
+
+    await eventually(finding_matches, what=what)
 
 
 async def test_live_finding_equals_lanes_analyze_on_the_same_per_rank_logs(
@@ -160,15 +174,7 @@ async def test_live_finding_equals_lanes_analyze_on_the_same_per_rank_logs(
             await client.publish(event)
 
         js = conns.nc.jetstream()
-
-        async def finding_matches() -> bool:
-            found = [e for e in await _job_events(js, job_id) if isinstance(e, JobFinding)]
-            if not found:
-                return False
-            latest = max(found, key=lambda f: f.data.version)
-            return _comparable(latest.data.model_dump(mode="json")) == _comparable(offline_finding)
-
-        await eventually(finding_matches, what="the live finding to equal the offline one")
+        await _live_finding_equals(js, job_id, offline_finding, "the live finding to equal the offline one")
         timeline = await _job_events(js, job_id)
         copies = [e for e in timeline if isinstance(e, JobEvidence)]
         findings = [e for e in timeline if isinstance(e, JobFinding)]
@@ -199,6 +205,49 @@ async def test_live_finding_equals_lanes_analyze_on_the_same_per_rank_logs(
         )
         count = await conns.pool.fetchval("SELECT count(*) FROM telemetry_evidence WHERE job_id = $1", job_id)
         assert count == len(events)
+
+
+NEW_FORMATS = (
+    "alg_oom_two_nodes",
+    "alg_megatron_nan_grad_nested_prefix",
+    "net_socket_start_connect_first",
+    "plat_dataloader_shm_bus_error",
+    "host_xid79_fallen_off_bus",
+    "net_peer_closed_peer_was_waiting",
+)
+"""Corpus cases in the newer formats (nested prefixes, NCCL connect failures, shm bus errors, a journal Xid,
+a peer that was alive) whose every piece of evidence carries a node and a time, as a live agent's would."""
+
+
+@pytest.mark.parametrize("case", NEW_FORMATS)
+async def test_live_finding_equals_lanes_analyze_on_new_formats(
+    urls: ServerUrls, unique: str, tmp_path: Path, case: str
+) -> None:
+    logs = _unique_copy(tmp_path, unique, OOM_JOB.parent / case)
+    job_id = f"{unique}-job"
+    evidence, world = load_evidence([logs])
+    offline = finding_json(elect_first_error(evidence, world=world))
+    assert offline["first_error"] is not None
+    assert all(e.node and e.time for e in evidence)
+    placed_at = min(e.time for e in evidence if e.time) - timedelta(minutes=1)
+    placement = JobPlaced(
+        source="tests",
+        jobid=job_id,
+        attempt=1,
+        time=placed_at,
+        data=JobPlacedData(
+            assignments=tuple(RankAssignment(rank=r, node=n, gpus=(0,)) for r, n in sorted(world.ranks.items()))  # type: ignore[arg-type]
+        ),
+    )
+    events = [evidence_event(e, source="agent/test", node=e.node or "", time=placed_at) for e in evidence]
+    async with telemetry(urls, unique, sorted(world.all_nodes)) as conns:
+        client = LanesClient(conns.nc, "tests")
+        await client.publish(placement)
+        for event in events:
+            await client.publish(event)
+        await _live_finding_equals(
+            conns.nc.jetstream(), job_id, offline, f"the live finding of {case} to equal the offline one"
+        )
 
 
 async def test_evidence_outside_the_placement_window_stays_uncorrelated(urls: ServerUrls, unique: str) -> None:

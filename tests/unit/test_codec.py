@@ -347,9 +347,23 @@ def _recovery_samples() -> list[Event]:
         decision_id="d-1", owner="alice", owner_lane=Lane.ALGORITHM, deadline=TIME, reason="no decision"
     )
     manual = ev.ManualActionData(action=ev.ManualAction.APPROVE, reason="fixed the data", requested_by="alice")
+    superseded = ev.RecoverySupersededData(
+        decision_id="d-1",
+        decided_on=ev.Culprit(lane=Lane.HOST, category="silent_node", node="node-1"),
+        decided_version=1,
+        finding_id="f-3",
+        finding_version=3,
+        culprit=ev.Culprit(lane=Lane.HOST, category="oom_kill", node="node-3", rank=2),
+        uncordon=("node-1",),
+        replanned=True,
+        reason="decided on node-1 at v1; the settled finding v3 names node-3",
+    )
+    window = ev.SettleWindowEndedData(ended_at=TIME, window_s=5.0)
     return [
         ev.RecoveryDecided(source="lanes/recovery", data=decision, **_JOB_KEYS),
         ev.RecoveryEscalated(source="lanes/recovery", data=escalated, **_JOB_KEYS),
+        ev.RecoverySuperseded(source="lanes/recovery", data=superseded, **_JOB_KEYS),
+        ev.SettleWindowEnded(source="lanes/telemetry", data=window, **_JOB_KEYS),
         ev.ManualActionRequested(source="lanes/cli", data=manual, **_JOB_KEYS),
     ]
 
@@ -417,7 +431,7 @@ def test_structured_mode_object_shape():
     assert structured["type"] == "io.lanes.job.rank_exited.v1"
     assert structured["time"] == "2026-12-02T10:20:11.123456Z"
     assert structured["traceparent"] == TRACEPARENT
-    assert structured["data"] == {"exit_code": 137, "signal": None}
+    assert structured["data"] == {"exit_code": 137, "signal": None, "evidence": None}
 
 
 def test_header_names_are_case_insensitive_on_decode():
@@ -796,7 +810,7 @@ def test_a_rank_killed_by_a_signal_round_trips():
         source="agent/node-1", jobid="job-1", node="node-1", rank=0, data=RankExitedData(exit_code=None, signal=9)
     )
     encoded = encode(event)
-    assert json.loads(encoded.payload) == {"exit_code": None, "signal": 9}
+    assert json.loads(encoded.payload) == {"exit_code": None, "signal": 9, "evidence": None}
     assert _decode_encoded(encoded) == event
     assert decode(encoded.subject, None, json.dumps(to_structured(event)).encode()) == event
 

@@ -31,6 +31,18 @@ def _change(seq: int, to_state: str, reason: str = "because") -> Row:
     return _row(seq, "state_changed", data={"to_state": to_state, "reason": reason})
 
 
+def _culprit(node: str) -> dict[str, Any]:
+    return {"rank": 0, "node": node, "lane": "host", "category": "oom_kill"}
+
+
+def _finding(version: int, node: str, *, settled: bool = True) -> dict[str, Any]:
+    return {"version": version, "first_error": _culprit(node), "settled": settled}
+
+
+def _decided(action: str, node: str, version: int = 1) -> dict[str, Any]:
+    return {"action": action, "culprit": _culprit(node), "finding_version": version}
+
+
 def failing_drill() -> list[Row]:
     return [
         _row(1, "submitted", data={"spec": {"workload_class": "training"}}),
@@ -38,9 +50,9 @@ def failing_drill() -> list[Row]:
         _row(3, "placed", data={"assignments": [], "domain": "leaf-1", "level": "leaf"}),
         _change(4, "admitted"),
         _row(5, "rank_exited", lane="host", node="n1", rank=0, data={"exit_code": None, "signal": 9}),
-        _row(6, "finding", lane="host", node="n1", data={"first_error": {"rank": 0, "node": "n1", "lane": "host"}}),
+        _row(6, "finding", lane="host", node="n1", data=_finding(1, "n1")),
         _change(7, "failed"),
-        _row(8, "recovery_decided", data={"action": "resume", "expects": "io.lanes.job.attempt_requested.v1"}),
+        _row(8, "recovery_decided", data=_decided("resume", "n1") | {"expects": "io.lanes.job.attempt_requested.v1"}),
         _change(9, "released"),
         _row(10, "attempt_requested", data={"reason": "resume", "resume_step": 40}),
     ]
@@ -79,7 +91,7 @@ def test_a_decision_whose_expected_event_never_came_is_pending_and_a_manual_one_
     result = {r.capability: r for r in scorecard(unfollowed)}["recovery"]
     assert result.verdict is Verdict.PENDING_EVIDENCE
     assert "expected io.lanes.job.attempt_requested.v1" in result.reason
-    manual = [*unfollowed[:7], _row(8, "recovery_decided", data={"action": "manual", "owner": "ml-oncall"})]
+    manual = [*unfollowed[:7], _row(8, "recovery_decided", data=_decided("manual", "n1") | {"owner": "ml-oncall"})]
     assert "no deadline" in {r.capability: r for r in scorecard(manual)}["recovery"].reason
     manual[-1]["data"]["deadline"] = "2026-12-02T11:00:00Z"
     assert verdicts(manual)["recovery"] is Verdict.PASSED
@@ -122,3 +134,37 @@ def test_missing_release_missing_domain_and_missing_provenance_are_named() -> No
     assert "never released" in results["job orchestration and lifecycle"].reason
     assert results["inference protection"].verdict is Verdict.PENDING_EVIDENCE
     assert verdicts(rows, [{"seq": 1}])["inference protection"] is Verdict.PASSED
+
+
+def test_a_decision_on_another_culprit_than_the_final_settled_finding_fails_recovery_by_name() -> None:
+    rows = failing_drill()
+    rows.insert(8, _row(11, "finding", lane="host", node="n2", data=_finding(2, "n2")))
+    result = {r.capability: r for r in scorecard(rows)}["recovery"]
+    assert result.verdict is Verdict.PENDING_EVIDENCE
+    assert result.reason == (
+        "j1 attempt 1: decided on host/oom_kill on n1 rank 0 at v1; the settled finding v2 names host/oom_kill on n2 "
+        "rank 0"
+    )
+
+
+def test_a_decision_on_an_unsettled_final_finding_fails_recovery() -> None:
+    rows = failing_drill()
+    rows[5] = rows[5] | {"data": _finding(1, "n1", settled=False)}
+    result = {r.capability: r for r in scorecard(rows)}["recovery"]
+    assert result.verdict is Verdict.PENDING_EVIDENCE
+    assert "the unsettled finding v1" in result.reason
+
+
+def test_a_superseded_and_replanned_decision_leaves_the_new_one_in_force() -> None:
+    rows = failing_drill()
+    rows[7] = rows[7] | {"data": _decided("resume", "n2") | {"expects": "io.lanes.job.attempt_requested.v1"}}
+    superseded = {"decision_id": "event-8", "replanned": True}
+    rows += [
+        _row(11, "finding", lane="host", node="n1", data=_finding(2, "n1")),
+        _row(12, "recovery_superseded", data=superseded),
+        _row(
+            13, "recovery_decided", data=_decided("resume", "n1", 2) | {"expects": "io.lanes.job.attempt_requested.v1"}
+        ),
+        _row(14, "attempt_requested", data={"reason": "resume"}),
+    ]
+    assert verdicts(rows)["recovery"] is Verdict.PASSED

@@ -44,3 +44,29 @@ def test_a_directory_checkpoint_is_digested_over_its_files(tmp_path: Path) -> No
     assert verify_digest(str(shards), recorded).matches
     (shards / "sub" / "rank1.pt").write_bytes(b"c")
     assert not verify_digest(str(shards), recorded).matches
+
+
+def test_only_regular_files_under_the_checkpoint_roots_are_read_and_within_budget(tmp_path: Path) -> None:
+    import os  # noqa: PLC0415 - only this test makes a FIFO
+
+    from lanes_recovery.adapters.digests import DigestLimits  # noqa: PLC0415
+
+    recorded = "sha256:" + "ab" * 32
+    zero = verify_digest("/dev/zero", recorded)
+    assert zero.found == "unverified: /dev/zero is not a regular file"
+    fifo = tmp_path / "step.fifo"
+    os.mkfifo(fifo)
+    assert verify_digest(str(fifo), recorded).found == f"unverified: {fifo} is not a regular file"  # never blocks
+    roots = DigestLimits(roots=(tmp_path / "ckpt",))
+    (tmp_path / "ckpt").mkdir()
+    outside = tmp_path / "elsewhere.pt"
+    outside.write_bytes(b"weights")
+    escape = tmp_path / "ckpt" / "link.pt"
+    escape.symlink_to(outside)
+    for path in (outside, escape):
+        assert str(verify_digest(str(path), recorded, roots).found).startswith(f"unverified: {outside} is outside")
+    inside = tmp_path / "ckpt" / "step-1.pt"
+    inside.write_bytes(b"weights")
+    assert verify_digest(str(inside), f"sha256:{_sha(b'weights')}", roots).matches
+    small = DigestLimits(max_bytes=3)
+    assert verify_digest(str(inside), recorded, small).found == "unverified: larger than the digest limit of 3 bytes"

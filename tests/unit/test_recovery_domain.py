@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
-from typing import Any
+from datetime import timedelta
 
 import pytest
+from support.recovery_events import (
+    CONFIG,
+    DATA,
+    MODEL,
+    POLICY,
+    SPEC,
+    at,
+    changed,
+    checkpoint,
+    finding,
+    heartbeat,
+    keys,
+    placed,
+    released,
+    submitted,
+)
 
 from lanes_contract.events import (
     AttemptRequested,
@@ -13,91 +28,15 @@ from lanes_contract.events import (
     CheckpointSaved,
     CheckpointSavedData,
     Event,
-    FindingCause,
-    Heartbeat,
-    HeartbeatData,
-    JobFinding,
-    JobFindingData,
-    JobPlaced,
-    JobPlacedData,
-    JobStateChanged,
-    JobStateChangedData,
-    JobSubmitted,
-    JobSubmittedData,
     Lane,
     ManualAction,
-    RankAssignment,
     RecoveryAction,
-    ResourcesReleased,
-    ResourcesReleasedData,
 )
-from lanes_contract.jobs import FailureCause, JobSpec, JobState, Owners, ProtectionMode, ServingSpec, WorkloadClass
-from lanes_recovery.adapters.policies import default_policy
+from lanes_contract.jobs import JobSpec, JobState, ProtectionMode, ServingSpec, WorkloadClass
 from lanes_recovery.domain.checkpoints import DigestVerdict, Verified, verify_checkpoints
 from lanes_recovery.domain.decisions import Plan, Refusal, decide_failure, decide_manual, lost_work
 from lanes_recovery.domain.knowledge import JobKnowledge, fold
 from lanes_recovery.domain.policy import Backoff, PolicyError, parse_policy
-
-T0 = datetime(2026, 12, 2, 10, 0, tzinfo=UTC)
-JOB = "job-1"
-MODEL = "sha256:" + "11" * 32
-DATA = "sha256:" + "22" * 32
-CONFIG = "sha256:" + "33" * 32
-POLICY = default_policy()
-SPEC = JobSpec(
-    name="train",
-    workers=2,
-    gpus_per_worker=4,
-    model_version=MODEL,
-    data_version=DATA,
-    config_version=CONFIG,
-    image="registry/train:1",
-    owners=Owners(algorithm="ada", host="hal", platform="pat"),
-)
-
-
-def _at(seconds: float) -> datetime:
-    return T0 + timedelta(seconds=seconds)
-
-
-def _keys(attempt: int, seconds: float, **more: Any) -> dict[str, Any]:
-    return {"source": "tests", "jobid": JOB, "attempt": attempt, "time": _at(seconds)} | more
-
-
-def submitted(spec: JobSpec = SPEC) -> JobSubmitted:
-    return JobSubmitted(data=JobSubmittedData(spec=spec), **_keys(1, 0))
-
-
-def placed(attempt: int = 1, nodes: tuple[str, ...] = ("node-1", "node-2"), seconds: float = 1) -> JobPlaced:
-    assignments = tuple(RankAssignment(rank=r, node=n, gpus=(0, 1, 2, 3)) for r, n in enumerate(nodes))
-    return JobPlaced(data=JobPlacedData(assignments=assignments), **_keys(attempt, seconds))
-
-
-def heartbeat(step: int, seconds: float, attempt: int = 1, rank: int = 0) -> Heartbeat:
-    return Heartbeat(data=HeartbeatData(step=step), **_keys(attempt, seconds, rank=rank, node="node-1"))
-
-
-def checkpoint(step: int, attempt: int = 1, seconds: float = 5, **versions: Any) -> CheckpointSaved:
-    fields = {"model_version": MODEL, "data_version": DATA, "config_version": CONFIG, "image": "registry/train:1"}
-    data = CheckpointSavedData(step=step, path=f"/ckpt/{step}", digest="sha256:" + f"{step:064x}", **fields | versions)
-    return CheckpointSaved(data=data, **_keys(attempt, seconds, rank=0, node="node-1"))
-
-
-def finding(lane: Lane, category: str, node: str | None = "node-2", attempt: int = 1, version: int = 1) -> JobFinding:
-    first = FindingCause(category=category, lane=lane, node=node, summary=f"{category} on {node}")
-    data = JobFindingData(version=version, first_error=first, stage="steady_state", confidence=0.9)
-    return JobFinding(data=data, **_keys(attempt, 20 + version, lane=lane))
-
-
-def changed(to_state: JobState, attempt: int = 1, seconds: float = 30) -> JobStateChanged:
-    data = JobStateChangedData(
-        from_state=JobState.RUNNING, to_state=to_state, cause_type="x", cause=FailureCause.NODE_FAULT
-    )
-    return JobStateChanged(data=data, **_keys(attempt, seconds))
-
-
-def released(attempt: int = 1, seconds: float = 31) -> ResourcesReleased:
-    return ResourcesReleased(data=ResourcesReleasedData(nodes=("node-1",), gpus=8), **_keys(attempt, seconds))
 
 
 def knowledge(*events: Event) -> JobKnowledge:
@@ -115,7 +54,7 @@ def gate(known: JobKnowledge, digests: dict[tuple[str, str], DigestVerdict] | No
 
 def decide(known: JobKnowledge, attempt: int = 1, digests: dict[tuple[str, str], DigestVerdict] | None = None) -> Plan:
     return decide_failure(
-        known, known.attempt(attempt), POLICY, gate(known, digests), now=_at(40), decision_id=f"d-{attempt}"
+        known, known.attempt(attempt), POLICY, gate(known, digests), now=at(40), decision_id=f"d-{attempt}"
     )
 
 
@@ -194,7 +133,7 @@ def test_the_gate_refuses_a_checkpoint_that_records_no_version_the_spec_sets_unl
 
 
 def test_the_gate_refuses_a_step_before_the_one_its_attempt_started_from():
-    requested = AttemptRequested(data=AttemptRequestedData(reason="r", resume_step=200), **_keys(2, 35))
+    requested = AttemptRequested(data=AttemptRequestedData(reason="r", resume_step=200), **keys(2, 35))
     known = knowledge(*TRAINING_RUN, requested, checkpoint(150, attempt=2, seconds=36))
     refused = gate(known).refused
     assert [(r.checkpoint.step, r.field) for r in refused] == [(150, "step")]
@@ -206,7 +145,7 @@ def test_all_shards_of_a_step_must_pass():
             step=200, path="/ckpt/200-rank1", digest="sha256:" + "ee" * 32, model_version=MODEL, data_version=DATA,
             config_version=CONFIG, image="other:2",
         ),
-        **_keys(1, 6, rank=1, node="node-2"),
+        **keys(1, 6, rank=1, node="node-2"),
     )  # fmt: skip
     verified = gate(knowledge(*TRAINING_RUN, bad_shard))
     assert [c.step for c in verified.usable] == [100]
@@ -220,26 +159,26 @@ def test_an_attempt_is_decided_once_it_failed_and_its_finding_names_a_first_erro
     before = knowledge(*TRAINING_RUN, finding(Lane.HOST, "oom_kill"), changed(JobState.FAILED))
     after = knowledge(*TRAINING_RUN, changed(JobState.FAILED), finding(Lane.HOST, "oom_kill"))
     for known in (before, after):
-        assert [(f.number, late) for f, late in known.awaiting_decision(_at(31), timedelta(seconds=60))] == [(1, False)]
+        assert [(f.number, late) for f, late in known.awaiting_decision(at(31), timedelta(seconds=60))] == [(1, False)]
 
 
 def test_a_failure_without_a_finding_waits_for_the_grace_period_and_user_cancels_and_successes_never_wait():
     known = knowledge(*TRAINING_RUN, changed(JobState.FAILED, seconds=30))
     grace = timedelta(seconds=60)
-    assert known.awaiting_decision(_at(89), grace) == []
-    assert known.next_due_at(grace) == _at(90)
-    assert [late for _, late in known.awaiting_decision(_at(90), grace)] == [True]
+    assert known.awaiting_decision(at(89), grace) == []
+    assert known.next_due_at(grace) == at(90)
+    assert [late for _, late in known.awaiting_decision(at(90), grace)] == [True]
     for ended in (JobState.CANCELLED, JobState.SUCCEEDED):
         quiet = knowledge(*TRAINING_RUN, changed(ended))
-        assert quiet.awaiting_decision(_at(1000), grace) == []
+        assert quiet.awaiting_decision(at(1000), grace) == []
         assert quiet.next_due_at(grace) is None
 
 
 def test_a_failure_long_before_recovery_saw_it_is_stale():
     known = knowledge(*TRAINING_RUN, changed(JobState.FAILED, seconds=30))
     day = timedelta(days=1)
-    assert known.stale_failures(_at(30) + day, day) == []
-    assert [f.number for f in known.stale_failures(_at(31) + day, day)] == [1]
+    assert known.stale_failures(at(30) + day, day) == []
+    assert [f.number for f in known.stale_failures(at(31) + day, day)] == [1]
 
 
 def test_a_later_finding_version_after_the_decision_is_recorded_not_decided_again():
@@ -251,7 +190,7 @@ def test_a_later_finding_version_after_the_decision_is_recorded_not_decided_agai
     assert kept is not None
     assert kept.version == 1
     assert known.attempt(1).findings_after_decision == (2,)
-    assert known.awaiting_decision(_at(1000), timedelta(0)) == []
+    assert known.awaiting_decision(at(1000), timedelta(0)) == []
 
 
 def test_lost_work_is_steps_past_the_resume_step_times_gpus_times_step_time():
@@ -285,7 +224,7 @@ def test_a_host_error_cordons_the_node_and_resumes_from_the_last_verified_checkp
     assert plan.retry is not None
     assert plan.retry.resume_step == 200
     assert plan.retry.avoid_nodes == ("node-2",)  # the new attempt is kept off the cordoned node by its request
-    assert plan.retry.due_at == _at(40 + 2)  # the first retry waits the policy's base backoff
+    assert plan.retry.due_at == at(40 + 2)  # the first retry waits the policy's base backoff
 
 
 def test_a_retry_that_cordons_nothing_avoids_no_node():
@@ -301,7 +240,7 @@ def test_an_algorithm_error_goes_to_its_owner_with_a_deadline_and_no_retry():
     plan = decide(known)
     assert plan.decision.action is RecoveryAction.MANUAL
     assert (plan.decision.owner, plan.decision.owner_lane) == ("ada", Lane.ALGORITHM)
-    assert plan.decision.deadline == _at(40 + 3600)
+    assert plan.decision.deadline == at(40 + 3600)
     assert plan.hold is not None
     assert plan.hold.owner == "ada"
     assert plan.retry is None
@@ -351,25 +290,25 @@ def test_the_same_first_error_from_the_same_checkpoint_n_times_is_a_crash_loop()
     )
     events: list[Event] = [submitted(), placed(), checkpoint(100)]
     known = knowledge(*events, finding(Lane.PLATFORM, "preemption", node="node-1"), changed(JobState.FAILED))
-    first = decide_failure(known, known.attempt(1), policy, gate(known), now=_at(40), decision_id="d-1")
+    first = decide_failure(known, known.attempt(1), policy, gate(known), now=at(40), decision_id="d-1")
     assert first.decision.action is RecoveryAction.RESUME
     known = known.model_copy(
         update={"decisions": (*known.decisions, _record("d-1", 1, "platform/preemption", "node-1", 0))}
     )
-    requested = AttemptRequested(data=AttemptRequestedData(reason="r", resume_step=100), **_keys(2, 45))
+    requested = AttemptRequested(data=AttemptRequestedData(reason="r", resume_step=100), **keys(2, 45))
     known = fold(fold(known, requested), placed(2, ("node-3",), seconds=46))
     known = fold(known, finding(Lane.PLATFORM, "preemption", node="node-3", attempt=2))
     known = fold(known, changed(JobState.FAILED, attempt=2, seconds=60))
-    second = decide_failure(known, known.attempt(2), policy, gate(known), now=_at(61), decision_id="d-2")
+    second = decide_failure(known, known.attempt(2), policy, gate(known), now=at(61), decision_id="d-2")
     assert second.decision.action is RecoveryAction.RESUME  # from 0 first, from 100 now: not the same start
     known = known.model_copy(
         update={"decisions": (*known.decisions, _record("d-2", 2, "platform/preemption", "node-3", 100))}
     )
-    requested = AttemptRequested(data=AttemptRequestedData(reason="r", resume_step=100), **_keys(3, 65))
+    requested = AttemptRequested(data=AttemptRequestedData(reason="r", resume_step=100), **keys(3, 65))
     known = fold(fold(known, requested), placed(3, ("node-4",), seconds=66))
     known = fold(known, finding(Lane.PLATFORM, "preemption", node="node-4", attempt=3))
     known = fold(known, changed(JobState.FAILED, attempt=3, seconds=80))
-    third = decide_failure(known, known.attempt(3), policy, gate(known), now=_at(81), decision_id="d-3")
+    third = decide_failure(known, known.attempt(3), policy, gate(known), now=at(81), decision_id="d-3")
     assert third.decision.action is RecoveryAction.MANUAL
     assert "crash loop: platform/preemption from checkpoint step 100 2 times (limit 2)" in third.decision.reason
 
@@ -379,7 +318,7 @@ def _record(decision_id: str, attempt: int, first_error: str, node: str, resumed
 
     return DecisionRecord(
         id=decision_id, attempt=attempt, action=RecoveryAction.RESUME, first_error=first_error, node=node,
-        resumed_from=resumed_from, resume_step=100, finding_id="f", decided_at=_at(40),
+        resumed_from=resumed_from, resume_step=100, finding_id="f", decided_at=at(40),
     )  # fmt: skip
 
 
@@ -388,7 +327,7 @@ def test_the_same_first_error_on_the_same_node_n_times_is_a_crash_loop():
     earlier = [_record(f"d-{n}", n, "host/gpu_xid", "node-2", n * 10) for n in (1, 2)]
     known = known.model_copy(update={"decisions": tuple(earlier)})
     facts = known.attempt(1).model_copy(update={"number": 3})
-    plan = decide_failure(known, facts, POLICY, gate(known), now=_at(40), decision_id="d-3")
+    plan = decide_failure(known, facts, POLICY, gate(known), now=at(40), decision_id="d-3")
     assert plan.decision.action is RecoveryAction.MANUAL
     assert "crash loop: host/gpu_xid on node-2 3 times (limit 3)" in plan.decision.reason
 
@@ -404,7 +343,7 @@ def test_inference_takes_the_replica_out_and_replaces_it_with_the_same_version_u
     assert (plan.replica_out.model, plan.replica_out.version) == ("tiny-chat", "v3")
     assert plan.retry is not None
     assert plan.retry.resume_step is None
-    assert plan.retry.due_at == _at(40)  # inference replaces at once
+    assert plan.retry.due_at == at(40)  # inference replaces at once
     assert plan.decision.lost_work is None
 
 
@@ -441,7 +380,7 @@ def _held() -> JobKnowledge:
 def _manual(known: JobKnowledge, action: ManualAction) -> Plan | Refusal:
     return decide_manual(
         known, action, requested_by="ada", why="fixed the loader", policy=POLICY, verified=gate(known),
-        now=_at(100), decision_id="m-1",
+        now=at(100), decision_id="m-1",
     )  # fmt: skip
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import UTC
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -53,10 +54,10 @@ def test_missing_file_is_bad_input_and_no_evidence_is_a_failure(tmp_path):
 
 
 def test_file_names_and_directories_give_node_and_rank(tmp_path):
-    assert context_of(tmp_path / "node-2" / "rank3.log", tmp_path, 2026).node == "node-2"
-    assert context_of(tmp_path / "node-2" / "rank3.log", tmp_path, 2026).rank == 3
+    assert context_of(tmp_path / "node-2" / "rank3.log", tmp_path, 2026, UTC).node == "node-2"
+    assert context_of(tmp_path / "node-2" / "rank3.log", tmp_path, 2026, UTC).rank == 3
     assert (
-        context_of(tmp_path / "node-7.rank12.log", None, 2026).node,
-        context_of(tmp_path / "node-7.rank12.log", None, 2026).rank,
+        context_of(tmp_path / "node-7.rank12.log", None, 2026, UTC).node,
+        context_of(tmp_path / "node-7.rank12.log", None, 2026, UTC).rank,
     ) == ("node-7", 12)
-    assert context_of(tmp_path / "torchrun.log", None, 2026).node is None
+    assert context_of(tmp_path / "torchrun.log", None, 2026, UTC).node is None

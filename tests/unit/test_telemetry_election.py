@@ -33,12 +33,14 @@ def _timeout_log(rank: int, *, seq: int = 1580, enqueued: int | None = None, at:
 def _rank_logs(logs: dict[int, str]) -> list[Evidence]:
     found: list[Evidence] = []
     for rank, text in logs.items():
-        found += parse_text(text, SourceContext(origin=f"rank{rank}.log", node=EIGHT_RANKS.ranks[rank], rank=rank))
+        found += parse_text(
+            text, SourceContext(origin=f"rank{rank}.log", node=EIGHT_RANKS.ranks[rank], rank=rank, year=2026, tz=UTC)
+        )
     return found
 
 
 def _node_log(node: str, text: str) -> list[Evidence]:
-    return parse_text(text, SourceContext(origin=f"{node}/kern.log", node=node))
+    return parse_text(text, SourceContext(origin=f"{node}/kern.log", node=node, year=2026, tz=UTC))
 
 
 def test_one_rank_oom_killed_from_a_directory_of_per_rank_logs():
@@ -187,11 +189,14 @@ def test_stage_first_collective_and_init():
     first = elect_first_error(_rank_logs({r: _timeout_log(r, seq=1) for r in range(8)}), world=EIGHT_RANKS)
     assert first.stage == Stage.FIRST_COLLECTIVE
     init = elect_first_error(
-        parse_text("node-2:5520:5520 [0] bootstrap.cc:77 NCCL WARN Bootstrap : no socket interface found\n")
+        parse_text(
+            "node-2:5520:5520 [0] bootstrap.cc:77 NCCL WARN Bootstrap : no socket interface found\n",
+            SourceContext(year=2026, tz=UTC),
+        )
     )
     assert init.stage == Stage.INIT_RENDEZVOUS
     assert init.first_error is not None
-    assert init.first_error.category == "comm_init_failure"
+    assert (init.first_error.category, init.first_error.lane) == ("config_mismatch", Lane.PLATFORM)
 
 
 def test_no_evidence_elects_nothing():
@@ -214,7 +219,9 @@ def test_checkpoint_and_teardown_stages_from_the_failing_code_path():
             f'[rank2]:   File "/workspace/train.py", line 300, in {frame}\n'
             "[rank2]: OSError: [Errno 5] Input/output error\n"
         )
-        return parse_text(text, SourceContext(node="node-2", rank=2)) + _rank_logs({0: _timeout_log(0, seq=4000)})
+        return parse_text(text, SourceContext(node="node-2", rank=2, year=2026, tz=UTC)) + _rank_logs(
+            {0: _timeout_log(0, seq=4000)}
+        )
 
     assert elect_first_error(failing("save_checkpoint"), world=EIGHT_RANKS).stage == Stage.CHECKPOINT
     assert elect_first_error(failing("destroy_process_group"), world=EIGHT_RANKS).stage == Stage.TEARDOWN
@@ -228,7 +235,7 @@ def test_one_combined_torchrun_log_with_rank_prefixes():
         '[rank3]:   File "/workspace/train.py", line 96, in step\n'
         "[rank3]: ValueError: batch 812 has no labels\n"
     )
-    finding = elect_first_error(parse_text(text, SourceContext(origin="torchrun.log")))
+    finding = elect_first_error(parse_text(text, SourceContext(origin="torchrun.log", year=2026, tz=UTC)))
     assert finding.first_error is not None
     assert (finding.first_error.rank, finding.first_error.lane) == (3, Lane.ALGORITHM)
     assert finding.consequences[0].ranks == (0, 1, 2)

@@ -16,6 +16,7 @@ import os
 import re
 import sys
 from collections.abc import Awaitable
+from datetime import UTC
 from typing import Any
 
 import structlog
@@ -268,10 +269,10 @@ class LocalLauncher:
                 break
             except TimeoutError:
                 await msg.in_progress()  # a long rank must not make JetStream redeliver its placement
-        await reader  # its events come before the exit, as they happened
+        published = await reader  # its events come before the exit, as they happened
         self._procs[attempt_key].discard(proc)
-        exit_data = (
-            RankExitedData(exit_code=code, signal=None) if code >= 0 else RankExitedData(exit_code=None, signal=-code)
+        exit_data = RankExitedData(
+            exit_code=code if code >= 0 else None, signal=None if code >= 0 else -code, evidence=published
         )
         exited = derive(RankExited, placed, key=str(assignment.rank), data=exit_data, **keys)
         await publish_encoded(self._js, encode(exited), stream=JOBS.name)
@@ -279,26 +280,50 @@ class LocalLauncher:
 
     async def _watch_output(
         self, proc: asyncio.subprocess.Process, placed: JobPlaced, assignment: RankAssignment, keys: dict[str, Any]
-    ) -> None:
-        """Tail the rank's output as a node agent tails logs: the ready marker, and evidence for telemetry."""
+    ) -> int:
+        """Tail the rank's output as a node agent tails logs: the ready marker, and evidence for telemetry.
+
+        Evidence from a rank's output is that rank's: it carries the job, attempt, rank and pid of its producer,
+        so telemetry never has to guess them from the node and the time. Returns how many evidence events it
+        published (the rank's exit says so, and telemetry knows when it has heard all of them).
+        """
         assert proc.stdout is not None  # noqa: S101 - the process is always started with pipes
         assert proc.stderr is not None  # noqa: S101
         rank_key = str(assignment.rank)
+        # The output is read as it is written: its year-less timestamps are of this year, in UTC (the agent's clock).
         context = SourceContext(
-            origin=f"{placed.jobid}/rank{assignment.rank}", node=assignment.node, rank=assignment.rank
+            origin=f"{placed.jobid}/rank{assignment.rank}",
+            node=assignment.node,
+            rank=assignment.rank,
+            year=utc_now().year,
+            tz=UTC,
         )
         parser = LogParser(context)
-        lines = 0
+        lines = published = 0
 
         async def report(found: list[Evidence]) -> None:
-            nonlocal lines
+            nonlocal lines, published
             for evidence in found:
                 lines += 1
                 if evidence.category is EvidenceCategory.RAW:
                     continue  # plain output is not evidence; keep the telemetry stream for what is
                 event = evidence_event(evidence, source=keys["source"], node=assignment.node, time=utc_now())
-                event = event.model_copy(update={"id": derived_event_id(placed.id, event.type, f"{rank_key}:{lines}")})
+                data = (
+                    evidence.data
+                    if evidence.data.pid is not None
+                    else evidence.data.model_copy(update={"pid": proc.pid})
+                )
+                event = event.model_copy(
+                    update={
+                        "id": derived_event_id(placed.id, event.type, f"{rank_key}:{lines}"),
+                        "jobid": placed.jobid,
+                        "attempt": placed.attempt or 1,
+                        "rank": assignment.rank,
+                        "data": data,
+                    }
+                )
                 await publish_encoded(self._js, encode(event), stream=TELEMETRY.name)
+                published += 1
 
         async def publish(kind: type[Event], data: Any, key: str) -> None:
             event = derive(kind, placed, key=f"{rank_key}:{key}", data=data, **keys)
@@ -332,6 +357,7 @@ class LocalLauncher:
 
         await asyncio.gather(follow(proc.stdout, watch_ready=True), follow(proc.stderr, watch_ready=False))
         await report(parser.finish())
+        return published
 
     def _stop_attempt(self, attempt_key: tuple[str, int]) -> None:
         """Terminate the ranks of a cancelled attempt; their exits (signal 15) end the cancellation."""

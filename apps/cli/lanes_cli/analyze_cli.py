@@ -2,7 +2,12 @@
 
 Files may be one per rank (`rank3.log`, `node-2.rank3.log`), one per node (`node-2.log`, `node-2/kern.log`)
 or one combined torchrun log. In a directory, a sub-directory names the node of the files inside it, and
-an empty rank file still counts: that rank was expected and reported nothing (pending evidence).
+an empty rank file still counts: that rank was expected and reported nothing (pending evidence). Notes
+beside the logs (`*.md`, `*.toml`, e.g. a corpus case's label) are not logs and are skipped.
+
+Timestamps without a year (glog, syslog) take the year of the file's own dated timestamps, else of its
+modification time; those without an offset take the file's own offset, else UTC (`--year` / `--utc-offset`
+say otherwise).
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta, timezone, tzinfo
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -21,14 +26,15 @@ from lanes_cli.console import EXIT_BAD_INPUT, EXIT_FAILED, fail, out
 from lanes_contract.events import JobFindingData
 from lanes_contract.ids import is_valid_token
 from lanes_evidence.evidence import Evidence
-from lanes_evidence.parsers import SourceContext, parse_bytes
+from lanes_evidence.parsers import SourceContext, clock_of, parse_bytes
 from lanes_telemetry.views import World, elect_first_error
 
 _RANK_TOKEN = re.compile(r"^rank[_-]?(\d{1,7})$", re.IGNORECASE)
 _MAX_FILE_BYTES = 256 * 1024 * 1024
+_NOT_LOGS = frozenset({".md", ".toml"})
 
 
-def context_of(path: Path, root: Path | None, year: int) -> SourceContext:
+def context_of(path: Path, root: Path | None, year: int | None, tz: tzinfo) -> SourceContext:
     """What a file's place says about it: the node (its directory or name) and the rank (its name)."""
     rank: int | None = None
     node: str | None = None
@@ -40,14 +46,14 @@ def context_of(path: Path, root: Path | None, year: int) -> SourceContext:
     if root is not None and path.parent != root and is_valid_token(path.parent.name):
         node = path.parent.name
     origin = str(path.relative_to(root)) if root is not None else path.name
-    return SourceContext(origin=origin, node=node, rank=rank, year=year)
+    return SourceContext(origin=origin, node=node, rank=rank, year=year, tz=tz)
 
 
 def _files(paths: Iterable[Path]) -> list[tuple[Path, Path | None]]:
     found: list[tuple[Path, Path | None]] = []
     for path in paths:
         if path.is_dir():
-            found.extend((f, path) for f in sorted(path.rglob("*")) if f.is_file())
+            found.extend((f, path) for f in sorted(path.rglob("*")) if f.is_file() and f.suffix not in _NOT_LOGS)
         elif path.is_file():
             found.append((path, None))
         else:
@@ -55,19 +61,25 @@ def _files(paths: Iterable[Path]) -> list[tuple[Path, Path | None]]:
     return found
 
 
-def load_evidence(paths: Iterable[Path], *, year: int | None = None) -> tuple[list[Evidence], World]:
-    """Parse every file; the world is every rank and node the files' names and contents mention."""
-    year = year or datetime.now(UTC).year
+def load_evidence(
+    paths: Iterable[Path], *, year: int | None = None, tz: tzinfo | None = None
+) -> tuple[list[Evidence], World]:
+    """Parse every file; the world is every rank and node the files' names and contents mention.
+
+    `year` / `tz` override what each file's own timestamps (or its modification time) say.
+    """
     evidence: list[Evidence] = []
     ranks: dict[int, str | None] = {}
     nodes: set[str] = set()
     for path, root in _files(paths):
-        context = context_of(path, root, year)
         try:
             with path.open("rb") as handle:
                 data = handle.read(_MAX_FILE_BYTES)
+            modified = datetime.fromtimestamp(path.stat().st_mtime, UTC)
         except OSError as exc:
             fail(f"cannot read {path}: {exc.strerror}", EXIT_BAD_INPUT)
+        own_year, own_tz = clock_of(data.decode("utf-8", "replace"), fallback=modified)
+        context = context_of(path, root, year or own_year, tz or own_tz)
         if context.rank is not None:
             ranks[context.rank] = context.node
         if context.node is not None:
@@ -98,10 +110,18 @@ def register(app: typer.Typer) -> None:
 def analyze(
     files: Annotated[list[Path], typer.Argument(help="Log files, or directories of per-rank / per-node logs.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print the finding as one JSON object.")] = False,
-    year: Annotated[int | None, typer.Option(help="Year for timestamps that carry none (default: this year).")] = None,
+    year: Annotated[
+        int | None,
+        typer.Option(help="Year for timestamps that carry none (default: the file's own, else its mtime's)."),
+    ] = None,
+    utc_offset: Annotated[
+        float | None,
+        typer.Option(help="Hours from UTC of timestamps without an offset (default: the file's own, else 0)."),
+    ] = None,
 ) -> None:
     """Elect the first error in raw logs, offline; exit 1 when no first error can be elected."""
-    evidence, world = load_evidence(files, year=year)
+    tz = None if utc_offset is None else timezone(timedelta(hours=utc_offset))
+    evidence, world = load_evidence(files, year=year, tz=tz)
     finding = elect_first_error(evidence, world=world)
     if as_json:
         out.print_json(json.dumps(finding_json(finding)))

@@ -79,19 +79,22 @@ router_cli.register(app)
 @app.command()
 def demo(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the swimlanes.")] = False,
+    kernel_delay: Annotated[
+        float, typer.Option(help="Hold the OOM kill's kernel line back this many seconds (a slow agent).", min=0)
+    ] = 0.0,
 ) -> None:
     """Start embedded servers and every service, run the scripted multi-node scenario, print what happened."""
     settings = load_settings(quiet=True)
     try:
         with servers(settings) as urls:
-            run = run_async(lambda: run_demo(urls))
+            run = run_async(lambda: run_demo(urls, kernel_delay_s=kernel_delay))
     except KeyboardInterrupt:
         fail("interrupted; embedded servers stopped", 130)
     if as_json:
         out.print_json(json.dumps(run.as_json()))
     else:
         render_demo(out, run)
-    if problems := run.off_script():
+    if problems := [*run.off_script(), *run.wrong_decisions()]:
         fail("; ".join(problems), EXIT_FAILED)
 
 

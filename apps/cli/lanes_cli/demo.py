@@ -28,6 +28,7 @@ from lanes_cli.scenarios.telemetry import oom_killed_rank
 from lanes_cli.scenarios.topology import topology_wait_then_placed
 from lanes_cli.scheduling import scheduling_view
 from lanes_cli.timeline import TimelineEntry, job_timeline, read_stream
+from lanes_cli.verdicts import DecisionVerdict, decision_verdicts
 from lanes_contract.client import LanesClient
 from lanes_contract.codec import decode
 from lanes_contract.errors import DecodeError
@@ -124,6 +125,14 @@ class DemoRun:
             if job["state"] != expected[job["job_id"]]
         ]
 
+    def verdicts(self) -> list[DecisionVerdict]:
+        """Every decision in force against its attempt's final settled finding."""
+        return decision_verdicts(row for job in self.jobs for row in job["timeline"])
+
+    def wrong_decisions(self) -> list[str]:
+        """Decisions whose culprit is not their attempt's final settled finding's: the demo fails on any."""
+        return [verdict.explain() for verdict in self.verdicts() if not verdict.agrees]
+
     def incident(self) -> dict[str, Any]:
         """The fault bundle of the OOM-killed job."""
         return bundle(self.job(self.oom_job_id))
@@ -170,7 +179,7 @@ async def _guarded(work: Coroutine[Any, Any, _T], workers: list[asyncio.Task[Non
     raise TimeoutError(msg)
 
 
-async def run_demo(urls: ServerUrls, *, timeout_s: float = 120.0) -> DemoRun:
+async def run_demo(urls: ServerUrls, *, timeout_s: float = 120.0, kernel_delay_s: float = 0.0) -> DemoRun:
     """Run the scripted scenario and return every job's report and timeline, read back from JetStream."""
     async with connected(urls, name="lanes-demo") as conns:
         stop = asyncio.Event()
@@ -191,7 +200,9 @@ async def run_demo(urls: ServerUrls, *, timeout_s: float = 120.0) -> DemoRun:
                 await _guarded(_run_job(conns, client, train, timeout_s), workers, timeout_s),
                 await _guarded(cancelled_while_starting(conns, timeout_s=timeout_s), workers, timeout_s),
                 await _guarded(one_rank_fails(conns, timeout_s=timeout_s), workers, timeout_s),
-                await _guarded(oom_killed_rank(conns, timeout_s=timeout_s), workers, timeout_s),
+                await _guarded(
+                    oom_killed_rank(conns, timeout_s=timeout_s, kernel_delay_s=kernel_delay_s), workers, timeout_s
+                ),
             ]
             topology = await _guarded(topology_wait_then_placed(conns, timeout_s=timeout_s), workers, timeout_s)
             job_ids += [topology.blocker_job_id, topology.job_id]

@@ -16,6 +16,7 @@ from typing import Any
 
 from lanes_cli.html import LANE_ORDER, first_error, render_page
 from lanes_cli.timeline import is_failure, row_kind
+from lanes_cli.verdicts import decision_verdicts
 
 Row = dict[str, Any]
 
@@ -36,6 +37,7 @@ DECISION_KINDS = frozenset(
     {
         "recovery_decided",
         "recovery_escalated",
+        "recovery_superseded",
         "manual_action",
         "hold_requested",
         "retry_requested",
@@ -67,6 +69,10 @@ def decision_chain(rows: Iterable[Row]) -> list[Row]:
             "cordon",
             "lost_work",
             "deadline",
+            "finding_version",
+            "settled",
+            "replanned",
+            "uncordon",
         )
         step = {"id": row["id"], "time": row["time"], "kind": kind, "attempt": row.get("attempt")}
         step |= {key: data[key] for key in keep if data.get(key) not in (None, "", [])}
@@ -149,6 +155,8 @@ def bundle(job: dict[str, Any], requests: Iterable[Row] = ()) -> dict[str, Any]:
             {"id": r["id"], "type": r["type"], "data": r.get("data")} for r in rows if "recovery" in str(r["type"])
         ],
         "decision_chain": decision_chain(rows),
+        # Which finding each decision used, and what the attempt's final finding says.
+        "decisions": [verdict.as_json() for verdict in decision_verdicts(rows)],
         "attempts": sorted({int(r["attempt"]) for r in rows if r.get("attempt")}),
         "durations_s": {
             "to_detect": _seconds(_at(rows[0]) if rows else None, _at(detected)),

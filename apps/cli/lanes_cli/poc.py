@@ -16,6 +16,7 @@ from enum import StrEnum
 from typing import Any
 
 from lanes_cli.timeline import is_failure, row_kind
+from lanes_cli.verdicts import decision_verdicts
 
 Row = dict[str, Any]
 TERMINAL = {"succeeded", "failed", "cancelled"}
@@ -117,10 +118,12 @@ def communication_observability(jobs: dict[str, list[Row]]) -> CapabilityResult:
 
 
 def recovery(jobs: dict[str, list[Row]]) -> CapabilityResult:
-    """Every failed job has a recovery decision, and what the decision expected next did happen.
+    """Every failed job has a recovery decision that blamed what the final settled finding blames, followed through.
 
     A decision names the event that should follow it (a new attempt, a replacement replica...). A manual
-    decision is complete when it names an owner and a deadline: what follows is a person's call.
+    decision is complete when it names an owner and a deadline: what follows is a person's call. A decision
+    whose culprit is not the attempt's final settled finding's fails the capability, by name, even when the
+    mismatch was escalated.
     """
     name = "recovery"
     failed = _failed_jobs(jobs)
@@ -144,8 +147,14 @@ def recovery(jobs: dict[str, list[Row]]) -> CapabilityResult:
                 what = f"decision {row['id']} of {job_id} expected {data['expects']}, which never came"
                 return CapabilityResult(name, Verdict.PENDING_EVIDENCE, what)
             decided += 1
+        wrong = [v for v in decision_verdicts(rows) if not v.agrees]
+        if wrong:
+            return CapabilityResult(name, Verdict.PENDING_EVIDENCE, wrong[0].explain())
     return CapabilityResult(
-        name, Verdict.PASSED, f"{decided} recovery decisions for {len(failed)} failed jobs, each followed through"
+        name,
+        Verdict.PASSED,
+        f"{decided} recovery decisions for {len(failed)} failed jobs, each followed through and blaming what the "
+        "final settled finding blames",
     )
 
 

@@ -178,6 +178,9 @@ def _render_recovery(console: Console, run: DemoRun) -> None:
     _line(console, f"  requests that tried {inference.replica_job_ids[0]}: {touched.get('count', 0)} ({outcomes})")
     for step in incident["decision_chain"]:
         _line(console, f"  {step['time'][11:23]}  {step['kind']:<17} {_decision_text(step)}")
+    console.print("\n[bold]decisions against the final settled findings[/bold]")
+    for verdict in run.verdicts():
+        _line(console, f"  {'agrees  ' if verdict.agrees else 'WRONG   '}{verdict.explain()}")
 
 
 def _decision_text(step: dict[str, Any]) -> str:

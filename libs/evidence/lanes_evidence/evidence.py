@@ -48,6 +48,12 @@ KIND_OF_CATEGORY: dict[EvidenceCategory, str] = {
     C.PREEMPTION: "platform",
     C.CONFIG_MISMATCH: "platform",
     C.RAW: "raw",
+    C.RENDEZVOUS_FAILURE: "platform",
+    C.RESOURCE_EXHAUSTED: "platform",
+    C.COLLECTIVE_MISMATCH: "comm",
+    C.NUMERIC_ANOMALY: "process",
+    C.CONNECT_FAILED: "comm",
+    C.NODE_LOST: "host",
 }
 """The subject token (`lanes.tel.<node>.<kind>`) each category travels under."""
 
@@ -76,6 +82,12 @@ LANE_OF_CATEGORY: dict[EvidenceCategory, Lane] = {
     C.PREEMPTION: Lane.PLATFORM,
     C.CONFIG_MISMATCH: Lane.PLATFORM,
     C.RAW: Lane.PLATFORM,
+    C.RENDEZVOUS_FAILURE: Lane.PLATFORM,
+    C.RESOURCE_EXHAUSTED: Lane.PLATFORM,
+    C.COLLECTIVE_MISMATCH: Lane.ALGORITHM,
+    C.NUMERIC_ANOMALY: Lane.ALGORITHM,
+    C.CONNECT_FAILED: Lane.NETWORK,
+    C.NODE_LOST: Lane.HOST,
 }
 
 

@@ -3,20 +3,25 @@
 Formats: PyTorch ProcessGroupNCCL watchdog lines (old and new, with SeqNum / OpType / Timeout(ms) and the
 last enqueued / completed work), ProcessGroupGloo errors, torchelastic's ChildFailedError summary (with its
 "Root Cause (first observed failure)" block), NCCL debug lines (`host:pid:tid [dev] NCCL WARN ...`),
-rank-prefixed Python tracebacks (`[rank3]: ...`), CUDA errors, kernel lines (NVRM Xid, OOM killer, NIC link
-down) and a few scheduler / clock lines. A line nothing recognises becomes RAW evidence, and no input ever
-raises: a malformed timestamp or number degrades the line to RAW instead.
+rank-prefixed Python tracebacks (`[rank3]:`, `[default0]:[rank12]:`, `[RANK 1]`, `RankID:3`, `[1,3]<stderr>:`,
+srun's `3: `, pdsh's `host: `, Ray / vLLM worker prefixes), CUDA errors, kernel lines (NVRM Xid, OOM killer,
+NIC link down, lspci `(rev ff)`), Slurm (`srun: error: ... task N: Exited with exit code`), c10d rendezvous,
+HCCL error codes, DeepSpeed's launcher, and a few scheduler / clock lines. A line nothing recognises becomes
+RAW evidence, and no input ever raises: a malformed timestamp or number degrades the line to RAW instead.
 
-Pure: text in, evidence out. The caller says which node / rank / file the text came from (`SourceContext`);
-what the lines themselves say (a `[rank3]:` prefix, an NCCL host prefix, a syslog host) wins over it.
+Pure: text in, evidence out. The caller says which node / rank / file the text came from and which year and
+time zone its timestamps are in (`SourceContext`, no default: `clock_of` reads them from the text itself or
+from what the caller knows, e.g. the file's modification time); what the lines themselves say (a `[rank3]:`
+prefix, an NCCL host prefix, a syslog host) wins over the context.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone, tzinfo
 from typing import Any
 
 from lanes_contract.events import EvidenceCategory, EvidenceData
@@ -34,17 +39,26 @@ _MONTHS = {
 _SIGNALS = {"SIGHUP": 1, "SIGINT": 2, "SIGQUIT": 3, "SIGABRT": 6, "SIGKILL": 9, "SIGSEGV": 11, "SIGTERM": 15}
 _ECC_XIDS = frozenset({48, 63, 64, 92, 94, 95})
 """Xids that report memory (ECC) errors rather than a generic GPU fault."""
+_SHM = "/dev/" + "shm"
+"""The shared-memory mount, named in a bus error or a full-shm message (a platform limit, not a full disk)."""
+_APPLICATION_XIDS = frozenset({13, 31, 43})
+"""Xids NVIDIA lists as usually the application's fault (engine exception, MMU fault, a stopped kernel)."""
+_AFTERMATH_XIDS = frozenset({45})
+"""Preemptive cleanup after an earlier error: a consequence, never a cause on its own."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SourceContext:
-    """Where the text comes from: its file or stream, and the node / rank when the file stands for one."""
+    """Where the text comes from (its file or stream, the node / rank when the file stands for one) and when."""
 
     origin: str = ""
     node: str | None = None
     rank: int | None = None
-    year: int = 2026
-    """Year for timestamps that carry none (glog `E1202`, syslog `Dec  2`)."""
+    year: int | None
+    """Year for timestamps that carry none (glog `E1202`, syslog `Dec  2`, vLLM `05-02`); None: such lines get
+    no time (an unknown year is not guessed)."""
+    tz: tzinfo
+    """Time zone of timestamps written without an offset."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +69,8 @@ class LineMatch:
     node: str | None = None
     rank: int | None = None
     time: datetime | None = None
+    local_rank: int | None = None
+    """A rank numbered within its node (torchrun's `local_rank: 3`): the parser maps it to the global rank."""
 
 
 # --- timestamps ----------------------------------------------------------------------------------
@@ -64,53 +80,154 @@ _ISO = re.compile(
     r"(?P<tz>Z|[+-]\d{2}:?\d{2})?"
 )
 _ELASTIC_TIME = re.compile(r"(?P<y>\d{4})-(?P<mo>\d{2})-(?P<d>\d{2})_(?P<h>\d{2}):(?P<mi>\d{2}):(?P<s>\d{2})")
+# Ascend / HCCL plog: 2024-05-01-10:00:00.123.456 (milliseconds, then microseconds).
+_DASHED_TIME = re.compile(
+    r"(?P<y>\d{4})-(?P<mo>\d{2})-(?P<d>\d{2})-(?P<h>\d{2}):(?P<mi>\d{2}):(?P<s>\d{2})(?:\.(?P<ms>\d{3})\.(?P<us>\d{3}))?"
+)
 # glog as c10 writes it: the month is not zero-padded (E321 is March 21, E1206 December 6).
 _GLOG = re.compile(
     r"(?:^|\[)[IWEF](?P<mo>\d{1,2})(?P<d>\d{2}) (?P<h>\d{2}):(?P<mi>\d{2}):(?P<s>\d{2})(?:\.(?P<f>\d{1,9}))?\s"
+)
+# vLLM's logger: `ERROR 05-02 10:11:12 [core.py:390] ...` (month-day, no year).
+_LEVEL_MONTH_DAY = re.compile(
+    r"\b(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) (?P<mo>\d{2})-(?P<d>\d{2}) "
+    r"(?P<h>\d{2}):(?P<mi>\d{2}):(?P<s>\d{2})(?:\.(?P<f>\d{1,6}))?\b"
 )
 _SYSLOG = re.compile(
     r"^(?:\[(?:\w{3} )?)?(?P<mon>[A-Z][a-z]{2}) {1,2}(?P<d>\d{1,2}) (?P<h>\d{2}):(?P<mi>\d{2}):(?P<s>\d{2})"
     r"(?:\.(?P<f>\d{1,9}))?(?: (?P<y>\d{4})\])?"
 )
+_OFFSET = re.compile(r"\d{2}:\d{2}:\d{2}(?:[.,]\d{1,9})?(?P<tz>[+-]\d{2}:?\d{2})\b")
 
 
 def _fraction(text: str | None) -> int:
     return int((text or "0")[:6].ljust(6, "0"))
 
 
-def parse_time(line: str, year: int = 2026) -> datetime | None:
-    """The timestamp a line carries, in UTC (times without an offset are taken as UTC), or None."""
+def _moment(fields: tuple[int, int, int, int, int, int, int], tz: tzinfo) -> datetime:
+    return datetime(*fields, tzinfo=tz).astimezone(UTC)
+
+
+def parse_time(line: str, year: int | None, tz: tzinfo) -> datetime | None:
+    """The timestamp a line carries, in UTC, or None.
+
+    A timestamp without an offset is in `tz`; one without a year is in `year` (or has no time when None).
+    """
     if m := _ISO.search(line):
         moment = datetime(
             int(m["y"]), int(m["mo"]), int(m["d"]), int(m["h"]), int(m["mi"]), int(m["s"]), _fraction(m["f"]), UTC
         )
-        if (tz := m["tz"]) and tz != "Z":
-            digits = tz[1:].replace(":", "")
-            offset = timedelta(hours=int(digits[:2]), minutes=int(digits[2:]))
-            moment -= offset if tz[0] == "+" else -offset
+        if not (offset := m["tz"]):
+            return moment.replace(tzinfo=tz).astimezone(UTC)
+        if offset != "Z":
+            digits = offset[1:].replace(":", "")
+            delta = timedelta(hours=int(digits[:2]), minutes=int(digits[2:]))
+            moment -= delta if offset[0] == "+" else -delta
         return moment
+    if m := _DASHED_TIME.search(line):
+        micros = int(m["ms"] or 0) * 1000 + int(m["us"] or 0)
+        return _moment((int(m["y"]), int(m["mo"]), int(m["d"]), int(m["h"]), int(m["mi"]), int(m["s"]), micros), tz)
     if m := _ELASTIC_TIME.search(line):
-        return datetime(int(m["y"]), int(m["mo"]), int(m["d"]), int(m["h"]), int(m["mi"]), int(m["s"]), tzinfo=UTC)
-    if m := _GLOG.search(line):
-        return datetime(year, int(m["mo"]), int(m["d"]), int(m["h"]), int(m["mi"]), int(m["s"]), _fraction(m["f"]), UTC)
-    if (m := _SYSLOG.search(line)) and m["mon"].lower() in _MONTHS:
-        return datetime(
-            int(m["y"] or year),
-            _MONTHS[m["mon"].lower()],
-            int(m["d"]),
-            int(m["h"]),
-            int(m["mi"]),
-            int(m["s"]),
-            _fraction(m["f"]),
-            UTC,
-        )
+        return _moment((int(m["y"]), int(m["mo"]), int(m["d"]), int(m["h"]), int(m["mi"]), int(m["s"]), 0), tz)
+    if m := _SYSLOG.search(line):
+        written = int(m["y"]) if m["y"] else year
+        if m["mon"].lower() not in _MONTHS or written is None:
+            return None
+        month = _MONTHS[m["mon"].lower()]
+        return _moment((written, month, int(m["d"]), int(m["h"]), int(m["mi"]), int(m["s"]), _fraction(m["f"])), tz)
+    if year is None:
+        return None
+    if (m := _GLOG.search(line)) or (m := _LEVEL_MONTH_DAY.search(line)):
+        return _moment((year, int(m["mo"]), int(m["d"]), int(m["h"]), int(m["mi"]), int(m["s"]), _fraction(m["f"])), tz)
     return None
+
+
+_YEAR_IN = (_ISO, _DASHED_TIME, _ELASTIC_TIME, _SYSLOG)
+_CLOCK_SCAN_LINES = 5000
+
+
+def clock_of(text: str, *, fallback: datetime) -> tuple[int, tzinfo]:
+    """The year and time zone of a log's year-less, offset-less timestamps.
+
+    From the log's own timestamps when any carries a year (or an offset), else from `fallback` (the file's
+    modification time, or the moment a live stream is read): nothing is assumed.
+    """
+    year: int | None = None
+    tz: tzinfo | None = None
+    for line in text.splitlines()[:_CLOCK_SCAN_LINES]:
+        if year is None:
+            for pattern in _YEAR_IN:
+                if (m := pattern.search(line)) and m.groupdict().get("y"):
+                    year = int(m["y"])
+                    break
+        if tz is None and (m := _OFFSET.search(line)):
+            digits = m["tz"][1:].replace(":", "")
+            delta = timedelta(hours=int(digits[:2]), minutes=int(digits[2:]))
+            if delta < timedelta(hours=24):
+                tz = timezone(delta if m["tz"][0] == "+" else -delta)
+        if year is not None and tz is not None:
+            break
+    return year or fallback.year, tz or fallback.tzinfo or UTC
 
 
 # --- one-line formats ----------------------------------------------------------------------------
 
-_RANK_PREFIX = re.compile(r"^\s*(?:\[\d{1,10}\]\s*)?\[(?:rank|Rank )(\d{1,7})\]:\s?")
-"""`[rank3]:` as torchrun's --tee / --log-line-prefix writes it, optionally after a `[pid]` of another wrapper."""
+
+@dataclass(frozen=True)
+class Prefixes:
+    """What the wrappers in front of a line say about who wrote it."""
+
+    rank: int | None = None
+    local_rank: int | None = None
+    node: str | None = None
+    worker: str | None = None
+    """A worker's own tag (Ray / vLLM `(... pid=N)`): a rank it announces once holds for its later lines."""
+
+
+# Wrappers stack (`0: [80746] [default0]:[rank12]: ...`, `node-1: [rank3]: ...`): each is peeled in turn, the
+# innermost rank wins (srun's task of a per-node torchrun is not the rank); srun's label and pdsh's host only
+# ever come first.
+_PREFIXES: tuple[tuple[str, bool, re.Pattern[str]], ...] = (
+    ("rank", False, re.compile(r"\[(?:rank|Rank |RANK )(?P<v>\d{1,7})\]:?\s?")),
+    ("local", False, re.compile(r"\[(?:default|trainer|worker)(?P<v>\d{1,4})\]:\s?")),
+    ("rank", False, re.compile(r"\[\d{1,9},(?P<v>\d{1,7})\]<(?:stdout|stderr)>:\s?")),
+    ("pid", False, re.compile(r"\[\d{1,10}\]\s")),
+    ("worker", False, re.compile(r"\((?P<v>\w*(?:Worker|Wrapper|Trainer|EngineCore)\w*[^()]{0,80}?)\)\s")),
+    ("rank", True, re.compile(r"(?P<v>\d{1,5}): (?=\S)(?!\d)")),
+    ("node", True, re.compile(r"(?P<v>(?=[\w.-]*\d)[a-z][\w-]{0,62}(?:\.[\w-]+)*): (?=\[|Traceback|\S+Error\b)")),
+)
+_MAX_PREFIXES = 5
+_WORKER_RANK = re.compile(r"\brank=(\d{1,7})")
+_WORKER_IP = re.compile(r"\bip=([\d.]{7,15}|[\w-]+)")
+_INLINE_RANK = re.compile(r"\[?RankID:\s?(\d{1,7})\]?")
+
+
+def split_prefixes(line: str) -> tuple[Prefixes, str]:
+    """The launcher / wrapper prefixes of a line and the line without them."""
+    found: dict[str, str] = {}
+    body = line.lstrip()
+    for position in range(_MAX_PREFIXES):
+        for kind, outermost, pattern in _PREFIXES:
+            if (position == 0 or not outermost) and (m := pattern.match(body)):
+                found[kind] = m.groupdict().get("v") or ""
+                body = body[m.end() :]
+                break
+        else:
+            break
+    rank = int(found["rank"]) if "rank" in found else None
+    worker = found.get("worker")
+    node = found.get("node")
+    if worker is not None:
+        if rank is None and (m := _WORKER_RANK.search(worker)):
+            rank = int(m[1])
+        if node is None and (m := _WORKER_IP.search(worker)):
+            node = m[1]
+    if rank is None and (m := _INLINE_RANK.search(body)):
+        rank = int(m[1])
+    local = int(found["local"]) if "local" in found else None
+    return Prefixes(rank=rank, local_rank=local, node=node, worker=worker), body
+
+
 _PG_RANK = re.compile(r"\[(?:PG [^\]]*?)?Rank (\d{1,7})\]")
 _WORK_NCCL = re.compile(r"WorkNCCL\((?P<body>(?:[^()]|\(ms\))*)\)")
 _KV = re.compile(r"(\w+(?:\(ms\))?)=(\w+)")
@@ -186,6 +303,8 @@ _NCCL_DEBUG = re.compile(
 )
 _IB_COMPLETION = re.compile(r"Got completion from peer ([\w.:%-]+?)<\d*> with (?:error |status=?)(?:\w+\()?(\d+)")
 _REMOTE_PEER = re.compile(r"(?:Connection closed by remote peer|Connection reset by peer)\s*([\w.:-]+?)(?:<\d+>|$)")
+_LOCAL_INTERFACE = re.compile(r"NET/Socket : Using \[\d+\](?:docker\d|lo|virbr\d|veth\w*):")
+"""NCCL's sockets on an interface that only reaches the host itself: the other nodes cannot connect back."""
 _IB_RETRY_EXCEEDED = 12
 """IBV_WC_RETRY_EXC_ERR: the transport retry counter ran out: the peer or the path to it is gone."""
 
@@ -198,6 +317,8 @@ def parse_nccl_debug(line: str) -> LineMatch | None:
     node, pid, msg = m["host"], _nonneg(m["pid"]), m["msg"]
     base: dict[str, Any] = {"pid": pid, "gpu": m["dev"]}
     if m["level"] != "WARN":
+        if _LOCAL_INTERFACE.search(msg):
+            return LineMatch(base | {"category": C.CONFIG_MISMATCH, "summary": msg[:200]}, node=node)
         return LineMatch(base | {"category": C.RAW, "summary": f"NCCL {m['level']}"}, node=node)
     if ib := _IB_COMPLETION.search(msg):
         code = int(ib[2])
@@ -205,6 +326,8 @@ def parse_nccl_debug(line: str) -> LineMatch | None:
         return LineMatch(base | {"category": category, "peer": ib[1], "summary": f"IB completion error {code}"}, node)
     if peer := _REMOTE_PEER.search(msg):
         return LineMatch(base | {"category": C.PEER_CLOSED, "peer": peer[1] or None, "summary": msg[:200]}, node)
+    if known := parse_known_messages(msg):
+        return LineMatch(base | known.fields, node, known.rank)
     if "Cuda failure" in msg and "out of memory" in msg:
         return LineMatch(base | {"category": C.CUDA_OOM, "summary": msg[:200]}, node)
     if "Cuda failure" in msg:
@@ -242,7 +365,15 @@ def parse_kernel(line: str) -> LineMatch | None:
     node = m["host"] if " kernel: " in line and (m := _KERNEL_HOST.search(line)) else None
     if m := _XID.search(line):
         xid = int(m["xid"])
-        category = C.ECC_ERROR if xid in _ECC_XIDS else C.GPU_XID
+        category = (
+            C.ECC_ERROR
+            if xid in _ECC_XIDS
+            else C.CUDA_ERROR
+            if xid in _APPLICATION_XIDS
+            else C.RAW
+            if xid in _AFTERMATH_XIDS
+            else C.GPU_XID
+        )
         rest = m["rest"].strip()
         return LineMatch(
             {"category": category, "xid": xid, "gpu": m["pci"], "summary": f"Xid {xid}: {rest}"[:200]}, node
@@ -253,7 +384,7 @@ def parse_kernel(line: str) -> LineMatch | None:
         )
     if m := _OOM_KILL_TASK.search(line):
         return LineMatch({"category": C.OOM_KILL, "pid": int(m[2]), "summary": f"OOM killer killed {m[1]}"}, node)
-    if "No space left on device" in line:
+    if "No space left on device" in line and _SHM not in line:
         return LineMatch({"category": C.DISK_FULL, "summary": "no space left on device"}, node)
     if _EDAC.search(line):
         return LineMatch({"category": C.ECC_ERROR, "summary": "host memory ECC error"}, node)
@@ -272,6 +403,14 @@ def parse_kernel(line: str) -> LineMatch | None:
 _SLURM_CANCEL = re.compile(r"\*\*\* (?:STEP|JOB) [\w.]+ ON (?P<host>[\w.-]+) CANCELLED AT \S+ DUE TO (?P<why>[A-Z ]+)")
 _CLOCK = re.compile(r"(?:System clock wrong by|clock offset[:=]?) ?(-?\d+(?:\.\d+)?) ?(ms|s|seconds)?", re.IGNORECASE)
 _EXIT = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+_DEEPSPEED_EXIT = re.compile(r"--local_rank=(\d+)'?\].*?exits with return code = (-?\d+)")
+_SRUN_TASK = re.compile(r"srun: error: (?P<host>[\w.-]+): tasks? (?P<tasks>[\d,-]+): (?P<what>.+)$")
+_SRUN_CODE = re.compile(r"Exited with exit code (\d+)")
+_SRUN_SIGNAL = {"Segmentation fault": 11, "Aborted": 6, "Bus error": 7}
+_NODE_FAILURE = re.compile(r"(?:srun: error: Node failure on|NODE_FAIL\W+(?:on )?)\s*(?P<host>[\w.-]+)")
+_STEP_OOM = re.compile(r"Detected (\d+) oom.kill events? in (?:StepId=)?([\w.]+)")
+_WORKER_KILLED = re.compile(r"DataLoader worker \(pid (\d+)\) is killed by signal: Killed")
+_WORKER_GONE = re.compile(r"DataLoader worker \(pid\(s\) [\d, ]+\) exited unexpectedly")
 _SIGNAL_RECEIVED = re.compile(r"Signal (\d+) \((SIG\w+)\) received by PID (\d+)")
 
 
@@ -289,11 +428,194 @@ def parse_platform_and_process(line: str) -> LineMatch | None:
             {"category": C.CLOCK_OFFSET, "offset_ms": offset_ms, "summary": f"clock offset {offset_ms} ms"}
         )
     if m := _EXIT.search(line):
-        return LineMatch(_exit_fields(int(m[1]), _nonneg(m[3])) | {"summary": f"local_rank {m[2]} failed ({m[1]})"})
+        fields = _exit_fields(int(m[1]), _nonneg(m[3])) | {"summary": f"local_rank {m[2]} failed ({m[1]})"}
+        return LineMatch(fields, local_rank=int(m[2]))
+    if m := _DEEPSPEED_EXIT.search(line):
+        code = int(m[2])
+        fields = _exit_fields(code, None) | {"summary": f"local_rank {m[1]} exited ({code})"}
+        return LineMatch(fields, local_rank=int(m[1]))
+    if found := _parse_slurm(line):
+        return found
+    if m := _WORKER_KILLED.search(line):
+        # SIGKILL from outside the job: the kernel's OOM killer, most often (its own log says for sure).
+        return LineMatch({"category": C.PROCESS_EXITED, "signal": 9, "pid": _nonneg(m[1]), "summary": m[0]})
+    if _WORKER_GONE.search(line):
+        # The main process noticing a worker's death: how the worker died says why.
+        return LineMatch({"category": C.PROCESS_EXITED, "summary": "a DataLoader worker exited unexpectedly"})
     if m := _SIGNAL_RECEIVED.search(line):
         return LineMatch(
             {"category": C.PROCESS_EXITED, "signal": _signal(int(m[1])), "pid": _nonneg(m[3]), "summary": m[0]}
         )
+    return None
+
+
+def _parse_slurm(line: str) -> LineMatch | None:
+    """Slurm: srun's per-task exit lines, a lost node, slurmstepd's OOM-kill count."""
+    if m := _SRUN_TASK.search(line):
+        tasks, what = m["tasks"], m["what"].strip()
+        rank = int(tasks) if tasks.isdigit() else None
+        summary = f"srun: task{'s' if rank is None else ''} {tasks} on {m['host']}: {what}"[:200]
+        fields: dict[str, Any] = {"category": C.PROCESS_EXITED, "summary": summary}
+        if what == "Out Of Memory":
+            fields["category"] = C.OOM_KILL
+        elif code := _SRUN_CODE.search(what):
+            fields["exit_code"] = int(code[1])
+        elif what in _SRUN_SIGNAL:
+            fields["signal"] = _SRUN_SIGNAL[what]
+        # "Killed" / "Terminated": srun stopping the other tasks after one failed, a consequence.
+        return LineMatch(fields, m["host"], rank)
+    if m := _NODE_FAILURE.search(line):
+        return LineMatch({"category": C.NODE_LOST, "summary": f"scheduler lost node {m['host']}"}, m["host"])
+    if m := _STEP_OOM.search(line):
+        return LineMatch({"category": C.OOM_KILL, "summary": f"{m[1]} OOM kill(s) in step {m[2]}"})
+    return None
+
+
+@dataclass(frozen=True)
+class _Family:
+    pattern: re.Pattern[str]
+    category: EvidenceCategory
+    summary: str
+    first_named_rank: bool = False
+    """The rank a message names first is the one it is about (collective mismatch: `Rank 3 is running ...`)."""
+
+
+_FAMILIES: tuple[_Family, ...] = (
+    _Family(re.compile(r"uncorrectable ECC error", re.IGNORECASE), C.ECC_ERROR, "uncorrectable ECC error on the GPU"),
+    _Family(
+        re.compile(r"(?:VGA|3D) controller: NVIDIA.*\(rev ff\)"), C.GPU_XID, "GPU fell off the bus (lspci: rev ff)"
+    ),
+    _Family(
+        re.compile(r"GPU has fallen off the bus|GPU is lost|Unable to determine the device handle for GPU"),
+        C.GPU_XID,
+        "GPU lost (fell off the bus)",
+    ),
+    _Family(re.compile(r"Duplicate GPU detected"), C.CONFIG_MISMATCH, "two ranks on one GPU (Duplicate GPU detected)"),
+    _Family(
+        re.compile(r"no socket interface found|NET/Socket : no interface found|No usable listening interface"),
+        C.CONFIG_MISMATCH,
+        "NCCL found no usable network interface (NCCL_SOCKET_IFNAME)",
+    ),
+    _Family(
+        re.compile(r"Cuda failure '(?:invalid argument|operation not supported|operation not permitted)"),
+        C.CONFIG_MISMATCH,
+        "NCCL CUDA call refused by the runtime environment (container IPC / shm / driver)",
+    ),
+    _Family(
+        re.compile(r"CUDA driver version is insufficient|cudaErrorInsufficientDriver|NCCL version mismatch"),
+        C.CONFIG_MISMATCH,
+        "driver or library version mismatch",
+    ),
+    _Family(
+        re.compile(
+            r"Caught signal 7 \(Bus error|Bus error \(core dumped\)|insufficient shared memory|"
+            r"shared memory segment|/dev/shm\b|unexpected bus error"
+        ),
+        C.RESOURCE_EXHAUSTED,
+        "bus error: shared memory (/dev/shm) too small",
+    ),
+    _Family(
+        re.compile(r"DataLoader worker \(pid \d+\) is killed by signal: Bus error"),
+        C.RESOURCE_EXHAUSTED,
+        "a DataLoader worker died of a bus error: shared memory (/dev/shm) too small",
+    ),
+    _Family(
+        re.compile(r"EJ0001|last training process is running"),
+        C.RESOURCE_EXHAUSTED,
+        "devices still held by an earlier training process (HCCL EJ0001)",
+    ),
+    _Family(re.compile(r"Too many open files"), C.RESOURCE_EXHAUSTED, "out of file descriptors"),
+    _Family(
+        re.compile(r"Cannot provide a placement group|creating a placement group of specs"),
+        C.RESOURCE_EXHAUSTED,
+        "the Ray cluster has not enough free GPUs for the placement group",
+    ),
+    _Family(
+        re.compile(
+            r"Rendezvous(?:Connection|Timeout|Closed)Error|client socket has (?:timed out after|failed to connect)|"
+            r"server socket has failed to (?:bind|listen)|Address already in use"
+        ),
+        C.RENDEZVOUS_FAILURE,
+        "c10d rendezvous / store unreachable",
+    ),
+    _Family(
+        re.compile(r"Detected mismatch between collectives"),
+        C.COLLECTIVE_MISMATCH,
+        "ranks called different collectives",
+        first_named_rank=True,
+    ),
+    _Family(
+        re.compile(r"Message truncated ?: received \d+ bytes instead of \d+"),
+        C.COLLECTIVE_MISMATCH,
+        "ranks called a collective with different sizes (message truncated)",
+    ),
+    _Family(
+        re.compile(
+            r"returned nan values|[Ll]oss (?:is|became|=) ?(?:nan|NaN|inf)\b|found NaN|NaN or Inf found|"
+            r"[Nn]a[Nn] detected|Detected (?:NaN|nan)|non-finite loss",
+        ),
+        C.NUMERIC_ANOMALY,
+        "NaN / Inf in the loss or gradients",
+        first_named_rank=True,
+    ),
+    _Family(
+        re.compile(r"number of nan iterations:\s*[1-9]|lm loss: nan\b|loss scale already at minimum"),
+        C.NUMERIC_ANOMALY,
+        "NaN / overflowing loss (the loss scale collapsed or NaN iterations counted)",
+    ),
+    _Family(
+        re.compile(r"actor is dead because its node has died|node was terminated unexpectedly"),
+        C.NODE_LOST,
+        "the worker's node died (Ray lost it)",
+    ),
+    _Family(
+        re.compile(r"\bEvicted\b.*low on resource|The node was low on resource"),
+        C.PREEMPTION,
+        "the pod was evicted by the kubelet (node low on a resource)",
+    ),
+    _Family(
+        re.compile(r"NET/Socket : Using \[\d+\](?:docker\d|lo|virbr\d|veth\w*):"),
+        C.CONFIG_MISMATCH,
+        "NCCL uses a host-local interface (docker0 / lo) for inter-node sockets (NCCL_SOCKET_IFNAME)",
+    ),
+    _Family(
+        re.compile(r"socketStartConnect|Connect to \S+ failed|Failed to execute operation Connect|operation=Connect"),
+        C.CONNECT_FAILED,
+        "could not connect to a peer",
+    ),
+)
+_PID_FIELD = re.compile(r"\[PID: (\d{1,9})\]")
+_CONNECT_PEER = re.compile(r"Connect to ([\w.:%-]+?)(?:<\d+>|\s)")
+_NAMED_RANK = re.compile(r"(?<![\w.])(?:[Rr]ank|RANK)[ :=]\s?(\d{1,7})\b")
+
+
+def parse_known_messages(line: str) -> LineMatch | None:
+    """Messages that say what failed wherever they appear: a NCCL WARN, an exception, a launcher's line."""
+    if ib := _IB_COMPLETION.search(line):
+        code = int(ib[2])
+        category = C.RETRY_EXCEEDED if code == _IB_RETRY_EXCEEDED else C.COMM_ERROR
+        return LineMatch({"category": category, "peer": ib[1], "summary": f"IB completion error {code}"})
+    for family in _FAMILIES:
+        if family.pattern.search(line):
+            fields: dict[str, Any] = {"category": family.category, "summary": family.summary}
+            if family.category is C.CONNECT_FAILED and (peer := _CONNECT_PEER.search(line)):
+                fields["peer"] = peer[1]
+            if pid := _PID_FIELD.search(line):
+                fields["pid"] = _nonneg(pid[1])
+            named = _NAMED_RANK.findall(line)
+            rank = int(named[0]) if named and (family.first_named_rank or len(set(named)) == 1) else None
+            node = m["host"] if " kernel: " in line and (m := _KERNEL_HOST.search(line)) else None
+            return LineMatch(fields, node, rank)
+    return None
+
+
+_COMM_FAILURE = re.compile(r"watchdog thread terminated with exception|\bNCCL error\b")
+
+
+def parse_comm_failure(line: str) -> LineMatch | None:
+    """A communicator that failed for a reason the line does not name (the cause is elsewhere): a consequence."""
+    if _COMM_FAILURE.search(line):
+        return LineMatch({"category": C.COMM_ERROR, "summary": line.strip()[:200]})
     return None
 
 
@@ -303,7 +625,9 @@ LINE_PARSERS: tuple[Callable[[str], LineMatch | None], ...] = (
     parse_nccl_debug,
     parse_kernel,
     parse_platform_and_process,
+    parse_known_messages,
     parse_cuda,
+    parse_comm_failure,
 )
 """One-line parsers, most specific first; the first that recognises a line decides."""
 
@@ -337,6 +661,8 @@ def classify_exception(error_type: str, message: str) -> EvidenceCategory:
     if _CUDA_ERROR.search(text):
         return C.CUDA_ERROR
     lowered = text.lower()
+    if error_type.startswith("nccl"):
+        return C.COMM_ERROR  # ncclSystemError & co. wrap the "Last error:" line that follows: that one says what
     if "diststoreerror" in lowered or "rendezvous" in lowered or "waiting for clients" in lowered:
         return C.COMM_INIT_FAILURE
     if "gloo" in lowered and ("closed by peer" in lowered or "reset by peer" in lowered):
@@ -360,7 +686,7 @@ def _exception_fields(error_type: str, message: str, text: str) -> dict[str, Any
 
 _TRACEBACK_START = "Traceback (most recent call last):"
 _EXCEPTION_LINE = re.compile(
-    r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Failure|Warning))(?::\s?(?P<msg>.*))?$"
+    r"^(?P<type>(?:[A-Za-z_][\w.]*)?(?:Error|Exception|Exit|Interrupt|Failure|Warning))(?::\s?(?P<msg>.*))?$"
 )
 _ELASTIC_ENTRY = re.compile(r"^\s*\[(\d+)\]:\s*$")
 _ELASTIC_FIELD = re.compile(r"^\s*(time|host|rank|exitcode|error_file|traceback)\s*:\s*(.*)$")
@@ -372,6 +698,77 @@ class _Traceback:
     rank: int | None
     lines: list[str] = field(default_factory=list)
     time: datetime | None = None
+    node: str | None = None
+
+
+_LOCAL_RANKS = re.compile(r"\blocal_ranks=\[([\d, ]*)\]")
+_GLOBAL_RANKS = re.compile(r"\bglobal_ranks=\[([\d, ]*)\]")
+_NPROC = re.compile(r"\bnproc_per_node\s*[:=]\s*(\d{1,5})\b")
+_NODE_RANK = re.compile(r"\b(?:node_rank|NODE_RANK|group_rank)\s*[:=]\s*(\d{1,6})\b")
+_NNODES = re.compile(r"\b(?:nnodes|NNODES|group_world_size|max_nodes)\s*[:=]\s*(\d{1,6})\b")
+_ELASTIC_RANK_LOCAL = re.compile(r"^\s*rank\s*:\s*(\d{1,7})\s*\(local_rank:\s*(\d{1,5})\)")
+_HCCL_PID_RANK = re.compile(r"HCCL\((\d{1,9}),.*?RankID:\s?(\d{1,7})")
+_ANNOUNCED_RANK = re.compile(r"\[rank=(\d{1,7}), world_size=\d+\]")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in re.findall(r"\d{1,7}", text)]
+
+
+@dataclass
+class RankMap:
+    """What a launcher's log says about numbering: local ranks to global ones, workers to their ranks."""
+
+    local_ranks: list[int] = field(default_factory=list)
+    global_ranks: list[int] = field(default_factory=list)
+    nproc_per_node: int | None = None
+    node_rank: int | None = None
+    nnodes: int | None = None
+    worker_ranks: dict[str, int] = field(default_factory=dict)
+    known: dict[int, int] = field(default_factory=dict)
+    pid_ranks: dict[int, int] = field(default_factory=dict)
+    """Process id -> rank, where a line pairs them (HCCL's `HCCL(pid,...)` with `RankID:N`)."""
+    """Local rank -> rank as torchelastic's failure summary pairs them (`rank: 3 (local_rank: 1)`)."""
+
+    def learn(self, line: str, prefixes: Prefixes) -> None:
+        """Take in what this line says about numbering (torchrun's launch config and rendezvous result)."""
+        if m := _LOCAL_RANKS.search(line):
+            self.local_ranks = _ints(m[1])
+        if m := _GLOBAL_RANKS.search(line):
+            self.global_ranks = _ints(m[1])
+        if m := _ELASTIC_RANK_LOCAL.search(line):
+            self.known[int(m[2])] = int(m[1])
+        if m := _HCCL_PID_RANK.search(line):
+            self.pid_ranks.setdefault(int(m[1]), int(m[2]))
+        if m := _NPROC.search(line):
+            self.nproc_per_node = int(m[1])
+        if m := _NODE_RANK.search(line):
+            self.node_rank = int(m[1])
+        if m := _NNODES.search(line):
+            self.nnodes = max(int(m[1]), self.nnodes or 0)
+        if prefixes.worker is not None and prefixes.rank is None and (m := _ANNOUNCED_RANK.search(line)):
+            self.worker_ranks.setdefault(prefixes.worker, int(m[1]))
+
+    def global_rank(self, local: int) -> int | None:
+        """The global rank of a local rank on this log's node, when the log allows it."""
+        if len(self.local_ranks) == len(self.global_ranks) and local in self.local_ranks:
+            return self.global_ranks[self.local_ranks.index(local)]
+        if local in self.known:
+            return self.known[local]
+        if self.node_rank is not None and self.nproc_per_node:
+            return self.node_rank * self.nproc_per_node + local
+        if self.nnodes in {None, 1} and self.node_rank in {None, 0}:
+            return local  # one node (nothing says otherwise): local rank = rank
+        return None
+
+    def rank_of(self, prefixes: Prefixes, local: int | None = None) -> int | None:
+        """The rank a line's prefixes (or a local rank it names) stand for."""
+        if prefixes.rank is not None:
+            return prefixes.rank
+        if prefixes.worker is not None and prefixes.worker in self.worker_ranks:
+            return self.worker_ranks[prefixes.worker]
+        local = prefixes.local_rank if local is None else local
+        return None if local is None else self.global_rank(local)
 
 
 @dataclass
@@ -384,8 +781,9 @@ class _ElasticEntry:
 class LogParser:
     """Feeds lines of one source, keeping the state that multi-line formats need."""
 
-    def __init__(self, context: SourceContext | None = None) -> None:
-        self.context = context or SourceContext()
+    def __init__(self, context: SourceContext) -> None:
+        self.context = context
+        self.ranks = RankMap()
         self._last_time: datetime | None = None
         self._tracebacks: dict[int | None, _Traceback] = {}
         self._elastic: _ElasticEntry | None = None
@@ -398,7 +796,9 @@ class LogParser:
         if not line.strip():
             return []
         try:
-            return self._feed(line)
+            prefixes, body = split_prefixes(line)
+            self.ranks.learn(body, prefixes)
+            return self._feed(line, prefixes, body)
         except (ValueError, OverflowError):
             # A date like 2026-02-31 or a number beyond range: the line is still evidence, just unparsed.
             return [self._evidence({"category": C.RAW}, [line], None, None, None)]
@@ -411,12 +811,16 @@ class LogParser:
         found.extend(self._close_elastic_entry())
         return found
 
-    def _feed(self, line: str) -> list[Evidence]:
-        rank: int | None = None
-        body = line
-        if m := _RANK_PREFIX.match(line):
-            rank, body = int(m[1]), line[m.end() :]
-        moment = parse_time(body, self.context.year)
+    def learn(self, raw_line: str) -> None:
+        """Read a line for numbering only (a batch reads the whole log first: the order of lines then matters less)."""
+        with contextlib.suppress(ValueError, OverflowError):
+            line = _clean(raw_line)
+            prefixes, body = split_prefixes(line)
+            self.ranks.learn(body, prefixes)
+
+    def _feed(self, line: str, prefixes: Prefixes, body: str) -> list[Evidence]:
+        rank = self.ranks.rank_of(prefixes)
+        moment = parse_time(body, self.context.year, self.context.tz)
         if moment is not None:
             self._last_time = moment
         found: list[Evidence] = []
@@ -428,7 +832,7 @@ class LogParser:
         open_tb = self._tracebacks.get(rank)
         if _TRACEBACK_START in body:
             found.extend(self._close_traceback(rank))
-            self._tracebacks[rank] = _Traceback(rank, [line], moment or self._last_time)
+            self._tracebacks[rank] = _Traceback(rank, [line], moment or self._last_time, prefixes.node)
             return found
         if open_tb is not None:
             stripped = body.rstrip()
@@ -440,38 +844,45 @@ class LogParser:
                 found.extend(self._close_traceback(rank))
                 return found
             found.extend(self._close_traceback(rank))
-        found.extend(self._one_line(line, body, rank, moment))
+        found.extend(self._one_line(line, body, (prefixes.node, rank), moment))
         return found
 
-    def _one_line(self, line: str, body: str, rank: int | None, moment: datetime | None) -> list[Evidence]:
+    def _one_line(
+        self, line: str, body: str, where: tuple[str | None, int | None], moment: datetime | None
+    ) -> list[Evidence]:
+        node, rank = where
         for parser in LINE_PARSERS:
             match = parser(body)
             if match is not None:
                 chosen_rank = rank if rank is not None else match.rank
-                return [self._evidence(match.fields, [line], match.node, chosen_rank, match.time or moment)]
+                if chosen_rank is None and match.local_rank is not None:
+                    chosen_rank = self.ranks.global_rank(match.local_rank)
+                if chosen_rank is None and (pid := match.fields.get("pid")) is not None:
+                    chosen_rank = self.ranks.pid_ranks.get(pid)
+                return [self._evidence(match.fields, [line], match.node or node, chosen_rank, match.time or moment)]
         if (m := _EXCEPTION_LINE.match(body.strip())) and "ChildFailedError" not in m["type"]:
             fields = _exception_fields(m["type"], m["msg"] or "", body)
-            return [self._evidence(fields, [line], None, rank, moment)]
-        return [self._evidence({"category": C.RAW}, [line], None, rank, moment)]
+            return [self._evidence(fields, [line], node, rank, moment)]
+        return [self._evidence({"category": C.RAW}, [line], node, rank, moment)]
 
     def _close_traceback(self, rank: int | None) -> list[Evidence]:
         tb = self._tracebacks.pop(rank, None)
         if tb is None:
             return []
-        last = _RANK_PREFIX.sub("", tb.lines[-1]).strip()
+        last = split_prefixes(tb.lines[-1])[1].strip()
         m = _EXCEPTION_LINE.match(last)
         if m is None:
             return [
                 self._evidence(
-                    {"category": C.RAW, "summary": "unterminated traceback"}, tb.lines[:8], None, rank, tb.time
+                    {"category": C.RAW, "summary": "unterminated traceback"}, tb.lines[:8], tb.node, rank, tb.time
                 )
             ]
         if "ChildFailedError" in m["type"]:
             return []  # the summary block that follows says what failed, rank by rank
-        frames = [ln for ln in tb.lines[1:-1] if _RANK_PREFIX.sub("", ln).lstrip().startswith("File ")]
+        frames = [ln for ln in tb.lines[1:-1] if split_prefixes(ln)[1].lstrip().startswith("File ")]
         lines = [tb.lines[0], *frames[-_MAX_FRAMES:], tb.lines[-1]]
         fields = _exception_fields(m["type"], m["msg"] or "", last)
-        return [self._evidence(fields, lines, None, rank, tb.time)]
+        return [self._evidence(fields, lines, tb.node, rank, tb.time)]
 
     def _elastic_line(self, body: str) -> tuple[bool, list[Evidence]]:
         """Read the ChildFailedError summary; returns whether the line belonged to it."""
@@ -523,7 +934,7 @@ class LogParser:
         if (tb := values.get("traceback", "")) and (sig := re.search(r"\((SIG\w+)\)", tb)) and sig[1] in _SIGNALS:
             fields["signal"] = _SIGNALS[sig[1]]
             fields["exit_code"] = None
-        moment = parse_time(values.get("time", ""), self.context.year)
+        moment = parse_time(values.get("time", ""), self.context.year, self.context.tz)
         host = values.get("host") or None
         node = host if host and re.fullmatch(r"[\w.-]{1,128}", host) else None
         return [self._evidence(fields, entry.lines, node, rank, moment)]
@@ -541,6 +952,9 @@ class LogParser:
             origin=self.context.origin[:256],
             **{k: v for k, v in fields.items() if v is not None},
         )
+        if rank is None and data.category is not C.RAW:
+            named = {int(r) for line in lines for r in _NAMED_RANK.findall(line)}
+            rank = named.pop() if len(named) == 1 else None
         return Evidence(
             data=data,
             time=moment or self._last_time,
@@ -553,6 +967,8 @@ def _node_token(node: str | None) -> str | None:
     # Node ids become subject tokens: a host name with dots keeps its first label (node-1.cluster -> node-1).
     if not node:
         return None
+    if re.fullmatch(r"\d{1,3}(?:\.\d{1,3}){3}", node):
+        return node.replace(".", "-")  # an address stands for its host: 10.0.0.3 -> 10-0-0-3
     token = node.split(".", 1)[0]
     return token if re.fullmatch(r"[A-Za-z0-9_-]{1,128}", token) else None
 
@@ -563,21 +979,24 @@ def _clean(line: str) -> str:
     return text.encode("utf-8", "replace").decode("utf-8")
 
 
-def parse_lines(lines: Iterable[str], context: SourceContext | None = None) -> list[Evidence]:
-    """All evidence in a sequence of lines of one source."""
+def parse_lines(lines: Iterable[str], context: SourceContext) -> list[Evidence]:
+    """All evidence in a sequence of lines of one source (read twice: numbering first, then evidence)."""
     parser = LogParser(context)
+    every = list(lines)
+    for line in every:
+        parser.learn(line)
     found: list[Evidence] = []
-    for line in lines:
+    for line in every:
         found.extend(parser.feed(line))
     found.extend(parser.finish())
     return found
 
 
-def parse_text(text: str, context: SourceContext | None = None) -> list[Evidence]:
+def parse_text(text: str, context: SourceContext) -> list[Evidence]:
     """All evidence in the text of one source."""
     return parse_lines(text.splitlines(), context)
 
 
-def parse_bytes(data: bytes, context: SourceContext | None = None) -> list[Evidence]:
+def parse_bytes(data: bytes, context: SourceContext) -> list[Evidence]:
     """All evidence in raw bytes of one source (invalid UTF-8 is replaced, never fatal)."""
     return parse_text(data.decode("utf-8", "replace"), context)

@@ -146,7 +146,7 @@ async def _node_fails(conns: Connections, node: str, pid: int) -> None:
         f"{at:%b} {at.day:2d} {at:%H:%M:%S} {node} kernel: [{at.timestamp() % 1e6:.6f}] NVRM: Xid (PCI:0000:3b:00):"
         f" 79, pid={pid}, name=python3, GPU has fallen off the bus."
     )
-    context = SourceContext(origin=f"{node}/kern.log", node=node, year=at.year)
+    context = SourceContext(origin=f"{node}/kern.log", node=node, year=at.year, tz=UTC)
     for number, evidence in enumerate(parse_lines([line], context)):
         event = evidence_event(evidence, source=f"agent/{node}", node=node, time=at)
         event = event.model_copy(update={"id": derived_event_id(f"xid-{node}-{pid}", event.type, str(number))})

@@ -125,7 +125,8 @@ class _Watch:
     """What the scenario needs to see on the job's timeline: pids, the victim's exit, findings, states."""
 
     def __init__(self) -> None:
-        self.pids: dict[int, tuple[str, int]] = {}
+        self.pids: dict[tuple[int, int], tuple[str, int]] = {}
+        """(attempt, rank) -> (node, pid): a later attempt's ranks must not stand in for the killed one."""
         self.killed: asyncio.Future[RankExited] = asyncio.get_running_loop().create_future()
         self.finding: JobFinding | None = None
         self.oom_elected = asyncio.Event()
@@ -138,7 +139,7 @@ class _Watch:
         with contextlib.suppress(DecodeError):
             event = decode(msg.subject, msg.headers, msg.data)
             if isinstance(event, RankStarted) and event.rank is not None and event.node:
-                self.pids[event.rank] = (event.node, event.data.pid)
+                self.pids[event.attempt or 1, event.rank] = (event.node, event.data.pid)
             elif isinstance(event, RankExited) and event.data.signal == 9 and not self.killed.done():  # noqa: PLR2004
                 self.killed.set_result(event)
             elif isinstance(event, JobFinding) and event.data.first_error is not None:
@@ -156,9 +157,17 @@ class _Watch:
 
 
 async def oom_killed_rank(
-    conns: Connections, *, workers: int = 3, timeout_s: float = 90.0, wait_for_recovery: bool = True
+    conns: Connections,
+    *,
+    workers: int = 3,
+    timeout_s: float = 90.0,
+    wait_for_recovery: bool = True,
+    kernel_delay_s: float = 0.0,
 ) -> str:
     """A `workers`-rank training job, one rank per node, whose last rank is OOM-killed; returns its job id.
+
+    `kernel_delay_s` holds the kernel's OOM line back that long after the kill, as a slow node agent or a
+    busy dmesg would: recovery must still blame the killed rank's node, never a node that merely waited.
 
     With `wait_for_recovery`, it returns once the recovery service has resumed the job in a later attempt
     (from its verified checkpoint, on the nodes left) and that attempt succeeded and released its GPUs.
@@ -185,6 +194,7 @@ async def oom_killed_rank(
         await client.publish(JobSubmitted(source=SOURCE, jobid=job_id, attempt=1, data=JobSubmittedData(spec=spec)))
         async with asyncio.timeout(timeout_s):
             killed = await watch.killed
+            await asyncio.sleep(kernel_delay_s)  # the kernel line is late; everything else goes on meanwhile
             await _kernel_reports_the_oom_kill(conns, watch, killed)
             await watch.released.wait()
             await watch.oom_elected.wait()  # findings are re-elected as late evidence arrives
@@ -202,14 +212,15 @@ def _digest(text: str) -> str:
 
 async def _kernel_reports_the_oom_kill(conns: Connections, watch: _Watch, killed: RankExited) -> None:
     """Publish the kernel log line of the OOM kill, as the victim node's agent would read it from dmesg."""
-    node, pid = watch.pids[killed.rank or 0]
+    node, pid = watch.pids[killed.attempt or 1, killed.rank or 0]
     at = killed.time.astimezone(UTC)
     line = (
         f"{at:%b} {at.day:2d} {at:%H:%M:%S} {node} kernel: [{at.timestamp() % 1e6:.6f}] Out of memory: Killed process"
         f" {pid} (python3) total-vm:245638812kB, anon-rss:262144kB, file-rss:0kB, shmem-rss:0kB, UID:0"
         " pgtables:3964kB oom_score_adj:0"
     )
-    context = SourceContext(origin=f"{node}/kern.log", node=node, rank=killed.rank, year=at.year)
+    # A kernel line knows the pid, not the rank or the job: telemetry matches the pid to the rank.
+    context = SourceContext(origin=f"{node}/kern.log", node=node, year=at.year, tz=UTC)
     for number, evidence in enumerate(parse_lines([line], context)):
         event = evidence_event(evidence, source=f"agent/{node}", node=node, time=at)
         event = event.model_copy(update={"id": derived_event_id(killed.id, event.type, str(number))})

@@ -58,6 +58,7 @@ from lanes_contract.events.progress import (
 )
 from lanes_contract.events.recovery import (
     CheckpointRef,
+    Culprit,
     LostWork,
     ManualAction,
     ManualActionData,
@@ -67,6 +68,8 @@ from lanes_contract.events.recovery import (
     RecoveryDecidedData,
     RecoveryEscalated,
     RecoveryEscalatedData,
+    RecoverySuperseded,
+    RecoverySupersededData,
     RefusedCheckpoint,
 )
 from lanes_contract.events.scheduling import (
@@ -107,6 +110,8 @@ from lanes_contract.events.telemetry import (
     PlatformEvidence,
     ProcessEvidence,
     RawEvidence,
+    SettleWindowEnded,
+    SettleWindowEndedData,
 )
 
 AnyEvent = Annotated[
@@ -141,11 +146,13 @@ AnyEvent = Annotated[
     | RawEvidence
     | JobEvidence
     | JobFinding
+    | SettleWindowEnded
     | ReplicaListening
     | ReplicaStateChanged
     | RequestServed
     | RecoveryDecided
     | RecoveryEscalated
+    | RecoverySuperseded
     | ManualActionRequested,
     Field(discriminator="type"),
 ]
@@ -177,6 +184,7 @@ __all__ = [
     "CommunicatorReady",
     "CommunicatorReadyData",
     "ConsequenceGroup",
+    "Culprit",
     "Data",
     "Event",
     "EvidenceCategory",
@@ -227,6 +235,8 @@ __all__ = [
     "RecoveryDecidedData",
     "RecoveryEscalated",
     "RecoveryEscalatedData",
+    "RecoverySuperseded",
+    "RecoverySupersededData",
     "RefusedCheckpoint",
     "RendezvousDone",
     "RendezvousDoneData",
@@ -243,6 +253,8 @@ __all__ = [
     "ResumeRequested",
     "RetryData",
     "RetryRequested",
+    "SettleWindowEnded",
+    "SettleWindowEndedData",
     "TransitionRejected",
     "TransitionRejectedData",
     "derive",

@@ -108,6 +108,12 @@ class RankExitedData(Data):
 
     exit_code: int | None = Field(description="Process exit status, or None when killed by a signal.")
     signal: int | None = Field(default=None, ge=1)
+    evidence: int | None = Field(
+        default=None,
+        ge=0,
+        description="How many evidence events the agent published from this rank's output before its exit: "
+        "telemetry knows the rank has reported everything once it has seen that many.",
+    )
 
     @property
     def succeeded(self) -> bool:

@@ -66,12 +66,26 @@ class LostWork(Data):
     gpu_hours: float | None = Field(default=None, ge=0)
 
 
+class Culprit(Data):
+    """Who a decision (or a finding) blames: the first error's lane, node and rank."""
+
+    lane: Lane
+    category: str
+    node: str | None = None
+    rank: int | None = None
+
+
 class RecoveryDecidedData(Data):
     """One recovery decision: what it acted on, under which policy, what it does, and what should follow."""
 
     finding_id: str = Field(min_length=1, description="The finding (or event) the decision acted on.")
-    finding_version: int | None = Field(default=None, ge=1)
+    finding_version: int | None = Field(default=None, ge=1, description="The finding version decided on.")
+    settled: bool | None = Field(
+        default=None,
+        description="Whether that finding was settled; False: decided when the grace ran out, without one.",
+    )
     first_error: str = Field(default="", description="lane/category of the first error, e.g. host/oom_killed.")
+    culprit: Culprit | None = Field(default=None, description="Whom the decision blames: lane, node and rank.")
     policy: str = Field(min_length=1)
     policy_version: int = Field(ge=1)
     workload_class: str
@@ -125,6 +139,29 @@ class RecoveryEscalated(Event):
     name = "recovery_escalated"
     lane: Lane = Lane.PLATFORM
     data: RecoveryEscalatedData
+
+
+class RecoverySupersededData(Data):
+    """A decision acted on a finding that a later, settled finding contradicts: what is undone and redone."""
+
+    decision_id: str = Field(min_length=1, description="The decision superseded.")
+    decided_on: Culprit
+    decided_version: int | None = Field(default=None, ge=1)
+    finding_id: str = Field(min_length=1, description="The later finding that moved the culprit.")
+    finding_version: int = Field(ge=1)
+    culprit: Culprit
+    uncordon: tuple[Token, ...] = Field(default=(), description="Nodes the superseded decision wrongly cordoned.")
+    replanned: bool = Field(description="True: the retry was re-planned; False: the next attempt was already placed.")
+    reason: str
+
+
+class RecoverySuperseded(Event):
+    """A later finding moved the culprit after recovery decided: the decision is superseded, on the timeline."""
+
+    family = Family.JOB
+    name = "recovery_superseded"
+    lane: Lane = Lane.PLATFORM
+    data: RecoverySupersededData
 
 
 class ManualActionData(CommandData):

@@ -40,6 +40,19 @@ class EvidenceCategory(StrEnum):
     CONFIG_MISMATCH = "config_mismatch"
     # anything a parser did not recognise (lanes.tel.<node>.raw)
     RAW = "raw"
+    # added later; kept at the end so older values keep their place
+    RENDEZVOUS_FAILURE = "rendezvous_failure"
+    """The c10d store / rendezvous could not be reached or started (platform)."""
+    RESOURCE_EXHAUSTED = "resource_exhausted"
+    """A limit of the platform: /dev/shm too small, devices still held by an earlier job, file descriptors."""
+    COLLECTIVE_MISMATCH = "collective_mismatch"
+    """Ranks called different collectives, or the same one with different sizes (the job's code)."""
+    NUMERIC_ANOMALY = "numeric_anomaly"
+    """NaN / Inf in the loss or the gradients (the job's code or data)."""
+    CONNECT_FAILED = "connect_failed"
+    """A rank could not open a connection to a peer (NCCL socket / proxy connect): the first failing side."""
+    NODE_LOST = "node_lost"
+    """The scheduler lost a node (Slurm `Node failure`)."""
 
 
 class EvidenceData(Data):
@@ -117,6 +130,11 @@ class JobEvidenceData(Data):
 
     evidence_id: str = Field(min_length=1, max_length=128)
     evidence: EvidenceData
+    shared: bool = Field(
+        default=False,
+        description="Node-level evidence that names no pid, on a node several jobs shared: filed under each of "
+        "them, and never a first error on its own.",
+    )
 
 
 class JobEvidence(Event):
@@ -170,6 +188,15 @@ class JobFindingData(Data):
     confidence: float = Field(ge=0.0, le=1.0)
     owner: str = Field(default="", description="Who to call next.")
     evidence_count: int = Field(default=0, ge=0)
+    # --- settlement (defaults: findings written before telemetry said whether they were settled) ---
+    settled: bool = Field(
+        default=False,
+        description="Every rank and node of the attempt is accounted for, or the settle window ended: act on it.",
+    )
+    settle_reason: str = Field(default="", description="Why the finding is settled, or why not yet.")
+    waiting_for: tuple[str, ...] = Field(
+        default=(), description="What an unsettled finding still waits for: a kernel log, a silent node, rank exits."
+    )
 
 
 class JobFinding(Event):
@@ -179,3 +206,19 @@ class JobFinding(Event):
     name = "finding"
     lane: Lane = Lane.PLATFORM
     data: JobFindingData
+
+
+class SettleWindowEndedData(Data):
+    """The end of an attempt's settle window: its finding is settled now, whatever still had not reported."""
+
+    ended_at: AwareDatetime = Field(description="When the attempt ended (the window runs from there).")
+    window_s: float = Field(ge=0)
+
+
+class SettleWindowEnded(Event):
+    """Telemetry's timer: the settle window of a failed attempt ran out (its finding settles on what arrived)."""
+
+    family = Family.JOB
+    name = "settle_window_ended"
+    lane: Lane = Lane.PLATFORM
+    data: SettleWindowEndedData

@@ -72,6 +72,11 @@ async def record_decision(conn: Db, decided: RecoveryDecided) -> None:
     )
 
 
+async def mark_superseded(conn: Db, decision_id: str, by: str) -> None:
+    """Note that a later decision replaced this one (it stays on record)."""
+    await conn.execute("UPDATE recovery_decisions SET superseded_by = $2 WHERE decision_id = $1", decision_id, by)
+
+
 async def mark_escalated(conn: Db, decision_id: str, at: datetime) -> None:
     """Note that a manual decision's deadline passed and was escalated."""
     await conn.execute("UPDATE recovery_decisions SET escalated_at = $2 WHERE decision_id = $1", decision_id, at)
@@ -128,3 +133,38 @@ async def outbox_rows(conn: Executor, consumer: str) -> list[tuple[int, str, dic
 async def drop_outbox_row(conn: Executor, row_id: int) -> None:
     """Forget an outbox row once its event is stored on the log."""
     await conn.execute("DELETE FROM lanes_outbox WHERE id = $1", row_id)
+
+
+class PostgresRecoveryStore:
+    """The `RecoveryStore` port on one PostgreSQL connection (inside the caller's transaction)."""
+
+    def __init__(self, conn: Db) -> None:
+        self._conn = conn
+
+    async def lock_new(self, job_id: str) -> None:
+        """See `RecoveryStore.lock_new`."""
+        await lock_new(self._conn, job_id)
+
+    async def load(self, job_id: str) -> JobKnowledge | None:
+        """See `RecoveryStore.load`."""
+        return await load(self._conn, job_id)
+
+    async def claim_due(self, job_id: str, now: datetime) -> JobKnowledge | None:
+        """See `RecoveryStore.claim_due`."""
+        return await claim_due(self._conn, job_id, now)
+
+    async def save(self, knowledge: JobKnowledge, next_due_at: datetime | None) -> None:
+        """See `RecoveryStore.save`."""
+        await save(self._conn, knowledge, next_due_at)
+
+    async def record_decision(self, decided: RecoveryDecided) -> None:
+        """See `RecoveryStore.record_decision`."""
+        await record_decision(self._conn, decided)
+
+    async def mark_superseded(self, decision_id: str, by: str) -> None:
+        """See `RecoveryStore.mark_superseded`."""
+        await mark_superseded(self._conn, decision_id, by)
+
+    async def mark_escalated(self, decision_id: str, at: datetime) -> None:
+        """See `RecoveryStore.mark_escalated`."""
+        await mark_escalated(self._conn, decision_id, at)

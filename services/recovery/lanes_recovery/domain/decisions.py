@@ -14,6 +14,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from lanes_contract.events import (
+    Culprit,
     Lane,
     LostWork,
     ManualAction,
@@ -111,7 +112,7 @@ def lost_work(facts: AttemptFacts, resume_step: int, spec: JobSpec) -> LostWork 
 def crash_loop(knowledge: JobKnowledge, facts: AttemptFacts, first: FirstError, count: int) -> str | None:
     """Why automatic recovery must stop, when this failure repeats an earlier one `count` times in all."""
     resumed_from = facts.resumed_from or 0
-    earlier = [d for d in knowledge.decisions if not d.manual and d.attempt < facts.number]
+    earlier = [d for d in knowledge.decisions if not d.manual and d.superseded_by is None and d.attempt < facts.number]
     on_node = 1 + sum(1 for d in earlier if first.node and d.first_error == first.label and d.node == first.node)
     if first.node and on_node >= count:
         return f"crash loop: {first.label} on {first.node} {on_node} times (limit {count})"
@@ -196,7 +197,9 @@ def decide_failure(
     base: dict[str, Any] = {
         "finding_id": facts.finding.id if facts.finding else (facts.ended_by or decision_id),
         "finding_version": facts.finding.version if facts.finding else None,
+        "settled": facts.finding is not None and facts.finding.settled,
         "first_error": a.first.label,
+        "culprit": Culprit(lane=a.first.lane, category=a.first.category, node=a.first.node, rank=a.first.rank),
         "policy": policy.name,
         "policy_version": policy.version,
         "workload_class": a.spec.workload_class.value,
@@ -212,7 +215,10 @@ def decide_failure(
     }
     if a.stop is not None:
         deadline = now + timedelta(seconds=a.limits.manual_deadline_s)
-        reason = f"{a.found}: {a.stop}; waiting for {owner} until {deadline.isoformat()}{_refused_text(verified)}"
+        reason = (
+            f"{_unsettled(facts)}{a.found}: {a.stop}; waiting for {owner} until {deadline.isoformat()}"
+            + _refused_text(verified)
+        )
         decision = RecoveryDecidedData(
             **base,
             action=RecoveryAction.MANUAL,
@@ -267,9 +273,8 @@ def _automatic(
         else ""
     )
     reason = (
-        f"{a.found}: {cordon}{steps} once attempt {facts.number}'s resources are released{wait} ({a.why}){guard}"
-        + "".join(f"; {n}" for n in a.notes)
-        + _refused_text(verified)
+        f"{_unsettled(facts)}{a.found}: {cordon}{steps} once attempt {facts.number}'s resources are released"
+        f"{wait} ({a.why}){guard}" + "".join(f"; {n}" for n in a.notes) + _refused_text(verified)
     )
     undo = [f"`lanes topology state {c.node} ready` returns {c.node} to scheduling" for c in cordons]
     undo.append(f"`lanes cancel {knowledge.job_id}` stops attempt {following}")
@@ -403,6 +408,15 @@ def _replica_out(spec: JobSpec, found: str) -> ReplicaOut | None:
     if spec.serving is None:
         return None
     return ReplicaOut(model=spec.serving.model, version=spec.serving.version, reason=f"recovery: {found}")
+
+
+def _unsettled(facts: AttemptFacts) -> str:
+    """The decision's admission that it did not wait for a settled finding (its grace ran out)."""
+    if not facts.placed or (facts.finding is not None and facts.finding.settled):
+        return ""
+    if facts.finding is None:
+        return "decided without a finding (the grace ran out): "
+    return f"decided without a settled finding (the grace ran out at finding v{facts.finding.version}): "
 
 
 def _refused_text(verified: Verified) -> str:

@@ -49,6 +49,18 @@ class FirstError(_Frozen):
         """`lane/category`, e.g. host/oom_kill: what policies match and crash loops compare."""
         return f"{self.lane.value}/{self.category}"
 
+    @property
+    def named(self) -> str:
+        """`host/oom_kill on node-3 rank 2`: the culprit as people read it."""
+        where = " ".join(p for p in (self.node or "", f"rank {self.rank}" if self.rank is not None else "") if p)
+        return f"{self.label} on {where}" if where else self.label
+
+    def blames_other_than(self, other: FirstError) -> bool:
+        """Whether this culprit moved from `other`: another lane or node, or another rank where both name one."""
+        if (self.lane, self.node) != (other.lane, other.node):
+            return True
+        return self.rank is not None and other.rank is not None and self.rank != other.rank
+
 
 class FindingSeen(_Frozen):
     """Telemetry's latest finding for an attempt."""
@@ -56,6 +68,8 @@ class FindingSeen(_Frozen):
     id: str
     version: int
     first_error: FirstError | None
+    settled: bool = False
+    """Whether telemetry said the finding is settled (every rank and node accounted for, or its window ended)."""
 
 
 class SavedCheckpoint(_Frozen):
@@ -101,7 +115,9 @@ class AttemptFacts(_Frozen):
     skipped: str | None = None
     """Why the attempt got no decision although it failed (e.g. too old when recovery first saw it)."""
     findings_after_decision: tuple[int, ...] = ()
-    """Finding versions that arrived after the decision: kept for the record, never decided on again."""
+    """Finding versions that arrived after the decision."""
+    latest: FindingSeen | None = None
+    """The latest finding once the attempt was decided: a settled one that moves the culprit supersedes."""
 
     @property
     def step_time_s(self) -> float | None:
@@ -127,6 +143,14 @@ class DecisionRecord(_Frozen):
     decided_at: datetime
     manual: bool = False
     """A decision an owner made (`lanes recover`), not the policy."""
+    culprit: FirstError | None = None
+    """Whom the decision blamed (the finding's first error, or what recovery assumed)."""
+    finding_version: int | None = None
+    cordoned: tuple[str, ...] = ()
+    superseded_by: str | None = None
+    """The decision that replaced it when a later finding moved the culprit before the next attempt was out."""
+    escalated: FirstError | None = None
+    """The culprit of the last escalation about it (the next attempt was out when the finding moved)."""
 
 
 class PendingRetry(_Frozen):
@@ -172,6 +196,8 @@ class JobKnowledge(_Frozen):
     decisions: tuple[DecisionRecord, ...] = ()
     pending: PendingRetry | None = None
     manual: ManualWait | None = None
+    recheck_at: datetime | None = None
+    """When to look again at a decision that waits for checkpoint digests still being computed."""
 
     def attempt(self, number: int) -> AttemptFacts:
         """The facts of attempt `number` (empty when nothing is known yet)."""
@@ -184,18 +210,23 @@ class JobKnowledge(_Frozen):
     def awaiting_decision(self, now: datetime, grace: timedelta) -> list[tuple[AttemptFacts, bool]]:
         """Failed attempts to decide now, each with whether it is decided without a finding (grace expired).
 
-        An attempt is decided as soon as it failed and its finding names a first error; one that was never
-        placed is decided at once (no evidence can come); otherwise it waits `grace` for a finding.
+        An attempt is decided as soon as it failed and its finding is settled; one that was never placed is
+        decided at once (no evidence can come); otherwise it waits `grace` for a settled finding, and then
+        decides on whatever finding it has (the decision says so).
         """
         ready = []
         for facts in sorted(self.attempts.values(), key=lambda a: a.number):
             if facts.outcome != "failed" or facts.decided or facts.ended_at is None:
                 continue
-            if not facts.placed or (facts.finding is not None and facts.finding.first_error is not None):
+            if not facts.placed or (facts.finding is not None and facts.finding.settled):
                 ready.append((facts, False))
             elif facts.ended_at + grace <= now:
                 ready.append((facts, True))
         return ready
+
+    def failed_undecided(self) -> bool:
+        """Whether an attempt failed and awaits its decision."""
+        return any(f.outcome == "failed" and not f.decided for f in self.attempts.values())
 
     def stale_failures(self, now: datetime, within: timedelta) -> list[AttemptFacts]:
         """Undecided failures older than `within`: recovery deployed on an existing log must not act on history."""
@@ -217,6 +248,8 @@ class JobKnowledge(_Frozen):
             moments.append(self.pending.due_at)
         if self.manual is not None and not self.manual.escalated:
             moments.append(self.manual.deadline)
+        if self.recheck_at is not None:
+            moments.append(self.recheck_at)
         return min(moments, default=None)
 
 
@@ -279,11 +312,6 @@ def _checkpoint(known: JobKnowledge, event: CheckpointSaved) -> JobKnowledge:
 def _finding(facts: AttemptFacts, event: JobFinding) -> AttemptFacts:
     if facts.finding is not None and event.data.version <= facts.finding.version:
         return facts
-    if facts.decided:
-        # Decided once per attempt, on the finding known then: a later version is recorded, not acted on.
-        return facts.model_copy(
-            update={"findings_after_decision": (*facts.findings_after_decision, event.data.version)}
-        )
     first = event.data.first_error
     first_error = (
         None
@@ -292,9 +320,16 @@ def _finding(facts: AttemptFacts, event: JobFinding) -> AttemptFacts:
             lane=first.lane, category=first.category, node=first.node, rank=first.rank, summary=first.summary
         )
     )
-    return facts.model_copy(
-        update={"finding": FindingSeen(id=event.id, version=event.data.version, first_error=first_error)}
-    )
+    seen = FindingSeen(id=event.id, version=event.data.version, first_error=first_error, settled=event.data.settled)
+    if facts.decided:
+        # The decision stands on the finding known then; a later version is kept, and a settled one that moves
+        # the culprit supersedes the decision (see `supersede.py`).
+        if facts.latest is not None and event.data.version <= facts.latest.version:
+            return facts
+        return facts.model_copy(
+            update={"findings_after_decision": (*facts.findings_after_decision, event.data.version), "latest": seen}
+        )
+    return facts.model_copy(update={"finding": seen})
 
 
 def _state_changed(known: JobKnowledge, facts: AttemptFacts, event: JobStateChanged) -> JobKnowledge:

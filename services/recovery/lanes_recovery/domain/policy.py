@@ -72,6 +72,14 @@ class Defaults(_Model):
         gt=0,
         description="A failure older than this when recovery first sees it (a replayed log) gets no decision.",
     )
+    checkpoint_roots: tuple[str, ...] = Field(
+        default=(),
+        description="The only directories checkpoint digests read under (none named: any local path).",
+    )
+    digest_max_bytes: int = Field(default=64 << 30, ge=1, description="A checkpoint larger than this is unverified.")
+    digest_timeout_s: float = Field(
+        default=60.0, gt=0, le=3600, description="A checkpoint not hashed within this is unverified."
+    )
     unrecorded_versions: Literal["refuse", "accept"] = Field(
         default="refuse", description="A checkpoint that does not record a version the spec sets: refuse or accept it."
     )

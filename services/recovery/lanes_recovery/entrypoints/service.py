@@ -45,7 +45,7 @@ def recovery_service(
     policy: Callable[[], Policy] = configured_policy,
     *,
     consumer: ConsumerSpec = EVENTS,
-    tick_s: float = 0.5,
+    tick_s: float = 0.25,
 ) -> ServiceDefinition:
     """The recovery service under a policy (default: LANES_RECOVERY_POLICY, else the shipped one)."""
     recovery = Recovery(policy)

@@ -8,153 +8,16 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+import asyncpg
+
 from lanes_contract.events import EvidenceData, JobFindingData, RankAssignment
 from lanes_evidence.evidence import Evidence
 from lanes_runtime.store import Db
+from lanes_telemetry.domain.settlement import RankExit
+from lanes_telemetry.service_layer.ports import Placement, StoredEvidence
 
 NO_RANK = -1
 """The rank column of node-level evidence in `telemetry_reporters` (a primary key cannot hold NULL)."""
-
-
-async def lock_nodes(conn: Db, nodes: Sequence[str]) -> None:
-    """Serialise correlation per node for this transaction (evidence vs. a placement arriving meanwhile)."""
-    for node in sorted(set(nodes)):  # one order everywhere: no deadlock between two placements
-        await conn.execute("SELECT pg_advisory_xact_lock(hashtext('lanes-telemetry-node'), hashtext($1))", node)
-
-
-async def lock_attempt(conn: Db, job_id: str, attempt: int) -> None:
-    """Serialise elections of one attempt, so two replicas never publish the same finding version twice."""
-    await conn.execute("SELECT pg_advisory_xact_lock(hashtext($1), $2)", f"lanes-telemetry-job:{job_id}", attempt)
-
-
-async def save_placement(
-    conn: Db, job_id: str, attempt: int, assignments: Sequence[RankAssignment], placed_at: datetime
-) -> None:
-    """Record where each rank of an attempt runs (a replayed placement overwrites itself)."""
-    await conn.executemany(
-        """INSERT INTO telemetry_placements (job_id, attempt, rank, node, gpus, placed_at)
-           VALUES ($1, $2, $3, $4, $5, $6)
-           ON CONFLICT (job_id, attempt, rank) DO UPDATE SET node = EXCLUDED.node, gpus = EXCLUDED.gpus,
-               placed_at = EXCLUDED.placed_at""",
-        [(job_id, attempt, a.rank, a.node, list(a.gpus), placed_at) for a in assignments],
-    )
-
-
-async def release(conn: Db, job_id: str, attempt: int | None, released_at: datetime) -> None:
-    """Mark an attempt's placement as ended: later evidence on its nodes is no longer its evidence."""
-    await conn.execute(
-        """UPDATE telemetry_placements SET released_at = $3
-           WHERE job_id = $1 AND ($2::integer IS NULL OR attempt = $2) AND released_at IS NULL""",
-        job_id,
-        attempt,
-        released_at,
-    )
-
-
-@dataclass(frozen=True)
-class Placement:
-    """The attempt running on a node at some time, and the ranks it has there."""
-
-    job_id: str
-    attempt: int
-    ranks: tuple[int, ...]
-
-    @property
-    def only_rank(self) -> int | None:
-        """The rank when the node runs exactly one: node-level evidence then belongs to it."""
-        return self.ranks[0] if len(self.ranks) == 1 else None
-
-
-async def placement_at(conn: Db, node: str, at: datetime, skew: timedelta) -> Placement | None:
-    """The latest attempt placed on `node` no later than `at` (+ skew) and not released before it."""
-    rows = await conn.fetch(
-        """WITH latest AS (
-               SELECT job_id, attempt FROM telemetry_placements
-               WHERE node = $1 AND placed_at <= $2::timestamptz + $3::interval
-                 AND (released_at IS NULL OR released_at >= $2::timestamptz - $3::interval)
-               ORDER BY placed_at DESC LIMIT 1)
-           SELECT p.job_id, p.attempt, p.rank FROM telemetry_placements p JOIN latest USING (job_id, attempt)
-           WHERE p.node = $1 ORDER BY p.rank""",
-        node,
-        at,
-        skew,
-    )
-    if not rows:
-        return None
-    return Placement(rows[0]["job_id"], rows[0]["attempt"], tuple(row["rank"] for row in rows))
-
-
-async def world_of(conn: Db, job_id: str, attempt: int) -> dict[int, str | None]:
-    """Every rank of the attempt with its node."""
-    rows = await conn.fetch(
-        "SELECT rank, node FROM telemetry_placements WHERE job_id = $1 AND attempt = $2", job_id, attempt
-    )
-    return {row["rank"]: row["node"] for row in rows}
-
-
-async def world_size(conn: Db, job_id: str, attempt: int) -> int:
-    """How many ranks the attempt has."""
-    count = await conn.fetchval(
-        "SELECT count(*) FROM telemetry_placements WHERE job_id = $1 AND attempt = $2", job_id, attempt
-    )
-    return int(count)
-
-
-async def save_evidence(
-    conn: Db,
-    *,
-    event_id: str,
-    evidence: Evidence,
-    node: str,
-    lane: str,
-    stream_seq: int,
-    job_id: str | None,
-    attempt: int | None,
-) -> None:
-    """Store one piece of evidence (a redelivered one is already there and is left as it is)."""
-    await conn.execute(
-        """INSERT INTO telemetry_evidence
-               (event_id, node, kind, category, time, lane, job_id, attempt, rank, data, stream_seq)
-           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10::jsonb, $11) ON CONFLICT (event_id) DO NOTHING""",
-        event_id,
-        node,
-        evidence.kind,
-        evidence.category.value,
-        evidence.time,
-        lane,
-        job_id,
-        attempt,
-        evidence.rank,
-        evidence.data.model_dump_json(exclude_defaults=True),
-        stream_seq,
-    )
-
-
-async def add_reporter(conn: Db, job_id: str, attempt: int, node: str, rank: int | None) -> int | None:
-    """Record that (node, rank) reported for the attempt; the number of reporters if it is new, else None."""
-    new = await conn.fetchval(
-        """INSERT INTO telemetry_reporters (job_id, attempt, node, rank) VALUES ($1, $2, $3, $4)
-           ON CONFLICT DO NOTHING RETURNING true""",
-        job_id,
-        attempt,
-        node,
-        NO_RANK if rank is None else rank,
-    )
-    if not new:
-        return None
-    count = await conn.fetchval(
-        "SELECT count(*) FROM telemetry_reporters WHERE job_id = $1 AND attempt = $2", job_id, attempt
-    )
-    return int(count)
-
-
-@dataclass(frozen=True)
-class StoredEvidence:
-    """A row of telemetry_evidence as the election and the correlated copies need it."""
-
-    event_id: str
-    lane: str
-    evidence: Evidence
 
 
 def _stored(row: Any) -> StoredEvidence:
@@ -164,79 +27,344 @@ def _stored(row: Any) -> StoredEvidence:
     )
 
 
-async def correlate_late(
-    conn: Db, job_id: str, attempt: int, ranks_by_node: dict[str, tuple[int, ...]], since: datetime
-) -> list[StoredEvidence]:
-    """Attach evidence that arrived before the placement did (but happened after it) to the attempt."""
-    correlated: list[StoredEvidence] = []
-    for node, ranks in sorted(ranks_by_node.items()):
-        rows = await conn.fetch(
-            """UPDATE telemetry_evidence SET job_id = $1, attempt = $2, rank = COALESCE(rank, $3)
-               WHERE node = $4 AND job_id IS NULL AND time >= $5
-               RETURNING event_id, lane, node, rank, time, data""",
+@dataclass(frozen=True)
+class DueWindow:
+    """A settle window that ran out and whose end is not yet on the log."""
+
+    job_id: str
+    attempt: int
+    ended_at: datetime
+    window_s: float
+
+
+async def due_windows(conn: Db | asyncpg.Pool, now: datetime, limit: int = 100) -> list[DueWindow]:
+    """Settle windows past their end that no consumer has closed yet."""
+    rows = await conn.fetch(
+        """SELECT job_id, attempt, ended_at, window_s FROM telemetry_attempts
+           WHERE NOT window_ended AND settle_due_at <= $1 ORDER BY settle_due_at LIMIT $2""",
+        now,
+        limit,
+    )
+    return [DueWindow(row["job_id"], row["attempt"], row["ended_at"], row["window_s"]) for row in rows]
+
+
+class PostgresTelemetryStore:
+    """The `TelemetryStore` port on one PostgreSQL connection (inside the caller's transaction)."""
+
+    def __init__(self, conn: Db) -> None:
+        self._conn = conn
+
+    async def lock_nodes(self, nodes: Sequence[str]) -> None:
+        """Serialise correlation per node for this transaction (evidence vs. a placement arriving meanwhile)."""
+        for node in sorted(set(nodes)):  # one order everywhere: no deadlock between two placements
+            await self._conn.execute(
+                "SELECT pg_advisory_xact_lock(hashtext('lanes-telemetry-node'), hashtext($1))", node
+            )
+
+    async def lock_attempt(self, job_id: str, attempt: int) -> None:
+        """Serialise elections of one attempt, so two replicas never publish the same finding version twice."""
+        await self._conn.execute(
+            "SELECT pg_advisory_xact_lock(hashtext($1), $2)", f"lanes-telemetry-job:{job_id}", attempt
+        )
+
+    async def save_placement(
+        self, job_id: str, attempt: int, assignments: Sequence[RankAssignment], placed_at: datetime
+    ) -> None:
+        """Record where each rank of an attempt runs (a replayed placement overwrites itself)."""
+        await self._conn.executemany(
+            """INSERT INTO telemetry_placements (job_id, attempt, rank, node, gpus, placed_at)
+               VALUES ($1, $2, $3, $4, $5, $6)
+               ON CONFLICT (job_id, attempt, rank) DO UPDATE SET node = EXCLUDED.node, gpus = EXCLUDED.gpus,
+                   placed_at = EXCLUDED.placed_at""",
+            [(job_id, attempt, a.rank, a.node, list(a.gpus), placed_at) for a in assignments],
+        )
+
+    async def release(self, job_id: str, attempt: int | None, released_at: datetime) -> None:
+        """Mark an attempt's placement as ended: later evidence on its nodes is no longer its evidence."""
+        await self._conn.execute(
+            """UPDATE telemetry_placements SET released_at = $3
+               WHERE job_id = $1 AND ($2::integer IS NULL OR attempt = $2) AND released_at IS NULL""",
             job_id,
             attempt,
-            ranks[0] if len(ranks) == 1 else None,
-            node,
-            since,
+            released_at,
         )
-        correlated.extend(_stored(row) for row in rows)
-    return correlated
 
+    async def placement_at(self, node: str, at: datetime, skew: timedelta) -> Placement | None:
+        """The latest attempt placed on `node` no later than `at` (+ skew) and not released before it."""
+        rows = await self._conn.fetch(
+            """WITH latest AS (
+                   SELECT job_id, attempt FROM telemetry_placements
+                   WHERE node = $1 AND placed_at <= $2::timestamptz + $3::interval
+                     AND (released_at IS NULL OR released_at >= $2::timestamptz - $3::interval)
+                   ORDER BY placed_at DESC LIMIT 1)
+               SELECT p.job_id, p.attempt, p.rank FROM telemetry_placements p JOIN latest USING (job_id, attempt)
+               WHERE p.node = $1 ORDER BY p.rank""",
+            node,
+            at,
+            skew,
+        )
+        if not rows:
+            return None
+        return Placement(rows[0]["job_id"], rows[0]["attempt"], tuple(row["rank"] for row in rows))
 
-async def evidence_of(conn: Db, job_id: str, attempt: int, *, ignored: Sequence[str]) -> list[Evidence]:
-    """The attempt's evidence the election reads (categories in `ignored` are left out)."""
-    rows = await conn.fetch(
-        """SELECT event_id, lane, node, rank, time, data FROM telemetry_evidence
-           WHERE job_id = $1 AND attempt = $2 AND category <> ALL($3::text[])""",
-        job_id,
-        attempt,
-        list(ignored),
-    )
-    return [_stored(row).evidence for row in rows]
+    async def world_of(self, job_id: str, attempt: int) -> dict[int, str | None]:
+        """Every rank of the attempt with its node."""
+        rows = await self._conn.fetch(
+            "SELECT rank, node FROM telemetry_placements WHERE job_id = $1 AND attempt = $2", job_id, attempt
+        )
+        return {row["rank"]: row["node"] for row in rows}
 
+    async def world_size(self, job_id: str, attempt: int) -> int:
+        """How many ranks the attempt has."""
+        count = await self._conn.fetchval(
+            "SELECT count(*) FROM telemetry_placements WHERE job_id = $1 AND attempt = $2", job_id, attempt
+        )
+        return int(count)
 
-async def count_evidence(conn: Db, job_id: str, attempt: int, *, ignored: Sequence[str], up_to: int) -> int:
-    """How much evidence the attempt has for the election, counted no further than `up_to` + 1."""
-    count = await conn.fetchval(
-        """SELECT count(*) FROM (SELECT 1 FROM telemetry_evidence
-               WHERE job_id = $1 AND attempt = $2 AND category <> ALL($3::text[]) LIMIT $4) AS elected""",
-        job_id,
-        attempt,
-        list(ignored),
-        up_to + 1,
-    )
-    return int(count)
+    async def save_evidence(
+        self,
+        *,
+        event_id: str,
+        evidence: Evidence,
+        node: str,
+        lane: str,
+        stream_seq: int,
+        job_id: str | None,
+        attempt: int | None,
+    ) -> None:
+        """Store one piece of evidence (a redelivered one is already there and is left as it is)."""
+        await self._conn.execute(
+            """INSERT INTO telemetry_evidence
+                   (event_id, node, kind, category, time, lane, job_id, attempt, rank, data, stream_seq)
+               VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10::jsonb, $11) ON CONFLICT (event_id) DO NOTHING""",
+            event_id,
+            node,
+            evidence.kind,
+            evidence.category.value,
+            evidence.time,
+            lane,
+            job_id,
+            attempt,
+            evidence.rank,
+            evidence.data.model_dump_json(exclude_defaults=True),
+            stream_seq,
+        )
 
+    async def add_reporter(self, job_id: str, attempt: int, node: str, rank: int | None) -> int | None:
+        """Record that (node, rank) reported for the attempt; the number of reporters if it is new, else None."""
+        new = await self._conn.fetchval(
+            """INSERT INTO telemetry_reporters (job_id, attempt, node, rank) VALUES ($1, $2, $3, $4)
+               ON CONFLICT DO NOTHING RETURNING true""",
+            job_id,
+            attempt,
+            node,
+            NO_RANK if rank is None else rank,
+        )
+        if not new:
+            return None
+        count = await self._conn.fetchval(
+            "SELECT count(*) FROM telemetry_reporters WHERE job_id = $1 AND attempt = $2", job_id, attempt
+        )
+        return int(count)
 
-async def load_finding(conn: Db, job_id: str, attempt: int) -> tuple[int, dict[str, Any]] | None:
-    """The latest finding's version and JSON body, if any."""
-    row = await conn.fetchrow(
-        "SELECT version, finding FROM telemetry_findings WHERE job_id = $1 AND attempt = $2", job_id, attempt
-    )
-    return None if row is None else (int(row["version"]), json.loads(row["finding"]))
+    async def correlate_late(
+        self, job_id: str, attempt: int, ranks_by_node: dict[str, tuple[int, ...]], since: datetime
+    ) -> list[StoredEvidence]:
+        """Attach evidence that arrived before the placement did (but happened after it) to the attempt."""
+        correlated: list[StoredEvidence] = []
+        for node, ranks in sorted(ranks_by_node.items()):
+            rows = await self._conn.fetch(
+                """UPDATE telemetry_evidence SET job_id = $1, attempt = $2, rank = COALESCE(rank, $3)
+                   WHERE node = $4 AND job_id IS NULL AND time >= $5
+                     AND NOT EXISTS (SELECT 1 FROM telemetry_shared_evidence AS shared
+                                     WHERE shared.event_id = telemetry_evidence.event_id)
+                   RETURNING event_id, lane, node, rank, time, data""",
+                job_id,
+                attempt,
+                ranks[0] if len(ranks) == 1 else None,
+                node,
+                since,
+            )
+            correlated.extend(_stored(row) for row in rows)
+        return correlated
 
+    async def evidence_of(self, job_id: str, attempt: int, *, ignored: Sequence[str]) -> list[Evidence]:
+        """The attempt's evidence the election reads (categories in `ignored` are left out)."""
+        rows = await self._conn.fetch(
+            """SELECT event_id, lane, node, rank, time, data FROM telemetry_evidence
+               WHERE job_id = $1 AND attempt = $2 AND category <> ALL($3::text[])""",
+            job_id,
+            attempt,
+            list(ignored),
+        )
+        return [_stored(row).evidence for row in rows]
 
-async def save_finding(conn: Db, job_id: str, attempt: int, finding: JobFindingData) -> None:
-    """Store the latest finding of an attempt."""
-    first = finding.first_error
-    await conn.execute(
-        """INSERT INTO telemetry_findings (job_id, attempt, version, finding, first_node, first_lane)
-           VALUES ($1, $2, $3, $4::jsonb, $5, $6)
-           ON CONFLICT (job_id, attempt) DO UPDATE SET version = EXCLUDED.version, finding = EXCLUDED.finding,
-               first_node = EXCLUDED.first_node, first_lane = EXCLUDED.first_lane, updated_at = now()""",
-        job_id,
-        attempt,
-        finding.version,
-        finding.model_dump_json(),
-        first.node if first else None,
-        first.lane.value if first else None,
-    )
+    async def count_evidence(self, job_id: str, attempt: int, *, ignored: Sequence[str], up_to: int) -> int:
+        """How much evidence the attempt has for the election, counted no further than `up_to` + 1."""
+        count = await self._conn.fetchval(
+            """SELECT count(*) FROM (SELECT 1 FROM telemetry_evidence
+                   WHERE job_id = $1 AND attempt = $2 AND category <> ALL($3::text[]) LIMIT $4) AS elected""",
+            job_id,
+            attempt,
+            list(ignored),
+            up_to + 1,
+        )
+        return int(count)
 
+    async def load_finding(self, job_id: str, attempt: int) -> tuple[int, dict[str, Any]] | None:
+        """The latest finding's version and JSON body, if any."""
+        row = await self._conn.fetchrow(
+            "SELECT version, finding FROM telemetry_findings WHERE job_id = $1 AND attempt = $2", job_id, attempt
+        )
+        return None if row is None else (int(row["version"]), json.loads(row["finding"]))
 
-async def other_jobs_first_error_on(conn: Db, node: str, job_id: str) -> int:
-    """How many other jobs elected a first error on this node (a repeat offender is a node to drain)."""
-    count = await conn.fetchval(
-        "SELECT count(DISTINCT job_id) FROM telemetry_findings WHERE first_node = $1 AND job_id <> $2", node, job_id
-    )
-    return int(count)
+    async def save_finding(self, job_id: str, attempt: int, finding: JobFindingData) -> None:
+        """Store the latest finding of an attempt."""
+        first = finding.first_error
+        await self._conn.execute(
+            """INSERT INTO telemetry_findings (job_id, attempt, version, finding, first_node, first_lane)
+               VALUES ($1, $2, $3, $4::jsonb, $5, $6)
+               ON CONFLICT (job_id, attempt) DO UPDATE SET version = EXCLUDED.version, finding = EXCLUDED.finding,
+                   first_node = EXCLUDED.first_node, first_lane = EXCLUDED.first_lane, updated_at = now()""",
+            job_id,
+            attempt,
+            finding.version,
+            finding.model_dump_json(),
+            first.node if first else None,
+            first.lane.value if first else None,
+        )
+
+    async def other_jobs_first_error_on(self, node: str, job_id: str) -> int:
+        """How many other jobs elected a first error on this node (a repeat offender is a node to drain)."""
+        count = await self._conn.fetchval(
+            "SELECT count(DISTINCT job_id) FROM telemetry_findings WHERE first_node = $1 AND job_id <> $2", node, job_id
+        )
+        return int(count)
+
+    async def placements_at(self, node: str, at: datetime, skew: timedelta) -> list[Placement]:
+        """Every attempt placed on `node` around `at` (+/- skew) and not released before it, latest first."""
+        rows = await self._conn.fetch(
+            """SELECT job_id, attempt, array_agg(rank ORDER BY rank) AS ranks, max(placed_at) AS placed_at
+               FROM telemetry_placements
+               WHERE node = $1 AND placed_at <= $2::timestamptz + $3::interval
+                 AND (released_at IS NULL OR released_at >= $2::timestamptz - $3::interval)
+               GROUP BY job_id, attempt ORDER BY max(placed_at) DESC""",
+            node,
+            at,
+            skew,
+        )
+        return [Placement(row["job_id"], row["attempt"], tuple(row["ranks"])) for row in rows]
+
+    async def process_of_pid(self, node: str, pid: int, candidates: Sequence[Placement]) -> tuple[str, int, int] | None:
+        """The (job, attempt, rank) among `candidates` whose process on `node` had this pid."""
+        for placement in candidates:
+            rank = await self._conn.fetchval(
+                "SELECT rank FROM telemetry_processes WHERE job_id = $1 AND attempt = $2 AND node = $3 AND pid = $4",
+                placement.job_id,
+                placement.attempt,
+                node,
+                pid,
+            )
+            if rank is not None:
+                return placement.job_id, placement.attempt, int(rank)
+        return None
+
+    async def save_started(self, job_id: str, attempt: int, rank: int, node: str | None, pid: int) -> None:
+        """Record a rank's pid (kernel lines name pids)."""
+        await self._conn.execute(
+            """INSERT INTO telemetry_processes (job_id, attempt, rank, node, pid) VALUES ($1, $2, $3, $4, $5)
+               ON CONFLICT (job_id, attempt, rank) DO UPDATE SET pid = EXCLUDED.pid, node = EXCLUDED.node""",
+            job_id,
+            attempt,
+            rank,
+            node,
+            pid,
+        )
+
+    async def save_exit(self, job_id: str, attempt: int, ex: RankExit) -> None:
+        """Record how a rank ended (a redelivered exit overwrites itself)."""
+        await self._conn.execute(
+            """INSERT INTO telemetry_processes
+                   (job_id, attempt, rank, node, exit_code, signal, evidence_count, exited, exited_at, exit_event_id)
+               VALUES ($1, $2, $3, $4, $5, $6, $7, true, $8, $9)
+               ON CONFLICT (job_id, attempt, rank) DO UPDATE
+               SET node = COALESCE(EXCLUDED.node, telemetry_processes.node),
+                   exit_code = EXCLUDED.exit_code, signal = EXCLUDED.signal, evidence_count = EXCLUDED.evidence_count,
+                   exited = true, exited_at = EXCLUDED.exited_at, exit_event_id = EXCLUDED.exit_event_id""",
+            job_id,
+            attempt,
+            ex.rank,
+            ex.node,
+            ex.exit_code,
+            ex.signal,
+            ex.evidence,
+            ex.time,
+            ex.id,
+        )
+
+    async def exits_of(self, job_id: str, attempt: int) -> dict[int, RankExit]:
+        """The attempt's rank exits seen so far."""
+        rows = await self._conn.fetch(
+            """SELECT rank, node, pid, exit_code, signal, evidence_count, exited_at, exit_event_id
+               FROM telemetry_processes WHERE job_id = $1 AND attempt = $2 AND exited""",
+            job_id,
+            attempt,
+        )
+        return {
+            row["rank"]: RankExit(
+                rank=row["rank"],
+                node=row["node"],
+                exit_code=row["exit_code"],
+                signal=row["signal"],
+                time=row["exited_at"],
+                evidence=row["evidence_count"],
+                id=row["exit_event_id"] or "",
+                pid=row["pid"],
+            )
+            for row in rows
+        }
+
+    async def heard_per_rank(self, job_id: str, attempt: int) -> dict[int, int]:
+        """How many evidence items arrived from each rank of the attempt."""
+        rows = await self._conn.fetch(
+            """SELECT rank, count(*) AS n FROM telemetry_evidence
+               WHERE job_id = $1 AND attempt = $2 AND rank IS NOT NULL GROUP BY rank""",
+            job_id,
+            attempt,
+        )
+        return {row["rank"]: int(row["n"]) for row in rows}
+
+    async def attempt_ended(self, job_id: str, attempt: int, ended_at: datetime, window: timedelta) -> None:
+        """Start a failed attempt's settle window (the first end seen counts; a redelivery changes nothing)."""
+        await self._conn.execute(
+            """INSERT INTO telemetry_attempts (job_id, attempt, ended_at, settle_due_at, window_s)
+               VALUES ($1, $2, $3, $4, $5) ON CONFLICT (job_id, attempt) DO NOTHING""",
+            job_id,
+            attempt,
+            ended_at,
+            ended_at + window,
+            window.total_seconds(),
+        )
+
+    async def end_window(self, job_id: str, attempt: int) -> None:
+        """The attempt's settle window ran out: its finding settles on what arrived."""
+        await self._conn.execute(
+            "UPDATE telemetry_attempts SET window_ended = true WHERE job_id = $1 AND attempt = $2", job_id, attempt
+        )
+
+    async def window_ended(self, job_id: str, attempt: int) -> bool:
+        """Whether the attempt's settle window ran out."""
+        ended = await self._conn.fetchval(
+            "SELECT window_ended FROM telemetry_attempts WHERE job_id = $1 AND attempt = $2", job_id, attempt
+        )
+        return bool(ended)
+
+    async def share_evidence(self, event_id: str, job_id: str, attempt: int) -> None:
+        """File node-level evidence under one of the attempts that shared its node (it elects none of them)."""
+        await self._conn.execute(
+            """INSERT INTO telemetry_shared_evidence (event_id, job_id, attempt) VALUES ($1, $2, $3)
+               ON CONFLICT DO NOTHING""",
+            event_id,
+            job_id,
+            attempt,
+        )

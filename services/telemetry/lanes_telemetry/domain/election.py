@@ -18,6 +18,7 @@ Pure: evidence in, finding out.
 
 from __future__ import annotations
 
+import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -57,6 +58,7 @@ class Stage(StrEnum):
 _PRIORITY: dict[EvidenceCategory, int] = {
     C.GPU_XID: 90,
     C.ECC_ERROR: 90,
+    C.NODE_LOST: 88,
     C.OOM_KILL: 85,
     C.LINK_DOWN: 80,
     C.LINK_FLAP: 80,
@@ -64,14 +66,21 @@ _PRIORITY: dict[EvidenceCategory, int] = {
     C.DISK_FULL: 70,
     C.PREEMPTION: 70,
     C.CONFIG_MISMATCH: 65,
+    C.RESOURCE_EXHAUSTED: 62,
     C.PORT_ERRORS: 60,
+    C.COLLECTIVE_MISMATCH: 57,
     C.CUDA_ERROR: 55,
     C.CUDA_OOM: 55,
+    C.NUMERIC_ANOMALY: 52,
     C.PYTHON_EXCEPTION: 50,
+    C.CONNECT_FAILED: 47,
+    C.RENDEZVOUS_FAILURE: 42,
     C.COMM_INIT_FAILURE: 40,
 }
 """Cause strength: among simultaneous causes the lower layer explains the higher one."""
 _SIGNAL_DEATH_PRIORITY = 45
+_AFTER_A_TIMEOUT_IS_A_CONSEQUENCE = frozenset({C.PROCESS_EXITED, C.COMM_INIT_FAILURE, C.RENDEZVOUS_FAILURE})
+"""A rank's exit or a re-rendezvous after its own collectives timed out happens *because* of them."""
 _EXIT_CODE_PRIORITY = 20
 NOT_ELECTED = frozenset({C.RAW, C.PROCESS_STARTED})
 HANG_READINGS = frozenset({"collective_not_enqueued", "silent_node", "silent_rank", "peer_lost", "collective_hang"})
@@ -127,8 +136,10 @@ def elect_first_error(
     first: FindingCause | None
     if causes:
         cause, chain, contenders = _elect_cause(causes, progress, skew_tolerance)
-        first = _cause_of(cause, chain)
+        first = _cause_of(cause, chain, _rank_of_rankless(items, cause, skew_tolerance))
         confidence = _confidence(cause, contenders)
+        if first.rank is None and first.node is not None and len(_placed_on(world, first.node)) > 1:
+            confidence -= _UNKNOWN_RANK_PENALTY  # the node is known, but not which of its ranks
         used = {id(item) for item in chain}
     else:
         first, confidence = _explain_hang(items, world)
@@ -173,21 +184,38 @@ def worth_reelecting(*, evidence_count: int, new_reporters: int | None, world_si
     return new_reporters & (new_reporters - 1) == 0 or new_reporters >= world_size
 
 
+_UNKNOWN_RANK_PENALTY = 0.15
+
+
+def _placed_on(world: World, node: str) -> list[int]:
+    return [rank for rank, placed in world.ranks.items() if placed == node]
+
+
 # --- attribution ---------------------------------------------------------------------------------
 
 
 def _attribute(evidence: list[Evidence], world: World) -> list[Evidence]:
-    """Fill in the rank of node-level evidence that names a pid, and the node of rank-level evidence."""
+    """Fill in the rank of node-level evidence and the node of rank-level evidence.
+
+    A node-level line gets the rank of the pid it names, or the only rank placed on its node (as the live
+    service does on ingest: offline and live must elect the same).
+    """
     rank_of_pid: dict[tuple[str | None, int], int] = {}
     for e in evidence:
         if e.rank is not None and e.data.pid is not None:
             rank_of_pid.setdefault((e.node, e.data.pid), e.rank)
             rank_of_pid.setdefault((None, e.data.pid), e.rank)
+    placed: dict[str, list[int]] = defaultdict(list)
+    for placed_rank, placed_node in world.ranks.items():
+        if placed_node is not None:
+            placed[placed_node].append(placed_rank)
     attributed: list[Evidence] = []
     for e in evidence:
         rank, node = e.rank, e.node
         if rank is None and e.data.pid is not None:
             rank = rank_of_pid.get((node, e.data.pid))
+        if rank is None and node is not None and len(placed[node]) == 1:
+            rank = placed[node][0]  # a node that runs one rank: its node-level evidence is that rank's
         if node is None and rank is not None:
             node = world.ranks.get(rank)
         attributed.append(e if (rank, node) == (e.rank, e.node) else replace(e, rank=rank, node=node))
@@ -234,7 +262,7 @@ def _is_cause(item: _Item, consequence_seen: Mapping[tuple[str | None, int | Non
     priority = _priority(e)
     if priority is None:
         return False
-    if e.category in {C.PROCESS_EXITED, C.COMM_INIT_FAILURE} and priority < _SIGNAL_DEATH_PRIORITY:
+    if e.category in _AFTER_A_TIMEOUT_IS_A_CONSEQUENCE and priority < _SIGNAL_DEATH_PRIORITY:
         # A rank that exits with an error after its collectives timed out exits *because* of them.
         seen = consequence_seen.get((e.node, e.rank))
         if seen is not None and item.at is not None and seen <= item.at:
@@ -271,10 +299,22 @@ def _elect_cause(
     timed = [c for c in causes if c.at is not None]
     if timed:
         start = min(c.at for c in timed if c.at is not None)
-        window = [c for c in timed if c.at is not None and c.at <= start + tolerance]
+        # A cause without a time (an lspci listing, a line before any timestamp) cannot be placed after the
+        # first one: it competes with it.
+        window = [c for c in causes if c.at is None or c.at <= start + tolerance]
     else:
         window = causes
-    winner = max(window, key=lambda c: (_priority(c.evidence) or 0, -_timestamp(c)))
+    # The strongest, then the earliest; among equals the one that says more (a rank, a node) tells the story:
+    # srun's "task 6: Out Of Memory" over slurmstepd's anonymous OOM count of the same moment.
+    winner = max(
+        window,
+        key=lambda c: (
+            _priority(c.evidence) or 0,
+            -_timestamp(c),
+            c.evidence.rank is not None,
+            c.evidence.node is not None,
+        ),
+    )
     chain = _chain(winner, causes, window)
     chained = {id(c) for c in chain}
     contenders = [
@@ -324,13 +364,43 @@ def _chain(winner: _Item, causes: list[_Item], window: list[_Item]) -> list[_Ite
     return chain[:_MAX_CHAIN]
 
 
-def _cause_of(winner: _Item, chain: list[_Item]) -> FindingCause:
+def _rank_of_rankless(items: list[_Item], winner: _Item, tolerance: timedelta) -> int | None:
+    """The rank a rank-less cause is about, when the evidence names only one (else None).
+
+    The one rank of its node that reported anything within the skew tolerance after it (an Xid, then that
+    rank's CUDA / NCCL error), or else the one rank whose process exited with an error where the cause's
+    node allows it (an unprefixed traceback, then torchrun's report of the rank that failed).
+    """
+    node, at = winner.evidence.node, winner.at
+    if node is not None and at is not None:
+        right_after = {
+            i.evidence.rank
+            for i in items
+            if i.evidence.node == node
+            and i.evidence.rank is not None
+            and i.at is not None
+            and at <= i.at <= at + tolerance
+        }
+        if len(right_after) == 1:
+            return right_after.pop()
+    failed = {
+        i.evidence.rank
+        for i in items
+        if i.evidence.category is C.PROCESS_EXITED
+        and i.evidence.rank is not None
+        and _priority(i.evidence) is not None
+        and (node is None or i.evidence.node in {None, node})
+    }
+    return failed.pop() if len(failed) == 1 else None
+
+
+def _cause_of(winner: _Item, chain: list[_Item], rank_of_rankless: int | None) -> FindingCause:
     e = winner.evidence
     rank = e.rank
     if rank is None:
         # Node-level evidence (an Xid, an OOM kill): the rank of the same story on that node, if one.
         ranks = {c.evidence.rank for c in chain if c.evidence.rank is not None and c.evidence.node == e.node}
-        rank = min(ranks) if len(ranks) == 1 else None
+        rank = min(ranks) if len(ranks) == 1 else rank_of_rankless
     lane = LANE_OF_CATEGORY[e.category]
     return FindingCause(
         category=e.category.value,
@@ -338,7 +408,7 @@ def _cause_of(winner: _Item, chain: list[_Item]) -> FindingCause:
         node=e.node,
         rank=rank,
         time=e.time,
-        summary=_describe(e),
+        summary=_describe(replace(e, rank=rank)),
         evidence=tuple(line for c in chain for line in c.evidence.data.lines)[: _MAX_CHAIN * 4],
     )
 
@@ -425,16 +495,7 @@ def _explain_hang(items: list[_Item], world: World) -> tuple[FindingCause | None
         i.evidence.data.peer for i in items if i.evidence.category is C.PEER_CLOSED and i.evidence.data.peer
     )
     if peers:
-        peer, count = peers.most_common(1)[0]
-        return FindingCause(
-            category="peer_lost",
-            lane=Lane.HOST,
-            node=_peer_node(peer, world),
-            summary=f"{count} connections were closed by {peer}: its process died or its host went away",
-            evidence=tuple(line for i in items if i.evidence.data.peer == peer for line in i.evidence.data.lines)[
-                :_MAX_CHAIN
-            ],
-        ), 0.4
+        return _peer_finding(items, world, *peers.most_common(1)[0])
     comm = [i for i in items if _is_consequence_category(i.evidence)]
     if comm:
         first = min(comm, key=_timestamp)
@@ -452,6 +513,39 @@ def _explain_hang(items: list[_Item], world: World) -> tuple[FindingCause | None
     return None, 0.0
 
 
+def _peer_finding(items: list[_Item], world: World, peer: str, count: int) -> tuple[FindingCause, float]:
+    """Connections closed by `peer`: the peer's fault only when nothing on the peer's side came first."""
+    closed = [i for i in items if i.evidence.category is C.PEER_CLOSED and i.evidence.data.peer == peer]
+    evidence = tuple(line for i in closed for line in i.evidence.data.lines)[:_MAX_CHAIN]
+    node = _peer_node(peer, world)
+    first_closed = min(_timestamp(i) for i in closed)
+    alive = [
+        i
+        for i in items
+        if node is not None
+        and i.evidence.node == node
+        and i.evidence.category is not C.PEER_CLOSED
+        and _timestamp(i) <= first_closed
+    ]
+    if alive:
+        # The peer was still there, waiting or failing on its own side, before the others lost it: the
+        # connection between them failed, not the peer.
+        waited = alive[0].evidence
+        summary = (
+            f"{count} connection(s) to {peer} were lost while {node} itself was alive and already reporting "
+            f"({_describe(waited)}): the link between them"
+        )
+        lines = (*evidence, *waited.data.lines)[:_MAX_CHAIN]
+        return FindingCause(
+            category="peer_link_lost", lane=Lane.NETWORK, node=node, summary=summary, evidence=lines
+        ), 0.35
+    summary = (
+        f"{count} connection(s) were closed by {peer} and nothing on its side came first: its process died or its "
+        "host went away"
+    )
+    return FindingCause(category="peer_lost", lane=Lane.HOST, node=node, summary=summary, evidence=evidence), 0.4
+
+
 def _earliest(items: Iterable[_Item]) -> datetime | None:
     times = [i.evidence.time for i in items if i.evidence.time is not None]
     return min(times) if times else None
@@ -461,6 +555,8 @@ def _peer_node(peer: str, world: World) -> str | None:
     """The node a peer names: a known node, or a host name's first label; never an address."""
     if peer in world.all_nodes:
         return peer
+    if re.fullmatch(r"\d{1,3}(?:\.\d{1,3}){3}", peer):
+        return peer.replace(".", "-")  # as the parsers name a host known only by its address
     if _looks_like_address(peer):
         return None
     label = peer.split(".", 1)[0]
@@ -564,6 +660,8 @@ def _other_group(
     )
 
 
+_KERNEL_CATEGORIES = frozenset({C.OOM_KILL, C.GPU_XID, C.ECC_ERROR, C.NODE_LOST})
+_INIT_CATEGORIES = frozenset({C.COMM_INIT_FAILURE, C.RENDEZVOUS_FAILURE})
 _CHECKPOINT_WORDS = ("checkpoint", "save_state", "torch.save", "dcp.save")
 _TEARDOWN_WORDS = ("destroy_process_group", "shutdown", "atexit")
 
@@ -580,7 +678,7 @@ def _stage(items: list[_Item], first: FindingCause | None) -> str:
     seqs = [i.evidence.data.seq_num for i in items if i.evidence.data.seq_num is not None]
     if seqs:
         return (Stage.FIRST_COLLECTIVE if max(seqs) <= _FIRST_COLLECTIVE_MAX_SEQ else Stage.STEADY_STATE).value
-    if any(i.evidence.category is C.COMM_INIT_FAILURE for i in items):
+    if any(i.evidence.category in _INIT_CATEGORIES for i in items) or any("bootstrap" in text for text in texts):
         return Stage.INIT_RENDEZVOUS.value
     return Stage.UNKNOWN.value
 
@@ -613,6 +711,16 @@ def _missing(items: list[_Item], world: World, first: FindingCause | None) -> li
                 lane=Lane.NETWORK, node=first.node, what=f"switch port counters for the links of {first.node}"
             )
         )
+    if first is not None and first.category == C.PROCESS_EXITED.value:
+        # A death by signal with no kernel line beside it: who sent the signal (the OOM killer?) is unread.
+        kernel_seen = any(
+            i.evidence.category in _KERNEL_CATEGORIES and i.evidence.node in {first.node, None} for i in items
+        )
+        if not kernel_seen:
+            where = first.node or "the node"
+            missing.append(
+                MissingEvidence(lane=Lane.HOST, node=first.node, what=f"kernel log of {where}: who killed the process")
+            )
     if first is not None and first.category == "collective_not_enqueued" and first.rank is not None:
         missing.append(
             MissingEvidence(

@@ -1,26 +1,64 @@
-"""The telemetry as the composition root sees it: its tables and its two consumers.
+"""The telemetry as the composition root sees it: its tables, its two consumers and its settle timer.
 
 `telemetry` ingests evidence from LANES_TELEMETRY; `telemetry-placements` keeps telemetry's own copy of
-where each rank runs, read from the job stream (services never read each other's tables).
+where each rank runs and how it ended, read from the job stream (services never read each other's tables),
+and settles findings; the settle timer closes the settle window of failed attempts.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+from datetime import timedelta
+
 from lanes_contract.streams import JOBS, TELEMETRY
 from lanes_runtime.consumer import ConsumerSpec
-from lanes_runtime.service import ServiceDefinition
+from lanes_runtime.service import RunnerContext, ServiceDefinition
 from lanes_runtime.store import migrations_of
-from lanes_telemetry.service_layer.handlers import handle_evidence, handle_job_event
+from lanes_telemetry.domain.settlement import DEFAULT_SETTLE_WINDOW
+from lanes_telemetry.entrypoints.timers import SettleTimers
+from lanes_telemetry.service_layer.handlers import Telemetry, handle_evidence
 
+JOB_FACTS = ("placed", "resources_released", "rank_started", "rank_exited", "state_changed", "settle_window_ended")
+"""The subject names (`lanes.job.*.<name>`) telemetry folds."""
 EVENTS = ConsumerSpec(durable="telemetry", stream=TELEMETRY, subjects=("lanes.tel.>",))
 PLACEMENTS = ConsumerSpec(
-    durable="telemetry-placements",
-    stream=JOBS,
-    subjects=("lanes.job.*.placed", "lanes.job.*.resources_released"),
+    durable="telemetry-placements", stream=JOBS, subjects=tuple(f"lanes.job.*.{name}" for name in JOB_FACTS)
 )
+SETTLE_WINDOW_ENV = "LANES_SETTLE_WINDOW_S"
 
-SERVICE = ServiceDefinition(
-    name="telemetry",
-    migrations=migrations_of("lanes_telemetry.adapters"),
-    consumers=((EVENTS, handle_evidence), (PLACEMENTS, handle_job_event)),
-)
+
+def configured_window() -> timedelta:
+    """The settle window: LANES_SETTLE_WINDOW_S, else the default."""
+    value = os.environ.get(SETTLE_WINDOW_ENV)
+    return DEFAULT_SETTLE_WINDOW if not value else timedelta(seconds=float(value))
+
+
+def telemetry_service(
+    settle_window: timedelta | None = None,
+    *,
+    events: ConsumerSpec = EVENTS,
+    facts: ConsumerSpec = PLACEMENTS,
+    tick_s: float = 0.25,
+) -> ServiceDefinition:
+    """The telemetry service with a settle window (default: LANES_SETTLE_WINDOW_S, else 5 s)."""
+    telemetry = Telemetry(settle_window or configured_window())
+
+    def timers(ctx: RunnerContext) -> SettleTimers:
+        return SettleTimers(ctx.nc, ctx.pool, tick_s=tick_s)
+
+    return ServiceDefinition(
+        name="telemetry",
+        migrations=migrations_of("lanes_telemetry.adapters"),
+        consumers=((events, handle_evidence), (facts, telemetry.handle_job_event)),
+        runners=(timers,),
+    )
+
+
+def facts_for_jobs(job_ids: tuple[str, ...], durable: str) -> ConsumerSpec:
+    """Telemetry's job-facts consumer restricted to some jobs (tests on a shared server)."""
+    subjects = tuple(f"lanes.job.{job}.{name}" for job in job_ids for name in JOB_FACTS)
+    return dataclasses.replace(PLACEMENTS, durable=durable, subjects=subjects)
+
+
+SERVICE = telemetry_service()

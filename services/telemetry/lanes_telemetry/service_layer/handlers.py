@@ -5,10 +5,18 @@ Two consumers, each under the consumer contract (one transaction per event, outp
 - evidence (`lanes.tel.>`): store it; when a placement explains its node and time, publish a compact
   correlated copy on the job's subject (not for raw, unrecognised lines) and re-elect when the evidence
   can change the finding;
-- placements (`lanes.job.*.placed`, `lanes.job.*.resources_released`): telemetry's own copy of where each
-  rank runs; evidence that arrived before its placement is correlated then.
+- job facts (`placed`, `resources_released`, `rank_started`, `rank_exited`, `state_changed`,
+  `settle_window_ended`): telemetry's own copy of where each rank runs and how it ended; evidence that arrived
+  before its placement is correlated then. A rank's exit is evidence itself, and it says how much evidence its
+  agent sent, so telemetry knows when the rank's story is complete (see `domain/settlement.py`).
 
-A finding is published only when it differs from the previous one, as the next `version`.
+Evidence from a rank's output names its job, attempt and rank (its producer knows them). Node-level evidence
+(a kernel line) is matched to a rank by the pid it names, then to the one attempt placed on the node at that
+time; where several attempts share the node and no pid decides, it is filed under none of them rather than
+under a guess.
+
+A finding is published only when it differs from the previous one, as the next `version`; it says whether it
+is settled, so recovery acts on settled findings only.
 """
 
 from __future__ import annotations
@@ -22,25 +30,36 @@ from lanes_contract.events import (
     JobEvidenceData,
     JobFinding,
     JobPlaced,
+    JobStateChanged,
     Lane,
+    RankExited,
+    RankStarted,
     ResourcesReleased,
+    SettleWindowEnded,
     derive,
 )
 from lanes_contract.ids import is_valid_token
+from lanes_contract.jobs import JobState
 from lanes_evidence.evidence import Evidence, from_event
 from lanes_runtime.consumer import HandlerContext
-from lanes_runtime.store import Db
-from lanes_telemetry.adapters import repository
+from lanes_telemetry.adapters.repository import PostgresTelemetryStore
 from lanes_telemetry.domain.election import (
     ALWAYS_REELECT_UP_TO,
     World,
-    elect_first_error,
     may_be_cause,
     worth_reelecting,
 )
 from lanes_telemetry.domain.election import (
     NOT_ELECTED as NOT_ELECTED_CATEGORIES,
 )
+from lanes_telemetry.domain.settlement import (
+    DEFAULT_SETTLE_WINDOW,
+    AttemptStory,
+    RankExit,
+    may_explain,
+    settled_finding,
+)
+from lanes_telemetry.service_layer.ports import Placement, StoredEvidence, StoreFactory, TelemetryStore
 
 SOURCE = "lanes/telemetry"
 CORRELATION_SKEW = timedelta(seconds=2)
@@ -51,43 +70,121 @@ _COPY_LINE_CHARS = 512
 
 
 async def handle_evidence(event: Event, ctx: HandlerContext) -> Sequence[Event]:
+    """Store one piece of evidence (telemetry on PostgreSQL under the default settle window)."""
+    return await Telemetry().handle_evidence(event, ctx)
+
+
+async def _evidence(event: Event, store: TelemetryStore, stream_seq: int) -> Sequence[Event]:
     """Store one piece of evidence, correlate it, and return its job copy and any new finding."""
     if event.node is None or not hasattr(event.data, "category"):
         return ()
     evidence = from_event(event)
     node = event.node
-    await repository.lock_nodes(ctx.conn, [node])
+    await store.lock_nodes([node])
     job_id, attempt = event.jobid, event.attempt
+    sharing: list[Placement] = []
     if job_id is None or attempt is None:
-        placement = await repository.placement_at(ctx.conn, node, event.time, CORRELATION_SKEW)
-        if placement is not None:
-            job_id, attempt = placement.job_id, placement.attempt
-            if evidence.rank is None:
-                evidence = Evidence(evidence.data, evidence.time, node, placement.only_rank, evidence.id)
-    await repository.save_evidence(
-        ctx.conn,
+        job_id, attempt, rank, sharing = await _owner_of(store, node, evidence)
+        if evidence.rank is None and rank is not None:
+            evidence = Evidence(evidence.data, evidence.time, node, rank, evidence.id)
+    await store.save_evidence(
         event_id=event.id,
         evidence=evidence,
         node=node,
         lane=event.lane.value,
-        stream_seq=ctx.stream_seq,
+        stream_seq=stream_seq,
         job_id=job_id,
         attempt=attempt,
     )
-    if job_id is None or attempt is None:
-        return ()
     if evidence.category.value in NOT_ELECTED:
         # Unrecognised lines stay on LANES_TELEMETRY and in the evidence table, but do not flood the
         # job's year-long audit timeline: only evidence that means something to a lane is copied there.
         return ()
-    copy = _copy(event, job_id, attempt, repository.StoredEvidence(event.id, event.lane.value, evidence))
-    return [copy, *await _maybe_reelect(ctx.conn, event, job_id, attempt, [evidence])]
+    if sharing:
+        return await _shared(store, event, evidence, sharing)
+    if job_id is None or attempt is None:
+        return ()
+    copy = _copy(event, job_id, attempt, StoredEvidence(event.id, event.lane.value, evidence))
+    return [copy, *await _maybe_reelect(store, event, job_id, attempt, [evidence])]
+
+
+async def _owner_of(
+    store: TelemetryStore, node: str, evidence: Evidence
+) -> tuple[str | None, int | None, int | None, list[Placement]]:
+    """Whose node-level evidence this is: (job, attempt, rank), or the attempts that share it.
+
+    By the pid it names first, else the one attempt placed on the node then. Where several attempts share the
+    node and nothing decides, it is shared evidence: filed under each, never elected as anyone's first error.
+    """
+    at = evidence.time
+    if at is None:
+        return None, None, None, []
+    candidates = await store.placements_at(node, at, CORRELATION_SKEW)
+    if evidence.data.pid is not None:
+        owner = await store.process_of_pid(node, evidence.data.pid, candidates)
+        if owner is not None:
+            return (*owner, [])
+    if len(candidates) == 1:
+        return candidates[0].job_id, candidates[0].attempt, candidates[0].only_rank, []
+    return None, None, None, candidates
+
+
+async def _shared(store: TelemetryStore, event: Event, evidence: Evidence, sharing: Sequence[Placement]) -> list[Event]:
+    """File node-level evidence under every attempt sharing the node, labelled shared (it elects nobody)."""
+    stored = StoredEvidence(event.id, event.lane.value, evidence)
+    copies: list[Event] = []
+    for placement in sharing:
+        await store.share_evidence(event.id, placement.job_id, placement.attempt)
+        copy = _copy(event, placement.job_id, placement.attempt, stored, key=f"shared:{placement.job_id}")
+        copies.append(copy.model_copy(update={"data": copy.data.model_copy(update={"shared": True})}))
+    return copies
 
 
 async def handle_job_event(event: Event, ctx: HandlerContext) -> Sequence[Event]:
-    """Keep telemetry's copy of placements; correlate the evidence that was waiting for one."""
+    """Keep telemetry's copy of placements and processes (on PostgreSQL, under the default settle window)."""
+    return await Telemetry().handle_job_event(event, ctx)
+
+
+class Telemetry:
+    """Telemetry's two handlers, on a store (the port) and under a settle window."""
+
+    def __init__(
+        self, settle_window: timedelta = DEFAULT_SETTLE_WINDOW, *, store: StoreFactory = PostgresTelemetryStore
+    ) -> None:
+        self.settle_window = settle_window
+        self._store = store
+
+    async def handle_evidence(self, event: Event, ctx: HandlerContext) -> Sequence[Event]:
+        """Store one piece of evidence, correlate it, and return its job copy and any new finding."""
+        return await _evidence(event, self._store(ctx.conn), ctx.stream_seq)
+
+    async def handle_job_event(self, event: Event, ctx: HandlerContext) -> Sequence[Event]:
+        """Fold one job fact; re-elect when it can change the finding or settle it."""
+        if event.attempt is None:
+            return ()
+        store = self._store(ctx.conn)
+        job_id, attempt = event.job_key, event.attempt
+        if isinstance(event, RankStarted) and event.rank is not None:
+            await store.save_started(job_id, attempt, event.rank, event.node, event.data.pid)
+            return ()
+        if isinstance(event, RankExited) and event.rank is not None:
+            data = event.data
+            ex = RankExit(event.rank, event.node, data.exit_code, data.signal, event.time, data.evidence, event.id)
+            await store.save_exit(job_id, attempt, ex)
+            known = await store.load_finding(job_id, attempt)
+            return await _elect(store, event, job_id, attempt) if may_explain(ex) or known else ()
+        if isinstance(event, JobStateChanged) and event.data.to_state is JobState.FAILED:
+            await store.attempt_ended(job_id, attempt, event.time, self.settle_window)
+            return ()
+        if isinstance(event, SettleWindowEnded):
+            await store.end_window(job_id, attempt)
+            return await _elect(store, event, job_id, attempt)
+        return await _placements(event, store)
+
+
+async def _placements(event: Event, store: TelemetryStore) -> Sequence[Event]:
     if isinstance(event, ResourcesReleased):
-        await repository.release(ctx.conn, event.job_key, event.attempt, event.time)
+        await store.release(event.job_key, event.attempt, event.time)
         return ()
     if not isinstance(event, JobPlaced) or event.attempt is None:
         return ()
@@ -95,9 +192,9 @@ async def handle_job_event(event: Event, ctx: HandlerContext) -> Sequence[Event]
     ranks_by_node: dict[str, tuple[int, ...]] = {}
     for assignment in event.data.assignments:
         ranks_by_node[assignment.node] = (*ranks_by_node.get(assignment.node, ()), assignment.rank)
-    await repository.lock_nodes(ctx.conn, list(ranks_by_node))
-    await repository.save_placement(ctx.conn, job_id, attempt, event.data.assignments, event.time)
-    late = await repository.correlate_late(ctx.conn, job_id, attempt, ranks_by_node, event.time - CORRELATION_SKEW)
+    await store.lock_nodes(list(ranks_by_node))
+    await store.save_placement(job_id, attempt, event.data.assignments, event.time)
+    late = await store.correlate_late(job_id, attempt, ranks_by_node, event.time - CORRELATION_SKEW)
     if not late:
         return ()
     copies = [
@@ -105,10 +202,10 @@ async def handle_job_event(event: Event, ctx: HandlerContext) -> Sequence[Event]
         for stored in late
         if stored.evidence.category.value not in NOT_ELECTED
     ]
-    return [*copies, *await _maybe_reelect(ctx.conn, event, job_id, attempt, [s.evidence for s in late])]
+    return [*copies, *await _maybe_reelect(store, event, job_id, attempt, [s.evidence for s in late])]
 
 
-def _copy(cause: Event, job_id: str, attempt: int, stored: repository.StoredEvidence, key: str = "") -> JobEvidence:
+def _copy(cause: Event, job_id: str, attempt: int, stored: StoredEvidence, key: str = "") -> JobEvidence:
     evidence = stored.evidence
     compact = evidence.data.model_copy(
         update={"lines": tuple(line[:_COPY_LINE_CHARS] for line in evidence.data.lines[:_COPY_LINES])}
@@ -128,37 +225,49 @@ def _copy(cause: Event, job_id: str, attempt: int, stored: repository.StoredEvid
     )
 
 
-async def _maybe_reelect(conn: Db, cause: Event, job_id: str, attempt: int, new: Sequence[Evidence]) -> Sequence[Event]:
+async def _maybe_reelect(
+    store: TelemetryStore, cause: Event, job_id: str, attempt: int, new: Sequence[Evidence]
+) -> Sequence[Event]:
     considered = [item for item in new if item.category.value not in NOT_ELECTED]
     if not considered:
         return ()
     elect = any(may_be_cause(item) for item in considered)
-    count = await repository.count_evidence(conn, job_id, attempt, ignored=NOT_ELECTED, up_to=ALWAYS_REELECT_UP_TO)
+    count = await store.count_evidence(job_id, attempt, ignored=NOT_ELECTED, up_to=ALWAYS_REELECT_UP_TO)
     world_size: int | None = None
     for item in considered:
-        reporters = await repository.add_reporter(conn, job_id, attempt, item.node or "", item.rank)
+        reporters = await store.add_reporter(job_id, attempt, item.node or "", item.rank)
         if not elect and reporters is not None and world_size is None:
-            world_size = await repository.world_size(conn, job_id, attempt)
+            world_size = await store.world_size(job_id, attempt)
         elect = elect or worth_reelecting(evidence_count=count, new_reporters=reporters, world_size=world_size or 0)
     if not elect:
         return ()
-    await repository.lock_attempt(conn, job_id, attempt)
-    world = World(ranks=await repository.world_of(conn, job_id, attempt))
-    evidence = await repository.evidence_of(conn, job_id, attempt, ignored=NOT_ELECTED)
-    finding = elect_first_error(evidence, world=world)
+    return await _elect(store, cause, job_id, attempt)
+
+
+async def _elect(store: TelemetryStore, cause: Event, job_id: str, attempt: int) -> Sequence[Event]:
+    """Re-elect the attempt's finding over its evidence and exits; publish it if it changed."""
+    await store.lock_attempt(job_id, attempt)
+    story = AttemptStory(
+        world=World(ranks=await store.world_of(job_id, attempt)),
+        evidence=await store.evidence_of(job_id, attempt, ignored=NOT_ELECTED),
+        exits=await store.exits_of(job_id, attempt),
+        heard=await store.heard_per_rank(job_id, attempt),
+        window_ended=await store.window_ended(job_id, attempt),
+    )
+    finding = settled_finding(story)
     first = finding.first_error
     if first is not None and first.node:
-        repeats = await repository.other_jobs_first_error_on(conn, first.node, job_id)
+        repeats = await store.other_jobs_first_error_on(first.node, job_id)
         if repeats:
             summary = f"{first.summary}; repeat offender: {first.node} was the first error of {repeats} other job(s)"
             finding = finding.model_copy(update={"first_error": first.model_copy(update={"summary": summary})})
-    previous = await repository.load_finding(conn, job_id, attempt)
+    previous = await store.load_finding(job_id, attempt)
     comparable = finding.model_dump(mode="json", exclude={"version", "evidence_count"})
     if previous is not None and {k: v for k, v in previous[1].items() if k in comparable} == comparable:
         return ()
     version = (previous[0] if previous else 0) + 1
     finding = finding.model_copy(update={"version": version})
-    await repository.save_finding(conn, job_id, attempt, finding)
+    await store.save_finding(job_id, attempt, finding)
     first = finding.first_error
     return [
         derive(

@@ -1,0 +1,162 @@
+"""What telemetry's handlers need from the outside world, as a Protocol (cosmicpython's ports).
+
+The handlers take a `TelemetryStore` opened on the consumer's transaction; PostgreSQL implements it in
+`adapters/repository.py` (`PostgresTelemetryStore`), the unit tests an in-memory fake.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Protocol
+
+from lanes_contract.events import JobFindingData, RankAssignment
+from lanes_evidence.evidence import Evidence
+from lanes_runtime.store import Db
+from lanes_telemetry.domain.settlement import RankExit
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The attempt running on a node at some time, and the ranks it has there."""
+
+    job_id: str
+    attempt: int
+    ranks: tuple[int, ...]
+
+    @property
+    def only_rank(self) -> int | None:
+        """The rank when the node runs exactly one: node-level evidence then belongs to it."""
+        return self.ranks[0] if len(self.ranks) == 1 else None
+
+
+@dataclass(frozen=True)
+class StoredEvidence:
+    """A row of telemetry_evidence as the election and the correlated copies need it."""
+
+    event_id: str
+    lane: str
+    evidence: Evidence
+
+
+class TelemetryStore(Protocol):
+    """Telemetry's state for one transaction: placements, processes, evidence, findings, settle windows."""
+
+    async def lock_nodes(self, nodes: Sequence[str]) -> None:
+        """Serialise correlation per node for this transaction (evidence vs. a placement arriving meanwhile)."""
+        ...
+
+    async def lock_attempt(self, job_id: str, attempt: int) -> None:
+        """Serialise elections of one attempt, so two replicas never publish the same finding version twice."""
+        ...
+
+    async def save_placement(
+        self, job_id: str, attempt: int, assignments: Sequence[RankAssignment], placed_at: datetime
+    ) -> None:
+        """Record where each rank of an attempt runs (a replayed placement overwrites itself)."""
+        ...
+
+    async def release(self, job_id: str, attempt: int | None, released_at: datetime) -> None:
+        """Mark an attempt's placement as ended: later evidence on its nodes is no longer its evidence."""
+        ...
+
+    async def placement_at(self, node: str, at: datetime, skew: timedelta) -> Placement | None:
+        """The latest attempt placed on `node` no later than `at` (+ skew) and not released before it."""
+        ...
+
+    async def world_of(self, job_id: str, attempt: int) -> dict[int, str | None]:
+        """Every rank of the attempt with its node."""
+        ...
+
+    async def world_size(self, job_id: str, attempt: int) -> int:
+        """How many ranks the attempt has."""
+        ...
+
+    async def save_evidence(
+        self,
+        *,
+        event_id: str,
+        evidence: Evidence,
+        node: str,
+        lane: str,
+        stream_seq: int,
+        job_id: str | None,
+        attempt: int | None,
+    ) -> None:
+        """Store one piece of evidence (a redelivered one is already there and is left as it is)."""
+        ...
+
+    async def add_reporter(self, job_id: str, attempt: int, node: str, rank: int | None) -> int | None:
+        """Record that (node, rank) reported for the attempt; the number of reporters if it is new, else None."""
+        ...
+
+    async def correlate_late(
+        self, job_id: str, attempt: int, ranks_by_node: dict[str, tuple[int, ...]], since: datetime
+    ) -> list[StoredEvidence]:
+        """Attach evidence that arrived before the placement did (but happened after it) to the attempt."""
+        ...
+
+    async def evidence_of(self, job_id: str, attempt: int, *, ignored: Sequence[str]) -> list[Evidence]:
+        """The attempt's evidence the election reads (categories in `ignored` are left out)."""
+        ...
+
+    async def count_evidence(self, job_id: str, attempt: int, *, ignored: Sequence[str], up_to: int) -> int:
+        """How much evidence the attempt has for the election, counted no further than `up_to` + 1."""
+        ...
+
+    async def load_finding(self, job_id: str, attempt: int) -> tuple[int, dict[str, Any]] | None:
+        """The latest finding's version and JSON body, if any."""
+        ...
+
+    async def save_finding(self, job_id: str, attempt: int, finding: JobFindingData) -> None:
+        """Store the latest finding of an attempt."""
+        ...
+
+    async def other_jobs_first_error_on(self, node: str, job_id: str) -> int:
+        """How many other jobs elected a first error on this node (a repeat offender is a node to drain)."""
+        ...
+
+    async def placements_at(self, node: str, at: datetime, skew: timedelta) -> list[Placement]:
+        """Every attempt placed on `node` around `at` (+/- skew) and not released before it, latest first."""
+        ...
+
+    async def process_of_pid(self, node: str, pid: int, candidates: Sequence[Placement]) -> tuple[str, int, int] | None:
+        """The (job, attempt, rank) among `candidates` whose process on `node` had this pid."""
+        ...
+
+    async def save_started(self, job_id: str, attempt: int, rank: int, node: str | None, pid: int) -> None:
+        """Record a rank's pid (kernel lines name pids)."""
+        ...
+
+    async def save_exit(self, job_id: str, attempt: int, ex: RankExit) -> None:
+        """Record how a rank ended (a redelivered exit overwrites itself)."""
+        ...
+
+    async def exits_of(self, job_id: str, attempt: int) -> dict[int, RankExit]:
+        """The attempt's rank exits seen so far."""
+        ...
+
+    async def heard_per_rank(self, job_id: str, attempt: int) -> dict[int, int]:
+        """How many evidence items arrived from each rank of the attempt."""
+        ...
+
+    async def attempt_ended(self, job_id: str, attempt: int, ended_at: datetime, window: timedelta) -> None:
+        """Start a failed attempt's settle window (the first end seen counts; a redelivery changes nothing)."""
+        ...
+
+    async def end_window(self, job_id: str, attempt: int) -> None:
+        """The attempt's settle window ran out: its finding settles on what arrived."""
+        ...
+
+    async def window_ended(self, job_id: str, attempt: int) -> bool:
+        """Whether the attempt's settle window ran out."""
+        ...
+
+    async def share_evidence(self, event_id: str, job_id: str, attempt: int) -> None:
+        """File node-level evidence under one of the attempts that shared its node (it elects none of them)."""
+        ...
+
+
+StoreFactory = Callable[[Db], TelemetryStore]
+"""Opens the store on a transaction's connection."""

@@ -1,0 +1,141 @@
+"""Telemetry's handlers on an in-memory store (the port): settlement, pid matching, shared evidence."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from support.recovery_events import at
+from support.telemetry_fakes import InMemoryTelemetryStore
+
+from lanes_contract.events import (
+    CommunicationEvidence,
+    Event,
+    EvidenceCategory,
+    EvidenceData,
+    HostEvidence,
+    JobEvidence,
+    JobFinding,
+    JobPlaced,
+    JobPlacedData,
+    JobStateChanged,
+    JobStateChangedData,
+    ProcessEvidence,
+    RankAssignment,
+    RankExited,
+    RankExitedData,
+    RankStarted,
+    RankStartedData,
+    SettleWindowEnded,
+    SettleWindowEndedData,
+)
+from lanes_contract.jobs import JobState
+from lanes_runtime.consumer import HandlerContext
+from lanes_telemetry.service_layer.handlers import Telemetry
+
+C = EvidenceCategory
+
+
+class Harness:
+    def __init__(self) -> None:
+        self.store = InMemoryTelemetryStore()
+        self.telemetry = Telemetry(store=self.store)
+        self.seq = 0
+
+    def _ctx(self) -> HandlerContext:
+        self.seq += 1
+        return HandlerContext(conn=None, stream_seq=self.seq, deliveries=1)  # type: ignore[arg-type]
+
+    async def facts(self, *events: Event) -> list[Event]:
+        return [out for e in events for out in await self.telemetry.handle_job_event(e, self._ctx())]
+
+    async def evidence(self, *events: Event) -> list[Event]:
+        return [out for e in events for out in await self.telemetry.handle_evidence(e, self._ctx())]
+
+
+def _keys(job: str, seconds: float, **more: Any) -> dict[str, Any]:
+    return {"source": "tests", "jobid": job, "attempt": 1, "time": at(seconds)} | more
+
+
+def _placed(job: str, nodes: Sequence[str], seconds: float = 1) -> JobPlaced:
+    assignments = tuple(RankAssignment(rank=r, node=n, gpus=(r,)) for r, n in enumerate(nodes))
+    return JobPlaced(data=JobPlacedData(assignments=assignments), **_keys(job, seconds))
+
+
+def _started(job: str, rank: int, node: str, pid: int) -> RankStarted:
+    return RankStarted(data=RankStartedData(pid=pid), **_keys(job, 2, rank=rank, node=node))
+
+
+def _exited(job: str, rank: int, node: str, *, signal: int | None = None, evidence: int = 0) -> RankExited:
+    data = RankExitedData(exit_code=None if signal else 1, signal=signal, evidence=evidence)
+    return RankExited(data=data, **_keys(job, 10 + rank * 0.1, rank=rank, node=node))
+
+
+def _timeout(job: str, rank: int, node: str) -> CommunicationEvidence:
+    data = EvidenceData(category=C.COLLECTIVE_TIMEOUT, op_type="ALLREDUCE", seq_num=1580, pid=100 + rank)
+    return CommunicationEvidence(data=data, **_keys(job, 10.5, rank=rank, node=node))
+
+
+def _kernel(node: str, pid: int | None, seconds: float = 10) -> HostEvidence:
+    data = EvidenceData(category=C.OOM_KILL, summary=f"Out of memory: Killed process {pid}", pid=pid)
+    return HostEvidence(source="agent", node=node, time=at(seconds), data=data)
+
+
+def _findings(events: Sequence[Event]) -> list[JobFinding]:
+    return [e for e in events if isinstance(e, JobFinding)]
+
+
+async def test_a_finding_waits_for_every_ranks_story_and_the_kernel_line_then_settles_on_the_killed_rank():
+    h = Harness()
+    nodes = ("node-1", "node-2", "node-3")
+    await h.facts(_placed("j", nodes), *(_started("j", r, n, 100 + r) for r, n in enumerate(nodes)))
+    (first,) = _findings(await h.evidence(_timeout("j", 0, "node-1")))
+    assert not first.data.settled  # one timeout: a guess, and it says what it waits for
+    (killed,) = _findings(await h.facts(_exited("j", 2, "node-3", signal=9)))
+    cause = killed.data.first_error
+    assert cause is not None
+    assert (cause.category, cause.lane.value, cause.node, cause.rank) == ("process_exited", "host", "node-3", 2)
+    assert "killed by SIGKILL: OOM killer or operator; kernel log pending" in cause.summary
+    assert not killed.data.settled
+    assert "the kernel log of node-3 (rank 2 was killed by SIGKILL)" in killed.data.waiting_for
+    await h.facts(_exited("j", 0, "node-1", evidence=1), _exited("j", 1, "node-2", evidence=1))
+    (oom,) = _findings(await h.evidence(_kernel("node-3", 102)))  # no job, no rank: matched by its pid
+    assert oom.data.first_error is not None
+    assert (oom.data.first_error.category, oom.data.first_error.rank) == ("oom_kill", 2)
+    assert oom.data.waiting_for == ("1 evidence item rank 1 reported before its exit",)
+    (settled,) = _findings(await h.evidence(_timeout("j", 1, "node-2")))
+    assert settled.data.settled
+    assert settled.data.settle_reason == "every rank and node of the attempt is accounted for"
+    assert settled.data.first_error == oom.data.first_error
+
+
+async def test_the_settle_window_settles_a_finding_on_what_arrived_and_says_what_never_did():
+    h = Harness()
+    await h.facts(_placed("j", ("node-1", "node-2")))
+    await h.evidence(_timeout("j", 0, "node-1"))
+    failed = JobStateChangedData(from_state=JobState.RUNNING, to_state=JobState.FAILED, cause_type="x")
+    assert not await h.facts(JobStateChanged(data=failed, **_keys("j", 11)))
+    window = SettleWindowEndedData(ended_at=at(11), window_s=5)
+    (finding,) = _findings(await h.facts(SettleWindowEnded(data=window, **_keys("j", 16))))
+    assert finding.data.settled
+    assert finding.data.settle_reason.startswith("the settle window (5 s) ended; never arrived: node-2: silent")
+
+
+async def test_node_level_evidence_on_a_shared_node_is_shared_unless_its_pid_names_the_job():
+    h = Harness()
+    await h.facts(_placed("a", ("node-x",)), _placed("b", ("node-x",), seconds=2), _started("b", 0, "node-x", 4242))
+    shared = await h.evidence(_kernel("node-x", None))
+    assert {(e.jobid, e.data.shared) for e in shared if isinstance(e, JobEvidence)} == {("a", True), ("b", True)}
+    assert not _findings(shared)  # shared evidence is nobody's first error on its own
+    own = await h.evidence(_kernel("node-x", 4242, seconds=11))
+    assert {(e.jobid, e.data.shared) for e in own if isinstance(e, JobEvidence)} == {("b", False)}
+    (finding,) = _findings(own)
+    assert (finding.jobid, finding.data.first_error and finding.data.first_error.category) == ("b", "oom_kill")
+
+
+async def test_evidence_from_a_ranks_output_belongs_to_the_job_its_producer_names():
+    h = Harness()
+    await h.facts(_placed("a", ("node-x",)), _placed("b", ("node-x",), seconds=2))
+    data = EvidenceData(category=C.PYTHON_EXCEPTION, summary="ValueError: bad batch", error_type="ValueError")
+    out = await h.evidence(ProcessEvidence(data=data, **_keys("a", 5, rank=0, node="node-x")))
+    assert {e.jobid for e in out} == {"a"}  # never the job placed on the node most recently
