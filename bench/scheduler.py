@@ -53,7 +53,7 @@ from lanes_scheduler.domain.admission import (
     reservation,
 )
 from lanes_scheduler.entrypoints.service import SERVICE as SCHEDULER
-from lanes_scheduler.service_layer.handlers import handle_job_event, handle_node_event
+from lanes_scheduler.entrypoints.service import handlers
 
 GPUS_PER_NODE = 8
 NVLINK_NODES, LEAF_NODES, SPINE_NODES = 8, 32, 512
@@ -234,6 +234,7 @@ async def end_to_end(urls: ServerUrls, jobs: int) -> dict[str, float]:
             durable=f"bench-nodes-{tag}", stream=NODES, subjects=tuple(f"lanes.node.{n}.registered" for n in node_ids)
         )
         stop = asyncio.Event()
+        handle_job_event, handle_node_event = handlers()
         node_consumer = EventConsumer(conns.nc, conns.pool, node_spec, handle_node_event)
         node_task = asyncio.create_task(node_consumer.run(stop))
         while await conns.pool.fetchval("SELECT count(*) FROM scheduler_nodes") < len(node_ids):  # noqa: ASYNC110

@@ -1,6 +1,7 @@
 """Child process for the lifecycle's crash and concurrency tests: one lifecycle replica for one job.
 
 Usage: lifecycle_child.py NATS_URL DATABASE_URL DURABLE JOB_ID DIE_PER_MILLE
+JOB_ID `*` reads every job's events (the service's own consumer, with the test's short timings).
 With DIE_PER_MILLE > 0 it also kills itself with SIGKILL at random instants: before the handler, after
 the handler ran but before the commit, before the outbox is published, before the ack, and (fifty times
 as often, the narrowest window) right after a transition was appended to the log, before the commit.
@@ -25,10 +26,9 @@ from support.lifecycle import lifecycle_spec
 import lanes_runtime.consumer as consumer_module
 from lanes_contract.client import connect_nats, publish_encoded
 from lanes_contract.events import Event
-from lanes_lifecycle.entrypoints.service import SERVICE
-from lanes_lifecycle.service_layer import handlers as handlers_module
-from lanes_lifecycle.service_layer.handlers import handle_job_event
-from lanes_runtime.consumer import EventConsumer, HandlerContext
+from lanes_lifecycle.adapters import unit_of_work as unit_of_work_module
+from lanes_lifecycle.entrypoints.service import SERVICE, job_event_handler
+from lanes_runtime.consumer import EventConsumer, Handler, HandlerContext
 from lanes_runtime.store import apply_migrations, apply_runtime_migrations, create_pool
 
 
@@ -40,11 +40,14 @@ def main() -> None:
         if random.random() < chance:  # noqa: S311 - a crash point, not cryptography
             os.kill(os.getpid(), signal.SIGKILL)
 
-    async def handler(event: Event, ctx: HandlerContext) -> Sequence[Event]:
-        maybe_die()
-        outputs = await handle_job_event(event, ctx)
-        maybe_die()  # the transition is on the log, the transaction not yet committed
-        return outputs
+    def dying(handle_job_event: Handler) -> Handler:
+        async def handler(event: Event, ctx: HandlerContext) -> Sequence[Event]:
+            maybe_die()
+            outputs = await handle_job_event(event, ctx)
+            maybe_die()  # the transition is on the log, the transaction not yet committed
+            return outputs
+
+        return handler
 
     publish = publish_encoded
     ack = Msg.ack
@@ -57,7 +60,7 @@ def main() -> None:
         maybe_die()
         await ack(self)
 
-    appended = handlers_module.publish_transition  # type: ignore[attr-defined]
+    appended = unit_of_work_module.publish_transition  # type: ignore[attr-defined]
 
     async def dying_append(*args: Any, **kwargs: Any) -> int:
         seq = await appended(*args, **kwargs)
@@ -66,7 +69,7 @@ def main() -> None:
         return seq
 
     consumer_module.publish_encoded = dying_publish  # type: ignore[attr-defined]
-    handlers_module.publish_transition = dying_append  # type: ignore[attr-defined]
+    unit_of_work_module.publish_transition = dying_append  # type: ignore[attr-defined]
     Msg.ack = dying_ack  # type: ignore[method-assign]
 
     async def run() -> None:
@@ -76,6 +79,7 @@ def main() -> None:
         assert SERVICE.migrations is not None
         await apply_migrations(pool, "lifecycle", SERVICE.migrations)
         print("ready", flush=True)  # noqa: T201 - the parent waits for this line
+        handler = dying(job_event_handler(nc.jetstream()))
         await EventConsumer(nc, pool, lifecycle_spec(durable, job_id), handler).run(asyncio.Event())
 
     asyncio.run(run())

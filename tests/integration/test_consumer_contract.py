@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import subprocess
 import sys
+import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import asyncpg
 import pytest
 from nats.js.errors import APIError
+from support.cli import run_lanes_async
 from support.contract import EFFECTS_DDL, effects, record_effect, spec_for, stored, submission
 from support.waiting import eventually
 
@@ -28,7 +31,9 @@ from lanes_runtime.consumer import (
     EventConsumer,
     HandlerContext,
     Outcome,
+    prune_processed,
 )
+from lanes_runtime.metrics import serve_metrics
 from lanes_runtime.settings import ServerUrls
 from lanes_runtime.store import apply_runtime_migrations, create_pool
 
@@ -201,7 +206,7 @@ async def test_a_transient_postgres_error_is_redelivered_not_lost(
 
     async def flaky(event: Event, ctx: HandlerContext) -> list[Event]:
         deliveries.append(ctx.deliveries)
-        if ctx.deliveries == 1:
+        if len(deliveries) == 1:
             # A real server-side failure: the database ends this session in the middle of the transaction.
             await ctx.conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
         return list(await record_effect(event, ctx))
@@ -213,8 +218,11 @@ async def test_a_transient_postgres_error_is_redelivered_not_lost(
     await lanes.publish(event)
     await eventually(lambda: _processed(consumer, 1), what="processing after the transient error")
     await _stop(stop, task)
-    assert deliveries == [1, 2]
-    assert consumer.outcomes[Outcome.RETRY] == 1
+    # An unreachable database says nothing about the event: the batch is held and tried again in place,
+    # without spending a delivery.
+    assert deliveries == [1, 1]
+    assert consumer.outcomes[Outcome.HELD] == 1
+    assert consumer.outcomes[Outcome.RETRY] == 0
     assert await effects(pool, event.id) == 1
     assert await stored(lanes.js, JOBS.name, f"lanes.job.{job_id}.waiting") == 1
 
@@ -297,3 +305,97 @@ async def test_two_writers_cannot_both_append_after_the_same_job_state(lanes: La
         await lanes.publish(submission(job_id), expected_last_subject_seq=first, expected_subject=job_subjects)
     assert winner > first
     assert await stored(lanes.js, JOBS.name, f"lanes.job.{job_id}.submitted") == 2
+
+
+async def test_processed_records_stay_bounded_and_a_redelivery_inside_the_window_is_still_recognised(
+    lanes: LanesClient, pool: asyncpg.Pool, unique: str
+) -> None:
+    job_id = f"prune-{unique}"
+    spec = spec_for(job_id, ack_wait_s=1.0)
+    consumer = EventConsumer(lanes._nc, pool, spec, record_effect)
+    await consumer.provision()
+    sub = await lanes.js.pull_subscribe_bind(spec.durable, stream=JOBS.name)
+    event = submission(job_id)
+    await lanes.publish(event)
+    (first,) = await sub.fetch(1, timeout=10)
+
+    async def lost() -> None:  # the acknowledgement never reaches the server
+        return None
+
+    first.ack = lost  # type: ignore[method-assign]
+    await consumer.process_batch([first])
+    assert consumer.outcomes[Outcome.PROCESSED] == 1
+
+    # A million records from long ago, as a busy consumer leaves them behind.
+    await pool.execute(
+        """INSERT INTO lanes_processed (consumer, event_id, stream, stream_seq, processed_at)
+           SELECT $1, 'old-' || n, 'LANES_JOBS', n, now() - interval '1 day' FROM generate_series(1, 1000000) AS n""",
+        spec.durable,
+    )
+    assert await prune_processed(pool, spec.durable, spec.retention_s) == 1_000_000
+    left = await pool.fetchval("SELECT count(*) FROM lanes_processed WHERE consumer = $1", spec.durable)
+    assert left == 1  # only the record inside the retention window
+
+    (again,) = await sub.fetch(1, timeout=10)  # redelivered after ack_wait
+    assert again.metadata.num_delivered == 2
+    await consumer.process_batch([again])
+    assert consumer.outcomes[Outcome.DUPLICATE] == 1
+    assert await effects(pool, event.id) == 1
+    await sub.unsubscribe()
+
+
+async def test_lanes_dead_replay_re_drives_a_dead_letter_after_a_fix_and_nothing_doubles(
+    lanes: LanesClient, pool: asyncpg.Pool, urls: ServerUrls, unique: str
+) -> None:
+    broken = True
+
+    async def until_fixed(event: Event, ctx: HandlerContext) -> list[Event]:
+        if broken:
+            raise PoisonEventError("a bug, fixed by the next deploy")
+        return list(await record_effect(event, ctx))
+
+    job_id = f"replay-{unique}"
+    spec = spec_for(job_id)
+    consumer = EventConsumer(lanes._nc, pool, spec, until_fixed)
+    stop, task = await _running(consumer)
+    event = submission(job_id)
+    await lanes.publish(event)
+    await eventually(lambda: _dead(consumer), what="dead letter")
+    broken = False  # the fix
+
+    listed = await run_lanes_async(urls, "dead", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    (letter,) = [json.loads(line) for line in listed.stdout.splitlines() if spec.durable in line]
+    assert letter["event_id"] == event.id
+    assert "fixed by the next deploy" in letter["reason"]
+    for _ in range(2):  # a second replay of the same letter publishes nothing new
+        replayed = await run_lanes_async(urls, "dead", "replay", str(letter["dead_seq"]))
+        assert replayed.returncode == 0, replayed.stderr
+    await eventually(lambda: _processed(consumer, 1), what="the replayed event processed")
+    await _stop(stop, task)
+    assert await effects(pool, event.id) == 1
+    assert await stored(lanes.js, JOBS.name, event.nats_subject()) == 2  # the original and one replay
+
+
+async def test_metrics_endpoint_shows_the_consumer_counters_and_histograms_without_job_labels(
+    lanes: LanesClient, pool: asyncpg.Pool, unique: str
+) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    serve_metrics(port, host="127.0.0.1")
+    job_id = f"metrics-{unique}"
+    consumer = EventConsumer(lanes._nc, pool, spec_for(job_id), record_effect)
+    stop, task = await _running(consumer)
+    await lanes.publish(submission(job_id))
+    await eventually(lambda: _processed(consumer, 1), what="processing")
+    await _stop(stop, task)
+    body = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode())
+    durable = consumer.spec.durable
+    assert f'lanes_consumer_events_total{{consumer="{durable}",outcome="processed"}} 1.0' in body
+    for family in ("lanes_consumer_batch_size", "lanes_consumer_handler_seconds", "lanes_consumer_commit_seconds"):
+        assert f'{family}_count{{consumer="{durable}"}}' in body
+    assert f'lanes_consumer_ready{{consumer="{durable}"}} 1.0' in body
+    assert f'lanes_consumer_pending{{consumer="{durable}"}}' in body
+    assert "job=" not in body  # labelled by consumer, never by job
+    assert "job_id=" not in body

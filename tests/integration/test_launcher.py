@@ -9,6 +9,7 @@ import sys
 from collections.abc import AsyncIterator
 
 import pytest
+from nats.aio.msg import Msg
 from support.cli import local_stack
 from support.waiting import eventually
 
@@ -28,6 +29,8 @@ from lanes_contract.events import (
     RetryRequested,
 )
 from lanes_contract.jobs import JobSpec, JobState, ServingSpec, WorkloadClass
+from lanes_contract.streams import DEAD, JOBS
+from lanes_runtime.consumer import DEAD_REASON, DEAD_SUBJECT
 from lanes_runtime.service import Connections
 from lanes_runtime.settings import ServerUrls
 
@@ -108,3 +111,43 @@ async def test_a_serving_replica_announces_its_endpoint_when_it_listens(stack: C
     (listening,) = [e for e in events if isinstance(e, ReplicaListening)]
     assert listening.data.endpoint == "http://127.0.0.1:8123"
     assert [e.data.backend for e in events if isinstance(e, CommunicatorReady)] == ["http"]
+
+
+async def test_a_placement_whose_rank_cannot_be_started_is_dead_lettered_with_the_reason(
+    stack: Connections, unique: str
+) -> None:
+    job_id = f"unstartable-{unique}"
+    spec = JobSpec(name="unstartable", workers=1, command=(f"/nonexistent/{unique}/train",))
+    client = LanesClient(stack.nc, "tests")
+    await client.publish(JobSubmitted(source="tests", jobid=job_id, attempt=1, data=JobSubmittedData(spec=spec)))
+    dead_subject = f"lanes.dead.{JOBS.name}.launcher-local"
+
+    async def dead_letter_for_job() -> bool:
+        return any(
+            job_id in (letter.headers or {}).get(DEAD_SUBJECT, "") for letter in await _letters(stack, dead_subject)
+        )
+
+    await eventually(dead_letter_for_job, what="the placement's dead letter")
+    (letter,) = [m for m in await _letters(stack, dead_subject) if job_id in (m.headers or {}).get(DEAD_SUBJECT, "")]
+    headers = letter.headers or {}
+    assert headers[DEAD_SUBJECT] == f"lanes.job.{job_id}.placed"
+    assert "cannot be started" in headers[DEAD_REASON]
+    assert f"/nonexistent/{unique}/train" in headers[DEAD_REASON]
+    assert headers["Lanes-Dead-Deliveries"] == "1"  # the event itself is bad: at once, not after retries
+
+
+async def _letters(conns: Connections, subject: str) -> list[Msg]:
+    js = conns.nc.jetstream()
+    info = await js.stream_info(DEAD.name, subjects_filter=subject)
+    if not (info.state.subjects or {}).get(subject):
+        return []
+    sub = await js.subscribe(subject, stream=DEAD.name, ordered_consumer=True)
+    letters = []
+    try:
+        while True:
+            msg = await sub.next_msg(timeout=5)
+            letters.append(msg)
+            if msg.metadata.num_pending == 0:
+                return letters
+    finally:
+        await sub.unsubscribe()

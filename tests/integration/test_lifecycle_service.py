@@ -16,6 +16,7 @@ from typing import Any
 
 import asyncpg
 import pytest
+from support.cli import run_lanes_async
 from support.lifecycle import clean_run, lifecycle_spec, long_story
 from support.waiting import eventually
 
@@ -31,11 +32,10 @@ from lanes_contract.events import (
     TransitionRejected,
 )
 from lanes_contract.jobs import JobState
-from lanes_contract.streams import DEAD, JOBS
+from lanes_contract.streams import DEAD, JOBS, provision_streams
 from lanes_lifecycle.adapters import repository
 from lanes_lifecycle.adapters.transitions import TransitionConflictError
-from lanes_lifecycle.entrypoints.service import SERVICE
-from lanes_lifecycle.service_layer.handlers import handle_job_event
+from lanes_lifecycle.entrypoints.service import SERVICE, job_event_handler
 from lanes_runtime.consumer import EventConsumer, HandlerContext
 from lanes_runtime.reader import Selection
 from lanes_runtime.settings import ServerUrls
@@ -98,7 +98,13 @@ def _as_logged(changes: list[JobStateChanged]) -> list[tuple[str | None, str, st
 
 
 async def _processed(pool: asyncpg.Pool, durable: str) -> int:
-    return int(await pool.fetchval("SELECT count(*) FROM lanes_processed WHERE consumer = $1", durable))
+    """Events recorded and folded (an ordered consumer stages an event in its inbox before folding it)."""
+    count = await pool.fetchval(
+        """SELECT count(*) FROM lanes_processed p WHERE consumer = $1
+           AND NOT EXISTS (SELECT 1 FROM lanes_inbox i WHERE i.consumer = p.consumer AND i.event_id = p.event_id)""",
+        durable,
+    )
+    return int(count)
 
 
 # --- in process ----------------------------------------------------------------------------------
@@ -110,7 +116,7 @@ async def test_a_story_is_folded_into_jobs_attempts_ranks_and_spans_and_a_stray_
     job_id = f"life-{unique}"
     durable = f"life-{unique}"
     events = long_story(job_id, total=400)
-    consumer = EventConsumer(lanes._nc, pool, lifecycle_spec(durable, job_id), handle_job_event)
+    consumer = EventConsumer(lanes._nc, pool, lifecycle_spec(durable, job_id), job_event_handler(lanes.js))
     stop = asyncio.Event()
     task = asyncio.create_task(consumer.run(stop))
     try:
@@ -278,21 +284,22 @@ async def test_a_writer_that_lost_the_race_is_refused_and_rolls_back(
     story = long_story(job_id, total=400)
     prefix = story[: next(i for i, e in enumerate(story) if e.type.endswith("heartbeat.v1")) + 1]  # running
     other = await _pool(second_database)
+    handle_job_event = job_event_handler(lanes.js)
     try:
         for event in prefix:
             await lanes.publish(event)
         for db in (pool, other):
             for seq, event in enumerate(prefix, start=1):
                 async with db.acquire() as conn, conn.transaction():
-                    await handle_job_event(event, HandlerContext(conn, seq, 1, lanes.js))
+                    await handle_job_event(event, HandlerContext(conn, seq, 1))
         keys: dict[str, Any] = {"source": "tests", "jobid": job_id, "attempt": 1}
         cancel = CancelRequested(data=CommandData(requested_by="alice"), **keys)
         failure = RankExited(rank=1, node="node-1", data=RankExitedData(exit_code=3), **keys)
         async with pool.acquire() as conn, conn.transaction():
-            await handle_job_event(cancel, HandlerContext(conn, 1000, 1, lanes.js))
+            await handle_job_event(cancel, HandlerContext(conn, 1000, 1))
         with pytest.raises(TransitionConflictError, match="another writer"):
             async with other.acquire() as conn, conn.transaction():
-                await handle_job_event(failure, HandlerContext(conn, 1001, 1, lanes.js))
+                await handle_job_event(failure, HandlerContext(conn, 1001, 1))
         async with other.acquire() as conn:
             loser = await repository.load(conn, job_id)
         assert loser is not None
@@ -304,3 +311,54 @@ async def test_a_writer_that_lost_the_race_is_refused_and_rolls_back(
     assert logged[-1].data.to_state is JobState.CANCELLING
     assert [c.data.to_state for c in logged].count(JobState.PARTIALLY_FAILED) == 0
     assert [c.data.sequence for c in logged] == list(range(1, len(logged) + 1))
+
+
+@pytest.mark.slow
+async def test_two_replicas_killed_at_random_during_50_interleaved_jobs_leave_a_projection_equal_to_a_clean_fold(
+    own_urls: ServerUrls, unique: str
+) -> None:
+    """Each job's events are applied in stream order across replicas and crashes (docs/ordering.md): two
+    replicas share the durable, one of them is SIGKILLed at random instants while 50 jobs' stories arrive
+    interleaved, and `lanes projections rebuild --verify` then finds the live projection equal to the fold."""
+    durable = f"pair50-{unique}"
+    stories = [long_story(f"j{i}-{unique}", total=40) for i in range(50)]
+    interleaved = [story[k] for k in range(40) for story in stories]
+    rnd = random.Random(unique)  # noqa: S311 - reproducible kill times per run id
+    db = await create_pool(own_urls.database_url)
+    lanes = await LanesClient.connect(own_urls.nats_url, source="tests")
+    await provision_streams(lanes.js)
+    await apply_runtime_migrations(db)
+    assert SERVICE.migrations is not None
+    await apply_migrations(db, "lifecycle", SERVICE.migrations)  # before the replicas, whose stdout says "ready"
+
+    def start() -> subprocess.Popen[str]:
+        return _start_child(own_urls, own_urls.database_url, durable, "*", per_mille=0)
+
+    replicas = [start(), start()]
+    try:
+        await asyncio.gather(*(_wait_ready(r) for r in replicas))
+        publisher = asyncio.create_task(_publish_all(lanes, interleaved))
+        kills = 0
+        deadline = time.monotonic() + 240
+        while await _processed(db, durable) < len(interleaved):
+            assert time.monotonic() < deadline, f"stuck at {await _processed(db, durable)} events"
+            await asyncio.sleep(rnd.uniform(1.0, 3.0))
+            victim = rnd.randrange(2)
+            _kill(replicas[victim])
+            kills += 1
+            replicas[victim] = start()
+            await _wait_ready(replicas[victim])
+        await publisher
+    finally:
+        for replica in replicas:
+            _kill(replica)
+        await lanes.close()
+        await db.close()
+    assert kills >= 2
+    result = await run_lanes_async(own_urls, "projections", "rebuild", "--verify")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+async def _publish_all(lanes: LanesClient, events: list[Event]) -> None:
+    for event in events:
+        await lanes.publish(event)

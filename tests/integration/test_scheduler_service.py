@@ -41,13 +41,14 @@ from lanes_contract.streams import JOBS, NODES
 from lanes_contract.topology import ClusterPolicy, Level, NodeState, Tenant, TopologyConstraint
 from lanes_lifecycle.entrypoints.service import SERVICE as LIFECYCLE
 from lanes_runtime.consumer import ConsumerSpec, EventConsumer, Outcome
-from lanes_runtime.service import Connections, connected
+from lanes_runtime.service import Connections, RunnerContext, bind, connected
 from lanes_runtime.settings import ServerUrls
 from lanes_runtime.store import apply_migrations
 from lanes_sandbox.embedded import EmbeddedNats
 from lanes_scheduler.adapters import repository
+from lanes_scheduler.domain.queue import gang_of
 from lanes_scheduler.entrypoints.service import SERVICE as SCHEDULER
-from lanes_scheduler.service_layer.handlers import handle_job_event, handle_node_event
+from lanes_scheduler.entrypoints.service import handlers
 
 pytestmark = pytest.mark.real_servers
 
@@ -87,6 +88,7 @@ class Cluster:
             f"lanes.node.{n}.{name}" for n in self.nodes.values() for name in ("registered", "state_changed")
         )
         node_subjects += (f"lanes.node.{self.policy_node}.policy_set",)
+        handle_job_event, handle_node_event = handlers()
         return [
             (
                 ConsumerSpec(durable=f"sched-jobs-{self.unique}{suffix}", stream=JOBS, subjects=job_subjects, batch=4),
@@ -387,7 +389,7 @@ async def test_the_allocation_key_refuses_a_double_booking_even_without_the_lock
         spec = JobSpec(name="t", workers=1, gpus_per_worker=8)
         async with c.conns.pool.acquire() as conn, conn.transaction():
             await repository.add_pending_job(conn, c.jobs["b"], 1, spec, 10**9)
-        gang = repository.gang_of(c.jobs["b"], 1, spec, 0)
+        gang = gang_of(c.jobs["b"], 1, spec, 0)
         with pytest.raises(asyncpg.UniqueViolationError):
             async with c.conns.pool.acquire() as conn, conn.transaction():
                 await repository.allocate(conn, gang, (RankAssignment(rank=0, node=c.nodes["n1"], gpus=(3,)),))
@@ -403,7 +405,8 @@ async def test_lanes_job_json_shows_the_time_spent_in_each_wait_reason(urls: Ser
         for spec, handler in LIFECYCLE.consumers:
             subjects = tuple(s.replace(".*.", f".{j}.") for s in spec.subjects for j in c.jobs.values())
             narrowed = ConsumerSpec(durable=f"{spec.durable}-{unique}", stream=spec.stream, subjects=subjects)
-            consumer = EventConsumer(c.conns.nc, c.conns.pool, narrowed, handler)
+            context = RunnerContext(c.conns.nc, c.conns.pool, c.conns.redis)
+            consumer = EventConsumer(c.conns.nc, c.conns.pool, narrowed, bind(handler, context))
             await consumer.provision()
             tasks.append(asyncio.create_task(consumer.run(stop)))
         try:

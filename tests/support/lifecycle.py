@@ -45,7 +45,8 @@ T0 = datetime(2026, 12, 2, 10, 0, 0, tzinfo=UTC)
 
 
 def lifecycle_spec(durable: str, job_id: str) -> ConsumerSpec:
-    """The lifecycle's consumer, restricted to one job, with short timings so redeliveries happen in a test."""
+    """The lifecycle's consumer, restricted to one job (`*`: every job), with short timings so redeliveries
+    happen in a test."""
     subjects = tuple(f"lanes.job.{job_id}.{name}" for name in LIFECYCLE_INPUTS)
     return dataclasses.replace(
         JOB_EVENTS, durable=durable, subjects=subjects, ack_wait_s=1.0, redelivery_delays_s=(0.2,), max_deliver=20

@@ -11,21 +11,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import re
 import sys
+from collections.abc import Awaitable
 from datetime import UTC
 from typing import Any
 
 import structlog
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import APIError
+from nats.errors import Error as NatsError
 
 from lanes_contract.client import publish_encoded
 from lanes_contract.codec import decode, encode
-from lanes_contract.errors import DecodeError
+from lanes_contract.errors import DecodeError, PoisonEventError
 from lanes_contract.events import (
     AttemptRequested,
     CheckpointSaved,
@@ -56,6 +57,9 @@ from lanes_contract.jobs import JobSpec, JobState
 from lanes_contract.streams import JOBS, TELEMETRY
 from lanes_evidence.evidence import Evidence, evidence_event
 from lanes_evidence.parsers import LogParser, SourceContext
+from lanes_runtime import decision
+from lanes_runtime.consumer import ConsumerSpec, DeadLetter, dead_letter
+from lanes_runtime.failures import classify
 
 READY_MARKER = "lanes: communicator ready"
 """A rank prints this line once its collective communicator is initialised; the launcher reports it."""
@@ -78,6 +82,19 @@ _STOP_RANKS = frozenset({JobState.CANCELLING, JobState.CANCELLED, JobState.PARTI
 """States in which the launcher terminates the attempt's ranks (and starts none of those not yet started):
 cancelled, or (like torchrun's elastic agent) a rank failed, so the rest of the gang is torn down."""
 log = structlog.get_logger(__name__)
+
+LAUNCHER_INPUTS = ConsumerSpec(
+    durable="launcher-local",
+    stream=JOBS,
+    subjects=(
+        "lanes.job.*.submitted",
+        "lanes.job.*.attempt_requested",
+        "lanes.job.*.placed",
+        "lanes.job.*.state_changed",
+    ),
+    max_deliver=3,
+)
+"""What the node agent reads; a placement is held (in progress) for as long as its ranks run."""
 
 
 def listening_endpoint(line: str) -> str | None:
@@ -114,30 +131,21 @@ class LocalLauncher:
         self._nc = nc
         self._js = nc.jetstream()
         self._nodes = nodes
-        self._durable = durable
+        self._spec = dataclasses.replace(LAUNCHER_INPUTS, durable=durable)
         self._specs: dict[str, JobSpec] = {}
         self._resume_steps: dict[tuple[str, int], int] = {}
         self._procs: dict[tuple[str, int], set[asyncio.subprocess.Process]] = {}
         self._stopping: set[tuple[str, int]] = set()
 
+    @property
+    def name(self) -> str:
+        """The durable consumer name."""
+        return self._spec.durable
+
     async def run(self, stop: asyncio.Event) -> None:
         """Launch the ranks of every placement on our nodes until `stop` is set."""
-        config = ConsumerConfig(
-            durable_name=self._durable,
-            deliver_policy=DeliverPolicy.ALL,
-            ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=30,
-            max_deliver=3,
-            filter_subjects=[
-                "lanes.job.*.submitted",
-                "lanes.job.*.attempt_requested",
-                "lanes.job.*.placed",
-                "lanes.job.*.state_changed",
-            ],
-        )
-        with contextlib.suppress(APIError):
-            await self._js.add_consumer(JOBS.name, config=config)
-        sub = await self._js.pull_subscribe_bind(self._durable, stream=JOBS.name)
+        await self._js.add_consumer(JOBS.name, config=self._spec.config())
+        sub = await self._js.pull_subscribe_bind(self._spec.durable, stream=JOBS.name)
         running: set[asyncio.Task[None]] = set()
         try:
             while not stop.is_set():
@@ -145,6 +153,12 @@ class LocalLauncher:
                     msgs = await sub.fetch(16, timeout=0.5)
                 except TimeoutError:  # nats-py raises its own subclass or the builtin, depending on the path
                     continue
+                except NatsError as exc:  # disconnected: nothing was taken, try again shortly
+                    log.warning("launcher fetch failed; retrying", error=str(exc) or type(exc).__name__)
+                    await asyncio.sleep(1.0)
+                    continue
+                # Each message runs on its own (a placement's ranks live for as long as the job does); each
+                # ends with an explicit decision from the runtime's `decide`, never a silent drop.
                 for msg in msgs:
                     task = asyncio.create_task(self._handle(msg))
                     running.add(task)
@@ -157,12 +171,47 @@ class LocalLauncher:
             await asyncio.gather(*running, return_exceptions=True)
 
     async def _handle(self, msg: Msg) -> None:
+        """Apply one message and carry out `decide`'s verdict: ack, nak, dead letter, or hold through an outage."""
+        outages = 0
+        while True:
+            try:
+                await self._apply(msg)
+                outcome: decision.Outcome = decision.Processed()
+            except Exception as exc:  # noqa: BLE001 - every failure becomes an explicit decision
+                outcome = classify(exc)
+            if isinstance(outcome, decision.Unavailable):
+                outages += 1
+                outcome = dataclasses.replace(outcome, outages=outages)
+            deliveries = msg.metadata.num_delivered
+            match decision.decide(outcome, deliveries, self._spec):
+                case decision.Hold(delay_s):
+                    log.warning("launcher: server unavailable; holding", reason=outcome, pause_s=delay_s)
+                    with contextlib.suppress(Exception):
+                        await msg.in_progress()
+                    await asyncio.sleep(delay_s)
+                    continue
+                case decision.Ack():
+                    await _best_effort(msg.ack())
+                case decision.Nak(delay_s):
+                    await _best_effort(msg.nak(delay=delay_s))
+                case decision.Term(reason):
+                    log.error("launcher dead-letters a message", reason=reason, subject=msg.subject)
+                    letter = DeadLetter(JOBS.name, self._spec.durable, msg.subject, _seq(msg), deliveries, reason)
+                    try:
+                        await dead_letter(self._js, letter, msg.headers, msg.data)
+                    except Exception as exc:  # noqa: BLE001 - no dead letter, no term: it comes back instead
+                        log.warning("launcher cannot dead-letter; redelivering", error=str(exc))
+                        await _best_effort(msg.nak(delay=self._spec.delay_after(deliveries)))
+                        return
+                    await _best_effort(msg.term())
+            return
+
+    async def _apply(self, msg: Msg) -> None:
         try:
             event = decode(msg.subject, msg.headers, msg.data)
         except DecodeError as exc:
             # Not ours to dead-letter: the services' consumers see the same message and dead-letter it.
             log.warning("launcher skips an undecodable message", error=str(exc))
-            await msg.ack()
             return
         if isinstance(event, JobSubmitted):
             self._specs[str(event.jobid)] = event.data.spec
@@ -176,7 +225,6 @@ class LocalLauncher:
             if mine and spec is not None and spec.managed_by is None:  # observed jobs run elsewhere
                 world = len(event.data.assignments)
                 await asyncio.gather(*(self._run_rank(event, spec, a, world, msg) for a in mine))
-        await msg.ack()
 
     async def _run_rank(
         self, placed: JobPlaced, spec: JobSpec, assignment: RankAssignment, world: int, msg: Msg
@@ -197,9 +245,14 @@ class LocalLauncher:
         attempt_key = (str(placed.jobid), placed.attempt or 1)
         if attempt_key in self._stopping:
             return  # cancelled before this rank was started: never start it
-        proc = await asyncio.create_subprocess_exec(
-            *command, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-        )
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *command, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+            )
+        except OSError as exc:  # the placement itself cannot run here: a bad event for this node, not an outage
+            self._stop_attempt(attempt_key)
+            msg_text = f"rank {assignment.rank} of job {placed.jobid} cannot be started on {assignment.node}: {exc}"
+            raise PoisonEventError(msg_text) from exc
         self._procs.setdefault(attempt_key, set()).add(proc)
         if attempt_key in self._stopping:  # stopped while this process was being spawned
             proc.terminate()
@@ -313,6 +366,18 @@ class LocalLauncher:
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     proc.terminate()
+
+
+def _seq(msg: Msg) -> int:
+    return int(msg.metadata.sequence.stream)
+
+
+async def _best_effort(action: Awaitable[None]) -> None:
+    """An ack that is lost means a redelivery; the placement's event ids make that a no-op."""
+    try:
+        await action
+    except Exception as exc:  # noqa: BLE001 - recovered by redelivery
+        log.warning("acknowledgement not delivered", error=str(exc))
 
 
 def _spec_environment(spec: JobSpec, resume_step: int | None) -> dict[str, str]:

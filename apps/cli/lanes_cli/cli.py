@@ -20,6 +20,7 @@ from lanes_agent.launcher import LocalLauncher
 from lanes_cli import (
     analyze_cli,
     audit_cli,
+    dead_cli,
     import_cli,
     incident_cli,
     jobs_cli,
@@ -349,6 +350,7 @@ def replay(  # noqa: PLR0917 - typer maps each option to a parameter
 
 
 app.add_typer(audit_cli.app, name="audit")
+app.add_typer(dead_cli.app, name="dead")
 app.command()(poc_cli.poc)
 app.command()(incident_cli.incident)
 app.command("import")(import_cli.import_events)

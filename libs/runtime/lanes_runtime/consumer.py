@@ -1,20 +1,28 @@
-"""The consumer contract every service uses (DESIGN.md, "Processing guarantees").
+"""The consumer contract every service uses (DESIGN.md, "Processing guarantees"), one fetched batch at a time.
 
-One durable pull consumer per service role. For each message:
+One durable pull consumer per service role. For each fetched batch:
 
-1. Decode it. A message that is not a valid event is poison: it goes to LANES_DEAD with the reason, the
-   original headers and the original stream sequence, and is terminated.
-2. In one PostgreSQL transaction: record (consumer, event id) as processed, run the handler (which writes
-   its projection rows on the same connection) and store the events it returns in the outbox. An event
-   that is already recorded skips the handler: it was processed before a crash or a lost ack.
-3. After commit, publish the outbox rows of this event (their ids are deterministic, so JetStream drops a
-   second copy) and delete them. Only then acknowledge the message.
+1. Decode every message. A message that is not a valid event is poison: it goes to LANES_DEAD with the
+   reason, the original headers and the original stream sequence, and is terminated.
+2. In one PostgreSQL transaction: record the batch's event ids as processed (one multi-row insert; an id
+   already recorded is a duplicate and skips its handler: it was processed before a crash or a lost ack),
+   run the handlers in stream order (they write their effects on the same connection) and store the
+   events they return in the outbox.
+   If a handler fails, the transaction is rolled back and the batch is retried once, one event per
+   transaction, so the failing event is settled alone and its neighbours go through on that single retry.
+3. After commit, publish the batch's outbox rows (their ids are deterministic, so JetStream drops a second
+   copy) with the publish acknowledgements awaited together, delete them, and only then acknowledge.
 
-Errors decide the acknowledgement explicitly: PoisonEventError dead-letters at once; anything else is
-treated as transient and the message is redelivered after a delay (nak), together with the rest of the
-fetched batch so that order is kept as far as JetStream allows; on the last allowed delivery it is
-dead-lettered with the last error instead of being dropped. If a delivery ends without any decision (the
-process died), JetStream's max-deliveries advisory is captured and the message dead-lettered from it.
+Every acknowledgement is chosen by `decision.decide`; this loop only carries it out. An infrastructure
+failure (a server unreachable or too slow) holds the batch: the messages are marked in progress, the
+consumer is marked not ready, and the batch is tried again with backoff, without spending a delivery.
+If a delivery ends without any decision (the process died), JetStream's max-deliveries advisory is
+captured and the message dead-lettered from it.
+
+A consumer whose fold depends on order (`ConsumerSpec.ordered`) stages its batches in `lanes_inbox`
+instead of running the handler, and acknowledges them; `fold` then applies staged events whose stream
+sequence is at or below the consumer's ack floor, in stream order, many keys per transaction. See
+docs/ordering.md for why that order holds across crashes and replicas.
 """
 
 from __future__ import annotations
@@ -22,10 +30,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any, TypeVar
 
 import asyncpg
 import structlog
@@ -37,12 +47,17 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from lanes_contract.client import publish_encoded
 from lanes_contract.codec import MSG_ID_HEADER, EncodedEvent, decode, encode
-from lanes_contract.errors import DecodeError, ProcessingError
+from lanes_contract.errors import DecodeError
 from lanes_contract.events import Event
 from lanes_contract.streams import DEAD, STREAM_OF_FAMILY, StreamSpec
+from lanes_runtime import decision
+from lanes_runtime.failures import classify, is_infrastructure
+from lanes_runtime.metrics import ConsumerMetrics
 from lanes_runtime.store import Db
+from lanes_runtime.tracing import event_span, traced
 
 log = structlog.get_logger(__name__)
+_T = TypeVar("_T")
 
 DEAD_REASON = "Lanes-Dead-Reason"
 DEAD_STREAM = "Lanes-Dead-Stream"
@@ -65,7 +80,10 @@ class ConsumerSpec:
     redelivery_delays_s: tuple[float, ...] = (0.2, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
     batch: int = 64
     max_ack_pending: int | None = None
-    """None: a few batches. 1: strict stream order even across a crash (a fold that depends on order)."""
+    """None: a few batches in flight across the replicas sharing the durable."""
+    ordered: bool = False
+    """True: each key's (job's) events are applied in stream order, across crashes and replicas
+    (staged in the inbox, folded below the ack floor). For folds whose result depends on order."""
 
     def config(self) -> ConsumerConfig:
         """The JetStream configuration of this consumer."""
@@ -79,9 +97,43 @@ class ConsumerSpec:
             max_ack_pending=self.max_ack_pending or max(self.batch * 4, 256),
         )
 
+    @property
+    def retention_s(self) -> float:
+        """How long a processed record must be kept to recognise a redelivery or a re-publication.
+
+        JetStream itself drops a re-published id within the stream's duplicate window, and an unacknowledged
+        message comes back at most max_deliver times, each after ack_wait or a redelivery delay. After both
+        horizons a record can no longer be needed.
+        """
+        return self.stream.duplicate_window_s + self.max_deliver * self.ack_wait_s + sum(self.redelivery_delays_s)
+
     def delay_after(self, deliveries: int) -> float:
         """How long to wait before the next delivery after `deliveries` failed ones."""
-        return self.redelivery_delays_s[min(deliveries, len(self.redelivery_delays_s)) - 1]
+        return self.redelivery_delays_s[max(1, min(deliveries, len(self.redelivery_delays_s))) - 1]
+
+
+@dataclass
+class TransactionScope:
+    """What handlers share for the rest of one transaction (a batch): a cache, and work to do before commit.
+
+    A handler that reads and rewrites the same rows for every event (a fold) can keep them here and write
+    them once, just before the batch commits.
+    """
+
+    deferred: bool = False
+    """True when the consumer runs `flush` before commit; a scope a caller made itself writes at once."""
+    cache: dict[object, Any] = field(default_factory=dict)
+    _before_commit: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+    def before_commit(self, action: Callable[[], Awaitable[None]]) -> None:
+        """Run `action` inside the transaction, after the last handler and before the commit."""
+        self._before_commit.append(action)
+
+    async def flush(self) -> None:
+        """Run the registered actions, in order (the consumer calls this)."""
+        actions, self._before_commit = self._before_commit, []
+        for action in actions:
+            await action()
 
 
 @dataclass(frozen=True)
@@ -91,9 +143,7 @@ class HandlerContext:
     conn: Db
     stream_seq: int
     deliveries: int
-    js: JetStreamContext | None = None
-    """For a handler whose output must be conditionally published inside the transaction (lifecycle's
-    per-job optimistic concurrency); everything else goes through the outbox."""
+    scope: TransactionScope = field(default_factory=TransactionScope)
 
 
 Handler = Callable[[Event, HandlerContext], Awaitable[Sequence[Event]]]
@@ -101,30 +151,61 @@ Handler = Callable[[Event, HandlerContext], Awaitable[Sequence[Event]]]
 
 
 class Outcome(StrEnum):
-    """What the consumer decided for one delivery."""
+    """What the consumer did with deliveries, tallied in `EventConsumer.outcomes`."""
 
     PROCESSED = "processed"
     DUPLICATE = "duplicate"
     RETRY = "retry"
+    """Sent back for redelivery (spends a delivery)."""
+    STAGED = "staged"
+    """Recorded in the inbox of an ordered consumer, to be folded (counted PROCESSED when folded)."""
+    HELD = "held"
+    """Kept and tried again in place while a server was unavailable (spends none)."""
     DEAD_LETTERED = "dead_lettered"
 
 
-class _RetryLaterError(Exception):
-    def __init__(self, reason: str, delay_s: float) -> None:
-        super().__init__(reason)
-        self.delay_s = delay_s
+@dataclass
+class _Item:
+    """One fetched message, decoded if it could be."""
+
+    msg: Msg
+    event: Event | None
+    invalid: str | None = None
+
+    @property
+    def seq(self) -> int:
+        return int(self.msg.metadata.sequence.stream)
+
+    @property
+    def deliveries(self) -> int:
+        return int(self.msg.metadata.num_delivered)
+
+
+class _HandlerFailedError(Exception):
+    """A handler failed inside the batch transaction: roll the batch back and retry it singly."""
 
 
 class EventConsumer:
     """Runs one ConsumerSpec with one handler until stopped. Several replicas may share the durable."""
 
-    def __init__(self, nc: NatsClient, pool: asyncpg.Pool, spec: ConsumerSpec, handler: Handler) -> None:
+    def __init__(
+        self,
+        nc: NatsClient,
+        pool: asyncpg.Pool,
+        spec: ConsumerSpec,
+        handler: Handler,
+        *,
+        metrics: ConsumerMetrics | None = None,
+    ) -> None:
         self._nc = nc
         self._js = nc.jetstream()
         self._pool = pool
         self.spec = spec
         self._handler = handler
         self.outcomes: Counter[Outcome] = Counter()
+        self.ready = True
+        """False while a server it depends on is unavailable (the service reports not ready)."""
+        self._metrics = metrics or ConsumerMetrics.for_consumer(spec.durable)
         self._log = log.bind(consumer=spec.durable)
 
     @property
@@ -149,134 +230,406 @@ class EventConsumer:
             cb=self._on_max_deliveries,
         )
         self._log.info("consumer started", stream=self.spec.stream.name, subjects=self.spec.subjects)
+        next_prune = time.monotonic() + _PRUNE_EVERY_S
         try:
             while not stop.is_set():
                 try:
                     msgs = await sub.fetch(self.spec.batch, timeout=0.5)
                 except TimeoutError:  # nats-py raises its own subclass or the builtin, depending on the path
-                    continue
+                    msgs = []
                 except NatsError as exc:
                     # Disconnected or reconnecting: nothing was taken, so nothing is lost; try again shortly.
                     self._log.warning("fetch failed; retrying", error=str(exc) or type(exc).__name__)
+                    self._set_ready(ready=False)
                     await asyncio.sleep(1.0)
                     continue
-                await self.process_batch(msgs)
+                if msgs:
+                    await self.process_batch(msgs, stop)
+                if time.monotonic() >= next_prune:
+                    next_prune = time.monotonic() + _PRUNE_EVERY_S
+                    with contextlib.suppress(Exception):  # bookkeeping: it is tried again at the next turn
+                        await prune_processed(self._pool, self.spec.durable, self.spec.retention_s)
+                if self.spec.ordered:
+                    try:
+                        await self._hold_through_outages(self.fold, stop)
+                    except _StoppedError:
+                        pass
+                    except Exception:  # noqa: BLE001 - the staged events stay; the next turn folds them again
+                        self._log.exception("fold failed; trying again")
+                        await asyncio.sleep(self.spec.delay_after(1))
         finally:
             with contextlib.suppress(Exception):
                 await advisory.unsubscribe()
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
-    async def process_batch(self, msgs: Sequence[Msg]) -> None:
-        """Process messages in order; after a transient error, send the rest of the batch back too."""
-        for index, msg in enumerate(msgs):
+    async def process_batch(self, msgs: Sequence[Msg], stop: asyncio.Event | None = None) -> None:
+        """Process one fetched batch: one transaction, then the outbox, then each message's decision."""
+        items = [_decoded(msg) for msg in msgs]
+        self._metrics.batch_size.observe(len(items))
+        self._metrics.pending.set(msgs[-1].metadata.num_pending or 0)
+        with contextlib.suppress(_StoppedError):
+            outcomes = await self._hold_through_outages(lambda: self._settle_batch(items), stop, items)
+            for item, outcome in zip(items, outcomes, strict=True):
+                await self._carry_out(item, outcome)
+            if self.spec.ordered:
+                # The fold reads the ack floor: let the server have the acks before it asks.
+                with contextlib.suppress(Exception):
+                    await self._nc.flush()
+
+    async def _settle_batch(self, items: list[_Item]) -> list[decision.Outcome]:
+        """The batch's outcomes once its transaction committed and its outbox was published."""
+        try:
+            outcomes = await self._transact(items)
+        except _HandlerFailedError:
+            outcomes = [await self._transact_one(item) for item in items]
+        await self._flush_outbox([item.event.id for item in items if item.event is not None])
+        return outcomes
+
+    async def _hold_through_outages(
+        self, attempt: Callable[[], Awaitable[_T]], stop: asyncio.Event | None, items: Sequence[_Item] = ()
+    ) -> _T:
+        """Run `attempt` until no server is unavailable, pausing with backoff and keeping `items` in progress."""
+        outages = 0
+        while True:
             try:
-                outcome = await self._process(msg)
-            except _RetryLaterError as retry:
-                self._log.warning("redelivering", reason=str(retry), delay_s=retry.delay_s, seq=_seq(msg))
-                for pending in msgs[index:]:
-                    await _settle(pending.nak(delay=retry.delay_s))
-                self.outcomes[Outcome.RETRY] += len(msgs) - index
+                result = await attempt()
+            except Exception as exc:
+                if not is_infrastructure(exc):
+                    raise
+                outages += 1
+                hold = decision.decide(decision.Unavailable(str(exc), outages), 0, self.spec)
+                assert isinstance(hold, decision.Hold)  # noqa: S101 - decide's rule for Unavailable
+                self._set_ready(ready=False)
+                self.outcomes[Outcome.HELD] += len(items)
+                self._metrics.held.inc(len(items))
+                self._log.warning(
+                    "server unavailable; holding", error=f"{type(exc).__name__}: {exc}", pause_s=hold.delay_s
+                )
+                await self._pause(hold.delay_s, items, stop)
+                continue
+            self._set_ready(ready=True)
+            return result
+
+    async def _pause(self, delay_s: float, items: Sequence[_Item], stop: asyncio.Event | None) -> None:
+        """Wait `delay_s`, telling JetStream every so often that the held messages are still being worked on."""
+        deadline = time.monotonic() + delay_s
+        while (left := deadline - time.monotonic()) > 0:
+            for item in items:
+                await _settle(item.msg.in_progress())
+            if stop is not None and stop.is_set():
+                raise _StoppedError  # the held messages come back after ack_wait, to this or another replica
+            await asyncio.sleep(min(left, self.spec.ack_wait_s / 3))
+
+    def _set_ready(self, *, ready: bool) -> None:
+        self.ready = ready
+        self._metrics.ready.set(1 if ready else 0)
+
+    async def _transact(self, items: list[_Item]) -> list[decision.Outcome]:
+        """The whole batch in one transaction; raises _HandlerFailedError (rolled back) if a handler fails."""
+        started = time.perf_counter()
+        async with self._pool.acquire() as conn, conn.transaction():
+            fresh = await self._record(conn, items)
+            scope = TransactionScope(deferred=True)
+            outcomes: list[decision.Outcome] = []
+            outbox: list[tuple[Event, Event]] = []
+            for item in items:
+                if item.event is None:
+                    outcomes.append(decision.Invalid(item.invalid or "invalid"))
+                elif item.event.id not in fresh or item.seq != fresh[item.event.id]:
+                    outcomes.append(decision.Duplicate())
+                elif self.spec.ordered:
+                    outcomes.append(decision.Processed())
+                else:
+                    try:
+                        outputs = await self._run_handler(conn, item.event, item.seq, item.deliveries, scope)
+                    except Exception as exc:
+                        if is_infrastructure(exc):
+                            raise
+                        raise _HandlerFailedError from exc
+                    outbox += [(item.event, output) for output in outputs]
+                    outcomes.append(decision.Processed())
+            try:
+                await scope.flush()
+            except Exception as exc:
+                if is_infrastructure(exc):
+                    raise
+                raise _HandlerFailedError from exc
+            if self.spec.ordered:
+                await self._stage(conn, [item for item in items if item.event is not None and item.event.id in fresh])
+            await self._store_outbox(conn, outbox)
+        self._metrics.commit_seconds.observe(time.perf_counter() - started)
+        return outcomes
+
+    async def _transact_one(self, item: _Item) -> decision.Outcome:
+        """One event in its own transaction: the single retry that isolates a failing event."""
+        if item.event is None:
+            return decision.Invalid(item.invalid or "invalid")
+        try:
+            async with self._pool.acquire() as conn, conn.transaction():
+                fresh = await self._record(conn, [item])
+                if item.event.id not in fresh:
+                    return decision.Duplicate()
+                scope = TransactionScope(deferred=True)
+                outputs = await self._run_handler(conn, item.event, item.seq, item.deliveries, scope)
+                await scope.flush()
+                await self._store_outbox(conn, [(item.event, output) for output in outputs])
+        except Exception as exc:
+            if is_infrastructure(exc):
+                raise
+            return classify(exc)
+        return decision.Processed()
+
+    async def _run_handler(
+        self, conn: Db, event: Event, stream_seq: int, deliveries: int, scope: TransactionScope
+    ) -> Sequence[Event]:
+        started = time.perf_counter()
+        with (
+            structlog.contextvars.bound_contextvars(event_id=event.id, job_id=event.jobid),
+            event_span(event, self.spec.durable),
+        ):
+            outputs = traced(await self._handler(event, HandlerContext(conn, stream_seq, deliveries, scope)))
+        self._metrics.handler_seconds.observe(time.perf_counter() - started)
+        return outputs
+
+    async def _record(self, conn: Db, items: Sequence[_Item]) -> dict[str, int]:
+        """Record the decodable events as processed; return the newly recorded ids with their sequences.
+
+        One multi-row insert; ids are sorted so that two replicas inserting overlapping batches take their
+        row locks in the same order. An id seen twice in one batch is recorded for its first message only.
+        """
+        first: dict[str, int] = {}
+        for item in items:
+            if item.event is not None:
+                first.setdefault(item.event.id, item.seq)
+        if not first:
+            return {}
+        ids = sorted(first)
+        rows = await conn.fetch(
+            """INSERT INTO lanes_processed (consumer, event_id, stream, stream_seq)
+               SELECT $1, id, $2, seq FROM unnest($3::text[], $4::bigint[]) AS t(id, seq)
+               ON CONFLICT DO NOTHING RETURNING event_id, stream_seq""",
+            self.spec.durable,
+            self.spec.stream.name,
+            ids,
+            [first[i] for i in ids],
+        )
+        return {row["event_id"]: int(row["stream_seq"]) for row in rows}
+
+    async def _store_outbox(self, conn: Db, outputs: Sequence[tuple[Event, Event]]) -> None:
+        if not outputs:
+            return
+        encoded = [(cause, output, encode(output)) for cause, output in outputs]
+        await conn.execute(
+            """INSERT INTO lanes_outbox (consumer, cause_id, subject, stream, headers, payload)
+               SELECT $1, c, s, st, h::jsonb, p FROM unnest($2::text[], $3::text[], $4::text[], $5::text[], $6::bytea[])
+                   WITH ORDINALITY AS t(c, s, st, h, p, n) ORDER BY n""",
+            self.spec.durable,
+            [cause.id for cause, _, _ in encoded],
+            [e.subject for _, _, e in encoded],
+            [STREAM_OF_FAMILY[output.family].name for _, output, _ in encoded],
+            [json.dumps(e.headers) for _, _, e in encoded],
+            [e.payload for _, _, e in encoded],
+        )
+
+    async def _flush_outbox(self, cause_ids: Sequence[str]) -> None:
+        """Publish the outbox rows of these causes, waiting for all publish acks together, then delete them.
+
+        The publishes are issued in outbox order on one connection, so the server stores them in that order.
+        """
+        if not cause_ids:
+            return
+        rows = await self._pool.fetch(
+            """SELECT id, subject, stream, headers, payload FROM lanes_outbox
+               WHERE consumer = $1 AND cause_id = ANY($2::text[]) ORDER BY id""",
+            self.spec.durable,
+            list(cause_ids),
+        )
+        if not rows:
+            return
+        publishes = [
+            asyncio.ensure_future(
+                publish_encoded(
+                    self._js,
+                    EncodedEvent(row["subject"], json.loads(row["headers"]), bytes(row["payload"])),
+                    stream=row["stream"],
+                )
+            )
+            for row in rows
+        ]
+        await asyncio.gather(*publishes)
+        await self._pool.execute("DELETE FROM lanes_outbox WHERE id = ANY($1::bigint[])", [row["id"] for row in rows])
+
+    async def _carry_out(self, item: _Item, outcome: decision.Outcome) -> None:
+        """Carry out `decide`'s verdict for one message."""
+        verdict = decision.decide(outcome, item.deliveries, self.spec)
+        match verdict:
+            case decision.Ack():
+                await _settle(item.msg.ack())
+                if isinstance(outcome, decision.Duplicate):
+                    tally = Outcome.DUPLICATE
+                else:
+                    tally = Outcome.STAGED if self.spec.ordered else Outcome.PROCESSED
+            case decision.Nak(delay_s):
+                self._log.warning("redelivering", reason=_reason(outcome), delay_s=delay_s, seq=item.seq)
+                await _settle(item.msg.nak(delay=delay_s))
+                tally = Outcome.RETRY
+            case decision.Term(reason):
+                tally = await self._give_up(item, reason)
+            case decision.Hold():  # pragma: no cover - holds are handled around the whole batch
                 return
-            self.outcomes[outcome] += 1
+        self.outcomes[tally] += 1
+        self._metrics.count(tally)
 
-    async def _process(self, msg: Msg) -> Outcome:
-        meta = msg.metadata
-        try:
-            event = decode(msg.subject, msg.headers, msg.data)
-        except DecodeError as exc:
-            return await self._give_up(msg, str(exc))
-        try:
-            fresh, outputs = await self._apply(event, meta.sequence.stream, meta.num_delivered)
-            if outputs or not fresh:  # a duplicate may have left outputs unpublished when its process died
-                await self._flush_outbox(event.id)
-        except ProcessingError as exc:
-            if not exc.retryable:
-                return await self._give_up(msg, f"{type(exc).__name__}: {exc}")
-            return await self._retry_or_give_up(msg, exc, exc.delay_s)
-        except Exception as exc:  # noqa: BLE001 - unknown failures are retried, then dead-lettered, never dropped
-            return await self._retry_or_give_up(msg, exc, None)
-        await _settle(msg.ack())
-        return Outcome.PROCESSED if fresh else Outcome.DUPLICATE
-
-    async def _retry_or_give_up(self, msg: Msg, exc: Exception, delay_s: float | None) -> Outcome:
-        deliveries = msg.metadata.num_delivered
-        reason = f"{type(exc).__name__}: {exc}"
-        if deliveries >= self.spec.max_deliver:
-            return await self._give_up(msg, f"gave up after {deliveries} deliveries; last error: {reason}")
-        raise _RetryLaterError(reason, delay_s if delay_s is not None else self.spec.delay_after(deliveries))
-
-    async def _give_up(self, msg: Msg, reason: str) -> Outcome:
-        meta = msg.metadata
-        self._log.error("dead-lettering", reason=reason, seq=meta.sequence.stream)
+    async def _give_up(self, item: _Item, reason: str) -> Outcome:
+        msg = item.msg
+        self._log.error("dead-lettering", reason=reason, seq=item.seq)
         try:
             await self._dead_letter(
                 subject=msg.subject,
                 headers=msg.headers,
                 payload=msg.data,
-                stream_seq=meta.sequence.stream,
+                stream_seq=item.seq,
                 reason=reason,
-                deliveries=meta.num_delivered,
+                deliveries=item.deliveries,
             )
-        except Exception as exc:
-            # Without a dead letter the message must not be terminated: send it back instead. Past
-            # max_deliver, the max-deliveries advisory dead-letters it once NATS answers again.
-            raise _RetryLaterError(
-                f"cannot dead-letter ({exc}); {reason}", self.spec.delay_after(meta.num_delivered)
-            ) from exc
+        except Exception as exc:  # noqa: BLE001 - without a dead letter the message must not be terminated
+            # Send it back instead. Past max_deliver, the max-deliveries advisory dead-letters it once NATS
+            # answers again.
+            self._log.warning("cannot dead-letter; redelivering", error=str(exc))
+            await _settle(msg.nak(delay=self.spec.delay_after(item.deliveries)))
+            return Outcome.RETRY
         await _settle(msg.term())
         return Outcome.DEAD_LETTERED
 
-    async def _apply(self, event: Event, stream_seq: int, deliveries: int) -> tuple[bool, int]:
-        """Run the handler and record the event in one transaction.
+    # --- per-key ordered consumers -------------------------------------------------------------------
 
-        Returns whether the event was new (False: already recorded, handler skipped) and how many output
-        events were stored in the outbox.
-        """
-        async with self._pool.acquire() as conn, conn.transaction():
-            recorded = await conn.fetchval(
-                """INSERT INTO lanes_processed (consumer, event_id, stream, stream_seq) VALUES ($1, $2, $3, $4)
-                   ON CONFLICT DO NOTHING RETURNING true""",
-                self.spec.durable,
-                event.id,
-                self.spec.stream.name,
-                stream_seq,
-            )
-            if not recorded:
-                return False, 0
-            with structlog.contextvars.bound_contextvars(event_id=event.id, job_id=event.jobid):
-                outputs = await self._handler(event, HandlerContext(conn, stream_seq, deliveries, self._js))
-            rows = [(output, encode(output)) for output in outputs]
-            if not rows:
-                return True, 0
-            await conn.executemany(
-                """INSERT INTO lanes_outbox (consumer, cause_id, subject, stream, headers, payload)
-                   VALUES ($1, $2, $3, $4, $5, $6)""",
-                [
-                    (
-                        self.spec.durable,
-                        event.id,
-                        encoded.subject,
-                        STREAM_OF_FAMILY[output.family].name,
-                        json.dumps(encoded.headers),
-                        encoded.payload,
-                    )
-                    for output, encoded in rows
-                ],
-            )
-            return True, len(rows)
-
-    async def _flush_outbox(self, cause_id: str) -> None:
-        rows = await self._pool.fetch(
-            """SELECT id, subject, stream, headers, payload FROM lanes_outbox
-               WHERE consumer = $1 AND cause_id = $2 ORDER BY id""",
+    async def _stage(self, conn: Db, items: Sequence[_Item]) -> None:
+        if not items:
+            return
+        await conn.execute(
+            """INSERT INTO lanes_inbox (consumer, stream_seq, event_id, subject, headers, payload)
+               SELECT $1, q, i, s, h::jsonb, p
+               FROM unnest($2::bigint[], $3::text[], $4::text[], $5::text[], $6::bytea[]) AS t(q, i, s, h, p)
+               ON CONFLICT DO NOTHING""",
             self.spec.durable,
-            cause_id,
+            [item.seq for item in items],
+            [item.event.id for item in items if item.event is not None],
+            [item.msg.subject for item in items],
+            [json.dumps(dict(item.msg.headers or {})) for item in items],
+            [item.msg.data for item in items],
         )
-        for row in rows:
-            encoded = EncodedEvent(row["subject"], json.loads(row["headers"]), bytes(row["payload"]))
-            await publish_encoded(self._js, encoded, stream=row["stream"])
-            await self._pool.execute("DELETE FROM lanes_outbox WHERE id = $1", row["id"])
+
+    async def fold(self) -> int:
+        """Apply staged events at or below the ack floor, in stream order; return how many were settled.
+
+        One replica folds a consumer at a time (a transaction-scoped advisory lock; the others skip).
+        A failing event holds back the later events of its key (job) until it succeeds or is dead-lettered
+        after max_deliver attempts; other keys go on.
+        """
+        settled = 0
+        while True:
+            done, more = await self._fold_once()
+            settled += done
+            if not more:
+                return settled
+
+    async def _fold_once(self) -> tuple[int, bool]:
+        started = time.perf_counter()
+        async with self._pool.acquire() as conn, conn.transaction():
+            if not await conn.fetchval(
+                "SELECT pg_try_advisory_xact_lock(hashtext('lanes_inbox'), hashtext($1))", self.spec.durable
+            ):
+                return 0, False
+            rows = await conn.fetch(
+                """SELECT stream_seq, event_id, subject, headers, payload, attempts FROM lanes_inbox
+                   WHERE consumer = $1 ORDER BY stream_seq LIMIT $2""",
+                self.spec.durable,
+                self.spec.batch,
+            )
+            if not rows:
+                return 0, False
+            floor = await self._ack_floor()
+            scope = TransactionScope(deferred=True)
+            blocked: set[str] = set()
+            finished: list[int] = []
+            retried: list[int] = []
+            outbox: list[tuple[Event, Event]] = []
+            for row in rows:
+                seq = int(row["stream_seq"])
+                key = _key_of(row["subject"])
+                if seq > floor or key in blocked:
+                    blocked.add(key)
+                    continue
+                outcome, outputs, event = await self._fold_event(conn, row, scope)
+                verdict = decision.decide(outcome, int(row["attempts"]) + 1, self.spec)
+                match verdict:
+                    case decision.Ack():
+                        finished.append(seq)
+                        outbox += [(event, output) for output in outputs] if event is not None else []
+                        self.outcomes[Outcome.PROCESSED] += 1
+                        self._metrics.count(Outcome.PROCESSED)
+                    case decision.Term(reason):
+                        headers = json.loads(row["headers"])
+                        await self._dead_letter(
+                            subject=row["subject"],
+                            headers=headers,
+                            payload=bytes(row["payload"]),
+                            stream_seq=seq,
+                            reason=reason,
+                            deliveries=int(row["attempts"]) + 1,
+                        )
+                        finished.append(seq)
+                        self.outcomes[Outcome.DEAD_LETTERED] += 1
+                        self._metrics.count(Outcome.DEAD_LETTERED)
+                    case _:
+                        retried.append(seq)
+                        blocked.add(key)
+                        self.outcomes[Outcome.RETRY] += 1
+                        self._metrics.count(Outcome.RETRY)
+            await scope.flush()
+            await conn.execute(
+                "DELETE FROM lanes_inbox WHERE consumer = $1 AND stream_seq = ANY($2::bigint[])",
+                self.spec.durable,
+                finished,
+            )
+            await conn.execute(
+                "UPDATE lanes_inbox SET attempts = attempts + 1 WHERE consumer = $1 AND stream_seq = ANY($2::bigint[])",
+                self.spec.durable,
+                retried,
+            )
+            await self._store_outbox(conn, outbox)
+        self._metrics.commit_seconds.observe(time.perf_counter() - started)
+        await self._flush_outbox([event.id for event, _ in outbox])
+        if retried:
+            await asyncio.sleep(self.spec.delay_after(1))
+        return len(finished), len(rows) == self.spec.batch and bool(finished)
+
+    async def _fold_event(
+        self, conn: Db, row: asyncpg.Record, scope: TransactionScope
+    ) -> tuple[decision.Outcome, Sequence[Event], Event | None]:
+        """Run the handler for one staged event in a savepoint; an infrastructure failure aborts the fold."""
+        try:
+            event = decode(row["subject"], json.loads(row["headers"]), bytes(row["payload"]))
+        except DecodeError as exc:
+            return decision.Invalid(str(exc)), (), None
+        before = dict(scope.cache)
+        try:
+            async with conn.transaction():
+                outputs = await self._run_handler(conn, event, int(row["stream_seq"]), int(row["attempts"]) + 1, scope)
+        except Exception as exc:
+            scope.cache = before  # what the failed handler kept is rolled back with its savepoint
+            if is_infrastructure(exc):
+                raise
+            return classify(exc), (), event
+        return decision.Processed(), outputs, event
+
+    async def _ack_floor(self) -> int:
+        """The highest stream sequence below which every message of this consumer was acknowledged."""
+        info = await self._js.consumer_info(self.spec.stream.name, self.spec.durable)
+        return int(info.ack_floor.stream_seq) if info.ack_floor else 0
+
+    # --- dead letters ---------------------------------------------------------------------------------
 
     async def _dead_letter(
         self,
@@ -288,22 +641,12 @@ class EventConsumer:
         reason: str,
         deliveries: int,
     ) -> None:
-        original = dict(headers or {})
-        dead_headers = {k: v for k, v in original.items() if not k.startswith("Nats-")}
-        if MSG_ID_HEADER in original:
-            dead_headers[ORIGINAL_MSG_ID] = original[MSG_ID_HEADER]
-        dead_headers |= {
-            DEAD_REASON: " ".join(reason.split())[:1024],  # header values are single-line
-            DEAD_STREAM: self.spec.stream.name,
-            DEAD_SEQUENCE: str(stream_seq),
-            DEAD_SUBJECT: subject,
-            DEAD_CONSUMER: self.spec.durable,
-            DEAD_DELIVERIES: str(deliveries),
-            # One dead letter per (stream, sequence, consumer), however often this runs.
-            MSG_ID_HEADER: f"dead-{self.spec.stream.name}-{stream_seq}-{self.spec.durable}",
-        }
-        dead_subject = f"lanes.dead.{self.spec.stream.name}.{self.spec.durable}"
-        await self._js.publish(dead_subject, payload, headers=dead_headers, stream=DEAD.name)
+        await dead_letter(
+            self._js,
+            DeadLetter(self.spec.stream.name, self.spec.durable, subject, stream_seq, deliveries, reason),
+            headers,
+            payload,
+        )
 
     async def _on_max_deliveries(self, advisory: Msg) -> None:
         try:
@@ -319,12 +662,91 @@ class EventConsumer:
                 reason="max deliveries reached without a decision (the process handling it died or timed out)",
                 deliveries=deliveries,
             )
+            self._metrics.count(Outcome.DEAD_LETTERED)
         except Exception:  # noqa: BLE001 - a subscription callback must not die; the failure is logged
             self._log.exception("could not dead-letter from a max-deliveries advisory", advisory=advisory.data[:512])
 
 
-def _seq(msg: Msg) -> int:
-    return msg.metadata.sequence.stream
+@dataclass(frozen=True)
+class DeadLetter:
+    """Where a dead message came from, and why it died."""
+
+    stream: str
+    consumer: str
+    subject: str
+    stream_seq: int
+    deliveries: int
+    reason: str
+
+
+async def dead_letter(
+    js: JetStreamContext, letter: DeadLetter, headers: Mapping[str, str] | None, payload: bytes
+) -> None:
+    """Publish a message to LANES_DEAD with its original headers and payload and where and why it died.
+
+    Its id is one per (stream, sequence, consumer), so dead-lettering twice keeps one letter, and
+    `lanes dead replay` can re-drive it under its original id.
+    """
+    original = dict(headers or {})
+    dead_headers = {k: v for k, v in original.items() if not k.startswith("Nats-")}
+    if MSG_ID_HEADER in original:
+        dead_headers[ORIGINAL_MSG_ID] = original[MSG_ID_HEADER]
+    dead_headers |= {
+        DEAD_REASON: " ".join(letter.reason.split())[:1024],  # header values are single-line
+        DEAD_STREAM: letter.stream,
+        DEAD_SEQUENCE: str(letter.stream_seq),
+        DEAD_SUBJECT: letter.subject,
+        DEAD_CONSUMER: letter.consumer,
+        DEAD_DELIVERIES: str(letter.deliveries),
+        MSG_ID_HEADER: f"dead-{letter.stream}-{letter.stream_seq}-{letter.consumer}",
+    }
+    await js.publish(f"lanes.dead.{letter.stream}.{letter.consumer}", payload, headers=dead_headers, stream=DEAD.name)
+
+
+_PRUNE_EVERY_S = 60.0
+_PRUNE_CHUNK = 10_000
+
+
+async def prune_processed(pool: asyncpg.Pool, consumer: str, retention_s: float) -> int:
+    """Delete the consumer's processed records older than `retention_s`, in bounded chunks; return how many.
+
+    The table then holds at most the records of one retention window, however many events went through.
+    """
+    deleted = 0
+    while True:
+        status = await pool.execute(
+            """DELETE FROM lanes_processed WHERE ctid IN (
+                   SELECT ctid FROM lanes_processed
+                   WHERE consumer = $1 AND processed_at < now() - make_interval(secs => $2) LIMIT $3)""",
+            consumer,
+            retention_s,
+            _PRUNE_CHUNK,
+        )
+        count = int(status.rsplit(" ", 1)[-1])
+        deleted += count
+        if count < _PRUNE_CHUNK:
+            return deleted
+
+
+class _StoppedError(Exception):
+    """The consumer was stopped while holding a batch through an outage."""
+
+
+def _decoded(msg: Msg) -> _Item:
+    try:
+        return _Item(msg, decode(msg.subject, msg.headers, msg.data))
+    except DecodeError as exc:
+        return _Item(msg, None, str(exc))
+
+
+def _key_of(subject: str) -> str:
+    """The ordering key of a subject: its entity token (`lanes.job.<job>.<name>` -> the job)."""
+    parts = subject.split(".")
+    return parts[2] if len(parts) > 3 else subject  # noqa: PLR2004 - lanes.<family>.<key>.<name>
+
+
+def _reason(outcome: decision.Outcome) -> str:
+    return str(getattr(outcome, "reason", type(outcome).__name__))
 
 
 async def _settle(action: Awaitable[None]) -> None:

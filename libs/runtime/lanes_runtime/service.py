@@ -27,6 +27,7 @@ from lanes_contract.streams import provision_streams
 from lanes_runtime.cache import connect_redis
 from lanes_runtime.consumer import ConsumerSpec, EventConsumer, Handler
 from lanes_runtime.log import configure_logging
+from lanes_runtime.metrics import serve_metrics
 from lanes_runtime.settings import ServerUrls, Settings
 from lanes_runtime.store import apply_migrations, apply_runtime_migrations, create_pool
 
@@ -63,6 +64,17 @@ RunnerFactory = Callable[[RunnerContext], Runner]
 
 
 @dataclass(frozen=True)
+class Bound:
+    """A handler built once the connections exist, for a handler whose ports need them (e.g. JetStream)."""
+
+    make: Callable[[RunnerContext], Handler]
+
+    def handler(self, context: RunnerContext) -> Handler:
+        """The handler for these connections."""
+        return self.make(context)
+
+
+@dataclass(frozen=True)
 class ServiceDefinition:
     """A service's name, its SQL migrations (or None), its consumers, and any runners of its own.
 
@@ -72,7 +84,7 @@ class ServiceDefinition:
 
     name: str
     migrations: Traversable | None
-    consumers: tuple[tuple[ConsumerSpec, Handler], ...]
+    consumers: tuple[tuple[ConsumerSpec, Handler | Bound], ...]
     runners: tuple[RunnerFactory, ...] = ()
 
 
@@ -114,15 +126,21 @@ async def prepare_services(conns: Connections, services: Iterable[ServiceDefinit
     for service in services:
         if service.migrations is not None:
             await apply_migrations(conns.pool, service.name, service.migrations)
+        context = RunnerContext(conns.nc, conns.pool, conns.redis)
         for spec, handler in service.consumers:
-            consumer = EventConsumer(conns.nc, conns.pool, spec, handler)
+            consumer = EventConsumer(conns.nc, conns.pool, spec, bind(handler, context))
             await consumer.provision()
             consumers.append(consumer)
         for make in service.runners:
-            runner = make(RunnerContext(conns.nc, conns.pool, conns.redis))
+            runner = make(context)
             await runner.provision()
             consumers.append(runner)
     return consumers
+
+
+def bind(handler: Handler | Bound, context: RunnerContext) -> Handler:
+    """The handler itself, or the one a `Bound` builds for these connections."""
+    return handler.handler(context) if isinstance(handler, Bound) else handler
 
 
 async def run_consumers(consumers: Iterable[Runner], stop: asyncio.Event) -> None:
@@ -144,6 +162,9 @@ def stop_on_signals() -> asyncio.Event:
 
 async def serve(urls: ServerUrls, service: ServiceDefinition, *, stream_replicas: int = 1) -> None:
     """Run one service against the given servers until SIGINT or SIGTERM."""
+    port = os.environ.get("LANES_METRICS_PORT")
+    if port:
+        serve_metrics(int(port))
     async with connected(urls, name=f"lanes-{service.name}", stream_replicas=stream_replicas) as conns:
         stop = stop_on_signals()
         await run_consumers(await prepare_services(conns, [service]), stop)

@@ -20,6 +20,7 @@ ENV_VARS = {
     "LANES_ROUTER_LEASE_TTL_S": "router: concurrency lease TTL; a crashed router's slots free after it (10)",
     "LANES_ROUTER_PREFIX_AFFINITY": "router: 1 to prefer the same replica for the same prompt prefix (KV cache)",
     "LANES_RECOVERY_POLICY": "recovery: a policy YAML file to run instead of the shipped one (docs/recovery.md)",
+    "LANES_METRICS_PORT": "a service process: serve Prometheus /metrics on this port (unset: no endpoint)",
     "LANES_LOG_LEVEL": "debug | info | warning | error (default info)",
     "LANES_LOG_FORMAT": "json | console (default: console on a terminal, json otherwise)",
 }

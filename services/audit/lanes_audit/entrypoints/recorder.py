@@ -4,8 +4,13 @@ It does not use the event consumer contract on purpose: an audit copy must hold 
 including those no service could decode (which the contract dead-letters), byte for byte. It keeps the
 contract's guarantees its own way: a durable pull consumer with explicit acks; a fetched batch is appended
 in one transaction and acknowledged only after commit; a redelivered message at or below the chain head is
-already recorded and is acknowledged without a second link; on any error the whole batch is sent back, so
-the chain never skips or reorders. There is no max_deliver: the copy may stall, loudly, but never skip.
+already recorded and is acknowledged without a second link.
+
+The chain never skips: LANES_JOBS denies deletes, so its sequences are contiguous, and a message is
+appended only right after the chain head (stream sequence head + 1). A message past a gap (an earlier one
+is still out for redelivery) is sent back to wait for the gap to fill, never appended over it. An outage
+(PostgreSQL or NATS unavailable) holds the batch in place with backoff, as the consumer runtime does;
+any other error sends the batch back. There is no max_deliver: the copy may stall, loudly, but never skip.
 """
 
 from __future__ import annotations
@@ -25,9 +30,14 @@ from lanes_audit.adapters import repository
 from lanes_audit.adapters.signing import Signer
 from lanes_audit.domain.chain import Link, canonical_bytes, link_hash
 from lanes_contract.streams import AUDIT, JOBS
+from lanes_runtime import decision
+from lanes_runtime.consumer import ConsumerSpec
+from lanes_runtime.failures import is_infrastructure
 
 log = structlog.get_logger(__name__)
 RETRY_DELAY_S = 1.0
+_HOLD_SPEC = ConsumerSpec(durable="audit", stream=JOBS, subjects=JOBS.subjects)
+"""Only for `decide`'s outage backoff: the recorder keeps its own consumer config."""
 
 
 class AuditRecorder:
@@ -86,37 +96,67 @@ class AuditRecorder:
                 await sub.unsubscribe()
 
     async def record(self, msgs: list[Msg]) -> None:
-        """Append a batch in one transaction, then acknowledge it; on failure send it all back."""
-        try:
-            checkpoints = await self._append(sorted(msgs, key=lambda m: m.metadata.sequence.stream))
-            for checkpoint in checkpoints:
-                await self._publish_checkpoint(*checkpoint)
-        except Exception as exc:  # noqa: BLE001 - whatever failed, nothing was committed: redeliver in order
-            log.warning("audit batch failed; redelivering", error=str(exc) or type(exc).__name__, size=len(msgs))
-            for msg in msgs:
-                with contextlib.suppress(Exception):
-                    await msg.nak(delay=RETRY_DELAY_S)
-            return
-        for msg in msgs:
+        """Append a batch's contiguous run in one transaction, then acknowledge it; send back what waits."""
+        ordered = sorted(msgs, key=lambda m: m.metadata.sequence.stream)
+        outages = 0
+        while True:
+            try:
+                head_seq, checkpoints = await self._append(ordered)
+                for checkpoint in checkpoints:
+                    await self._publish_checkpoint(*checkpoint)
+                break
+            except Exception as exc:  # noqa: BLE001 - nothing was committed: hold through an outage, else send back
+                if not is_infrastructure(exc):
+                    log.warning(
+                        "audit batch failed; redelivering", error=f"{type(exc).__name__}: {exc}", size=len(msgs)
+                    )
+                    await self._send_back(ordered)
+                    return
+                outages += 1
+                hold = decision.decide(decision.Unavailable(str(exc), outages), 0, _HOLD_SPEC)
+                delay = hold.delay_s if isinstance(hold, decision.Hold) else RETRY_DELAY_S
+                log.warning("audit: server unavailable; holding the batch", error=str(exc), pause_s=delay)
+                for msg in ordered:
+                    with contextlib.suppress(Exception):
+                        await msg.in_progress()
+                await asyncio.sleep(delay)
+        recorded = [m for m in ordered if m.metadata.sequence.stream <= head_seq]
+        for msg in recorded:
             with contextlib.suppress(Exception):  # a lost ack means a redelivery, which is recognised
                 await msg.ack()
+        waiting = ordered[len(recorded) :]
+        if waiting:
+            log.info("audit: waiting for a gap to fill", head=head_seq, next=waiting[0].metadata.sequence.stream)
+            await self._send_back(waiting)
 
-    async def _append(self, msgs: list[Msg]) -> list[tuple[int, bytes, bytes]]:
-        """Append the new messages after the chain head; return the checkpoints signed on the way."""
+    async def _send_back(self, msgs: list[Msg]) -> None:
+        for msg in msgs:
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=RETRY_DELAY_S)
+
+    async def _append(self, msgs: list[Msg]) -> tuple[int, list[tuple[int, bytes, bytes]]]:
+        """Append the messages that follow the chain head without a gap.
+
+        Returns the new head's stream sequence and the checkpoints signed on the way.
+        """
         async with self._pool.acquire() as conn, conn.transaction():
             await repository.lock_chain(conn)
             position, last_seq, previous = await repository.head(conn)
+            if last_seq == 0:  # an empty chain starts at the stream's first message
+                last_seq = await self._first_seq() - 1
             links: list[Link] = []
             for msg in msgs:
                 seq = msg.metadata.sequence.stream
                 if seq <= last_seq:
                     continue  # recorded before a lost ack or a crash
+                if seq != last_seq + 1:
+                    break  # a gap: an earlier message has not come back yet
                 canonical = canonical_bytes(JOBS.name, seq, msg.subject, msg.headers, msg.data)
                 position += 1
                 links.append(Link(position, seq, canonical, previous, link_hash(previous, canonical)))
                 previous, last_seq = links[-1].hash, seq
             if not links:
-                return []
+                return last_seq, []
             await repository.append(conn, JOBS.name, links)
             self.recorded += len(links)
             signed = []
@@ -124,7 +164,11 @@ class AuditRecorder:
                 signature = self._signer.sign(mark.position, mark.hash)
                 await repository.add_checkpoint(conn, mark.position, mark.hash, self._signer.public_key, signature)
                 signed.append((mark.position, mark.hash, signature))
-            return signed
+            return last_seq, signed
+
+    async def _first_seq(self) -> int:
+        info = await self._js.stream_info(JOBS.name)
+        return int(info.state.first_seq or 1)
 
     async def _publish_checkpoint(self, position: int, chain_hash: bytes, signature: bytes) -> None:
         body = {

@@ -23,7 +23,6 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, computed_field
 
-from lanes_contract.errors import PoisonEventError
 from lanes_contract.events import (
     ArtifactProduced,
     CancelRequested,
@@ -50,8 +49,11 @@ from lanes_contract.events import (
 from lanes_contract.jobs import FailureCause, JobSpec, JobState
 
 
-class IllegalTransitionError(PoisonEventError):
-    """An event that the job's current state does not allow (e.g. a placement for a finished job)."""
+class IllegalTransitionError(Exception):
+    """An event that the job's current state does not allow (e.g. a placement for a finished job).
+
+    A domain fact, not a transport decision: the handler records it as `transition_rejected`.
+    """
 
 
 class JobFlag(StrEnum):

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 
 import structlog
 
-from lanes_contract.errors import TransientError
 from lanes_contract.events import (
     AttemptRequested,
     AttemptRequestedData,
@@ -21,10 +20,8 @@ from lanes_contract.events import (
     TransitionRejectedData,
     derive,
 )
-from lanes_lifecycle.adapters import repository
-from lanes_lifecycle.adapters.transitions import publish_transition
 from lanes_lifecycle.domain.job import IllegalTransitionError, JobView, Transition, evolve
-from lanes_runtime.consumer import HandlerContext
+from lanes_lifecycle.service_layer.ports import UnitOfWork
 
 SOURCE = "lanes/lifecycle"
 log = structlog.get_logger(__name__)
@@ -51,22 +48,23 @@ def rejected(event: Event, view: JobView | None, error: IllegalTransitionError) 
     return derive(TransitionRejected, event, source=SOURCE, data=data)
 
 
-async def handle_job_event(event: Event, ctx: HandlerContext) -> Sequence[Event]:
-    """Apply the event to its job; publish a transition under per-job optimistic concurrency."""
-    view, last_seq = await repository.load_with_seq(ctx.conn, event.job_key, for_update=True)
+async def apply_job_event(event: Event, uow: UnitOfWork) -> Sequence[Event]:
+    """Apply the event to its job; append a transition to the job's chain under optimistic concurrency.
+
+    The state change is appended before the projection commits (so two writers cannot both decide it);
+    the events returned go through the consumer's outbox.
+    """
+    view, last_seq = await uow.jobs.load(event.job_key)
     try:
         after, transition = evolve(view, event)
     except IllegalTransitionError as exc:
         log.info("transition rejected", reason=str(exc), event_type=event.type)
         return [rejected(event, view, exc)]
     if transition is None:
-        await repository.save(ctx.conn, after)
+        await uow.jobs.save(after)
         return []
-    if ctx.js is None:
-        msg = "the lifecycle handler needs JetStream to publish its transitions"
-        raise TransientError(msg)
-    seq = await publish_transition(ctx.js, state_changed(event, after, transition), after_seq=last_seq)
-    await repository.save(ctx.conn, after, transition_seq=seq)
+    seq = await uow.transitions.append(state_changed(event, after, transition), after_seq=last_seq)
+    await uow.jobs.save(after, transition_seq=seq)
     if transition.new_attempt is None:
         return []
     requested = AttemptRequestedData(

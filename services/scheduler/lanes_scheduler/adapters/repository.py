@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -15,6 +14,7 @@ from lanes_contract.jobs import JobSpec
 from lanes_contract.topology import ClusterPolicy, Node, NodeState, NodeStatus
 from lanes_runtime.store import Db
 from lanes_scheduler.domain.admission import Gang, Holding, Waiting
+from lanes_scheduler.domain.queue import PendingJob, Release, gang_of
 
 log = structlog.get_logger(__name__)
 
@@ -22,16 +22,6 @@ log = structlog.get_logger(__name__)
 # two consumers (or two replicas, or two scheduler processes) from deciding on the same snapshot. The
 # primary key on (node, gpu) of the allocations is the backstop: a double booking cannot commit.
 _SCHEDULING_LOCK = 0x5343484544  # "SCHED"
-
-
-@dataclass(frozen=True)
-class PendingJob:
-    """A job attempt waiting for placement, with the reason it was last given."""
-
-    gang: Gang
-    wait_reason: str | None
-    wait_detail: str | None = None
-    queue_position: int | None = None
 
 
 async def lock_scheduling(conn: Db) -> None:
@@ -146,24 +136,6 @@ async def holdings(conn: Db) -> list[Holding]:
 # --- job attempts ----------------------------------------------------------------------------------
 
 
-def gang_of(job_id: str, attempt: int, spec: JobSpec, order: int, *, avoid_nodes: Iterable[str] = ()) -> Gang:
-    """The placement request of one attempt of a job, kept off the nodes it must avoid."""
-    return Gang(
-        job_id=job_id,
-        attempt=attempt,
-        workers=spec.workers,
-        gpus_per_worker=spec.gpus_per_worker,
-        gpu_model=spec.gpu_model,
-        gpu_memory_gib=spec.gpu_memory_gib,
-        tenant=spec.tenant,
-        pool=spec.pool,
-        priority=spec.priority,
-        order=order,
-        topology=spec.topology,
-        avoid_nodes=frozenset(avoid_nodes),
-    )
-
-
 async def add_pending_job(
     conn: Db, job_id: str, attempt: int, spec: JobSpec, seq: int, *, avoid_nodes: Iterable[str] = ()
 ) -> bool:
@@ -240,15 +212,6 @@ async def reject(conn: Db, gang: Gang) -> None:
     await conn.execute(
         "UPDATE scheduler_jobs SET status = 'rejected' WHERE job_id = $1 AND attempt = $2", gang.job_id, gang.attempt
     )
-
-
-@dataclass(frozen=True)
-class Release:
-    """What a release request did: freed these nodes/GPUs, or was refused (double or unknown)."""
-
-    outcome: str
-    nodes: tuple[str, ...] = ()
-    gpus: int = 0
 
 
 async def release(conn: Db, job_id: str, attempt: int, cause_id: str, at: datetime) -> Release:

@@ -1,0 +1,65 @@
+"""Prometheus metrics of the consumer runtime (prefix `lanes_`, labelled by consumer, never by job).
+
+The families live in the process's default registry, so `/metrics` (`serve_metrics`) shows every consumer
+the process runs. Label values are consumer names: a handful per service, never an unbounded set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+if TYPE_CHECKING:
+    from enum import StrEnum
+
+_EVENTS = Counter("lanes_consumer_events", "Deliveries settled, by what became of them", ["consumer", "outcome"])
+_HELD = Counter("lanes_consumer_held", "Deliveries held in place while a server was unavailable", ["consumer"])
+_READY = Gauge("lanes_consumer_ready", "1 when every server the consumer depends on answers", ["consumer"])
+_PENDING = Gauge(
+    "lanes_consumer_pending", "Messages on the stream not yet delivered to the consumer (lag)", ["consumer"]
+)
+_BATCH = Histogram(
+    "lanes_consumer_batch_size",
+    "Messages per fetched batch",
+    ["consumer"],
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+)
+_HANDLER = Histogram("lanes_consumer_handler_seconds", "Time in one handler call", ["consumer"])
+_COMMIT = Histogram("lanes_consumer_commit_seconds", "Time of one batch transaction, begin to commit", ["consumer"])
+
+
+@dataclass(frozen=True)
+class ConsumerMetrics:
+    """The metric children of one consumer."""
+
+    consumer: str
+    held: Counter
+    ready: Gauge
+    pending: Gauge
+    batch_size: Histogram
+    handler_seconds: Histogram
+    commit_seconds: Histogram
+
+    @classmethod
+    def for_consumer(cls, consumer: str) -> ConsumerMetrics:
+        """The children labelled with `consumer` (created on first use)."""
+        return cls(
+            consumer=consumer,
+            held=_HELD.labels(consumer),
+            ready=_READY.labels(consumer),
+            pending=_PENDING.labels(consumer),
+            batch_size=_BATCH.labels(consumer),
+            handler_seconds=_HANDLER.labels(consumer),
+            commit_seconds=_COMMIT.labels(consumer),
+        )
+
+    def count(self, outcome: StrEnum, n: int = 1) -> None:
+        """Count `n` deliveries settled as `outcome` (processed, duplicate, retry, dead_lettered)."""
+        _EVENTS.labels(self.consumer, outcome.value).inc(n)
+
+
+def serve_metrics(port: int, host: str = "0.0.0.0") -> None:  # noqa: S104 - scraped from outside the container
+    """Expose `/metrics` on `port` from a background thread."""
+    start_http_server(port, addr=host)

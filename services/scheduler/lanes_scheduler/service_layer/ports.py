@@ -1,0 +1,101 @@
+"""What the scheduler's handlers need from the outside world, as Protocols (adapters implement them)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Protocol
+
+from lanes_contract.events import NodeRegisteredData, RankAssignment
+from lanes_contract.jobs import JobSpec
+from lanes_contract.topology import ClusterPolicy, Node, NodeStatus
+from lanes_scheduler.domain.admission import Gang, Holding, Waiting
+from lanes_scheduler.domain.queue import PendingJob, Release
+
+
+class SchedulingRepository(Protocol):
+    """The scheduler's projection (nodes, policy, attempts, allocations, waits) in one transaction."""
+
+    async def lock_scheduling(self) -> None:
+        """Serialize scheduling decisions until the end of the transaction."""
+        ...
+
+    async def state_token(self) -> str:
+        """The token of the last committed change of capacity."""
+        ...
+
+    async def set_state_token(self, token: str) -> None:
+        """Mark a change of capacity in this transaction."""
+        ...
+
+    async def upsert_node(self, node_id: str, data: NodeRegisteredData) -> None:
+        """Record a node's inventory and place in the topology."""
+        ...
+
+    async def set_node_state(self, node_id: str, status: NodeStatus) -> bool:
+        """Change a known node's state; False for an unknown node."""
+        ...
+
+    async def set_policy(self, policy: ClusterPolicy) -> None:
+        """Replace the pools and quotas."""
+        ...
+
+    async def policy(self) -> ClusterPolicy:
+        """The current pools and quotas."""
+        ...
+
+    async def nodes(self) -> list[Node]:
+        """Every known node."""
+        ...
+
+    async def holdings(self) -> list[Holding]:
+        """GPUs held per attempt and node."""
+        ...
+
+    async def add_pending_job(
+        self, job_id: str, attempt: int, spec: JobSpec, seq: int, *, avoid_nodes: Iterable[str] = ()
+    ) -> bool:
+        """Queue an attempt; False if it is already known."""
+        ...
+
+    async def original_spec(self, job_id: str) -> JobSpec | None:
+        """The spec of the job's first attempt."""
+        ...
+
+    async def pending_jobs(self) -> list[PendingJob]:
+        """Attempts waiting for placement."""
+        ...
+
+    async def allocate(self, gang: Gang, assignments: tuple[RankAssignment, ...]) -> None:
+        """Hold a placement's GPUs."""
+        ...
+
+    async def reject(self, gang: Gang) -> None:
+        """Mark an attempt that can never be placed."""
+        ...
+
+    async def release(self, job_id: str, attempt: int, cause_id: str, at: datetime) -> Release:
+        """Free a finished attempt's GPUs exactly once."""
+        ...
+
+    async def close_wait(self, job_id: str, attempt: int, at: datetime, ended_by: str) -> None:
+        """End the attempt's current wait reason."""
+        ...
+
+    async def record_wait(self, waiting: Waiting, seq: int, at: datetime, *, changed: bool) -> None:
+        """Record why an attempt waits."""
+        ...
+
+
+class UnitOfWork(Protocol):
+    """One transaction of the scheduler: its repository, and the stream position of the event it applies."""
+
+    @property
+    def repo(self) -> SchedulingRepository:
+        """The projection, on this unit's transaction."""
+        ...
+
+    @property
+    def stream_seq(self) -> int:
+        """The stream sequence of the event being applied (it orders the queue)."""
+        ...

@@ -1,0 +1,249 @@
+"""The scheduler's and the lifecycle's handlers against in-memory fakes of their ports (no servers)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from lanes_contract.events import (
+    JobPlaced,
+    JobStateChanged,
+    JobStateChangedData,
+    JobSubmitted,
+    JobSubmittedData,
+    JobWaiting,
+    NodeRegistered,
+    NodeRegisteredData,
+    RankAssignment,
+    ResourcesReleased,
+    TransitionRejected,
+)
+from lanes_contract.jobs import JobSpec, JobState
+from lanes_contract.topology import ClusterPolicy, Node, NodeStatus
+from lanes_lifecycle.domain.job import JobView
+from lanes_lifecycle.service_layer.handlers import apply_job_event
+from lanes_scheduler.domain.admission import Gang, Holding, Waiting
+from lanes_scheduler.domain.queue import PendingJob, Release, gang_of
+from lanes_scheduler.service_layer.handlers import Scheduler
+
+# --- scheduler -------------------------------------------------------------------------------------
+
+
+@dataclass
+class FakeScheduling:
+    """`SchedulingRepository` in memory."""
+
+    token: str = "initial"  # noqa: S105 - a state token, not a secret
+    node_rows: dict[str, Node] = field(default_factory=dict)
+    cluster_policy: ClusterPolicy = field(default_factory=ClusterPolicy)
+    jobs: dict[tuple[str, int], tuple[JobSpec, int, str, tuple[str, ...]]] = field(default_factory=dict)
+    allocations: dict[tuple[str, int], tuple[RankAssignment, ...]] = field(default_factory=dict)
+    waits: dict[tuple[str, int], Waiting] = field(default_factory=dict)
+
+    async def lock_scheduling(self) -> None:
+        return None
+
+    async def state_token(self) -> str:
+        return self.token
+
+    async def set_state_token(self, token: str) -> None:
+        self.token = token
+
+    async def upsert_node(self, node_id: str, data: NodeRegisteredData) -> None:
+        self.node_rows[node_id] = Node(
+            node_id=node_id, gpu_model=data.gpu_model, gpus=data.gpus, gpu_memory_gib=data.gpu_memory_gib
+        )
+
+    async def set_node_state(self, node_id: str, status: NodeStatus) -> bool:
+        if node_id not in self.node_rows:
+            return False
+        self.node_rows[node_id] = self.node_rows[node_id].model_copy(update={"status": status})
+        return True
+
+    async def set_policy(self, policy: ClusterPolicy) -> None:
+        self.cluster_policy = policy
+
+    async def policy(self) -> ClusterPolicy:
+        return self.cluster_policy
+
+    async def nodes(self) -> list[Node]:
+        return list(self.node_rows.values())
+
+    async def holdings(self) -> list[Holding]:
+        return [
+            Holding(
+                f"{job}/{attempt}", self.jobs[job, attempt][0].tenant, self.jobs[job, attempt][0].pool, a.node, a.gpus
+            )
+            for (job, attempt), assignments in self.allocations.items()
+            for a in assignments
+        ]
+
+    async def add_pending_job(
+        self, job_id: str, attempt: int, spec: JobSpec, seq: int, *, avoid_nodes: Iterable[str] = ()
+    ) -> bool:
+        if (job_id, attempt) in self.jobs:
+            return False
+        self.jobs[job_id, attempt] = (spec, seq, "pending", tuple(avoid_nodes))
+        return True
+
+    async def original_spec(self, job_id: str) -> JobSpec | None:
+        found = sorted((a, v[0]) for (j, a), v in self.jobs.items() if j == job_id)
+        return found[0][1] if found else None
+
+    async def pending_jobs(self) -> list[PendingJob]:
+        waiting = sorted((v[1], j, a) for (j, a), v in self.jobs.items() if v[2] == "pending")
+        return [
+            PendingJob(gang_of(j, a, self.jobs[j, a][0], seq, avoid_nodes=self.jobs[j, a][3]), None)
+            for seq, j, a in waiting
+        ]
+
+    async def allocate(self, gang: Gang, assignments: tuple[RankAssignment, ...]) -> None:
+        self.allocations[gang.job_id, gang.attempt] = assignments
+        self._status(gang.job_id, gang.attempt, "placed")
+
+    async def reject(self, gang: Gang) -> None:
+        self._status(gang.job_id, gang.attempt, "rejected")
+
+    async def release(self, job_id: str, attempt: int, cause_id: str, at: datetime) -> Release:
+        del cause_id, at
+        if (job_id, attempt) not in self.jobs:
+            return Release("unknown_attempt")
+        if self.jobs[job_id, attempt][2] == "done":
+            return Release("double_release")
+        self._status(job_id, attempt, "done")
+        freed = self.allocations.pop((job_id, attempt), ())
+        return Release("released", tuple(sorted({a.node for a in freed})), sum(len(a.gpus) for a in freed))
+
+    async def close_wait(self, job_id: str, attempt: int, at: datetime, ended_by: str) -> None:
+        del at, ended_by
+        self.waits.pop((job_id, attempt), None)
+
+    async def record_wait(self, waiting: Waiting, seq: int, at: datetime, *, changed: bool) -> None:
+        del seq, at, changed
+        self.waits[waiting.gang.job_id, waiting.gang.attempt] = waiting
+
+    def _status(self, job_id: str, attempt: int, status: str) -> None:
+        spec, seq, _, avoid = self.jobs[job_id, attempt]
+        self.jobs[job_id, attempt] = (spec, seq, status, avoid)
+
+
+@dataclass
+class FakeSchedulerUnit:
+    repo: FakeScheduling
+    stream_seq: int = 0
+
+
+H100_NODE = NodeRegisteredData(gpu_model="H100", gpus=8, gpu_memory_gib=80)
+
+
+def _submitted(job_id: str, gpus: int = 8) -> JobSubmitted:
+    spec = JobSpec(name=job_id, workers=1, gpus_per_worker=gpus)
+    return JobSubmitted(source="tests", jobid=job_id, attempt=1, data=JobSubmittedData(spec=spec))
+
+
+def _finished(job_id: str) -> JobStateChanged:
+    data = JobStateChangedData(from_state=JobState.RUNNING, to_state=JobState.SUCCEEDED, cause_type="x", sequence=9)
+    return JobStateChanged(source="tests", jobid=job_id, attempt=1, data=data)
+
+
+async def test_the_scheduler_places_queues_and_places_again_after_a_release() -> None:
+    repo = FakeScheduling()
+    scheduler = Scheduler()
+    node = NodeRegistered(
+        source="tests", node="n1", data=NodeRegisteredData(gpu_model="H100", gpus=8, gpu_memory_gib=80)
+    )
+    await scheduler.apply_node_event(node, FakeSchedulerUnit(repo, 1))
+
+    (placed,) = await scheduler.apply_job_event(_submitted("a"), FakeSchedulerUnit(repo, 2))
+    assert isinstance(placed, JobPlaced)
+    assert [a.node for a in placed.data.assignments] == ["n1"]
+    (waiting,) = await scheduler.apply_job_event(_submitted("b"), FakeSchedulerUnit(repo, 3))
+    assert isinstance(waiting, JobWaiting)
+    assert waiting.data.reason == "capacity_short"
+    assert await scheduler.apply_job_event(_submitted("b"), FakeSchedulerUnit(repo, 4)) == []  # a duplicate
+
+    freed, placed_b = await scheduler.apply_job_event(_finished("a"), FakeSchedulerUnit(repo, 5))
+    assert isinstance(freed, ResourcesReleased)
+    assert freed.data.gpus == 8
+    assert isinstance(placed_b, JobPlaced)
+    assert placed_b.jobid == "b"
+    assert await scheduler.apply_job_event(_finished("a"), FakeSchedulerUnit(repo, 6)) == []  # released once
+
+
+async def test_a_scheduler_does_not_reuse_its_cache_after_another_writer_changed_the_state() -> None:
+    repo = FakeScheduling()
+    mine, other = Scheduler(), Scheduler()
+    node = NodeRegistered(
+        source="tests", node="n1", data=NodeRegisteredData(gpu_model="H100", gpus=8, gpu_memory_gib=80)
+    )
+    await mine.apply_node_event(node, FakeSchedulerUnit(repo, 1))
+    await mine.apply_job_event(_submitted("a", gpus=4), FakeSchedulerUnit(repo, 2))
+    await other.apply_job_event(_submitted("b", gpus=4), FakeSchedulerUnit(repo, 3))  # takes the other half
+    (waiting,) = await mine.apply_job_event(_submitted("c", gpus=4), FakeSchedulerUnit(repo, 4))
+    assert isinstance(waiting, JobWaiting)  # `mine` reloaded: its cached view still showed 4 GPUs free
+
+
+# --- lifecycle -------------------------------------------------------------------------------------
+
+
+@dataclass
+class FakeJobs:
+    views: dict[str, tuple[JobView, int]] = field(default_factory=dict)
+
+    async def load(self, job_id: str) -> tuple[JobView | None, int]:
+        found = self.views.get(job_id)
+        return (None, 0) if found is None else found
+
+    async def save(self, view: JobView, *, transition_seq: int | None = None) -> None:
+        previous = self.views.get(view.job_id, (view, 0))[1]
+        self.views[view.job_id] = (view, previous if transition_seq is None else transition_seq)
+
+
+@dataclass
+class FakeTransitions:
+    log: list[JobStateChanged] = field(default_factory=list)
+
+    async def append(self, changed: JobStateChanged, *, after_seq: int) -> int:
+        assert after_seq == len(self.log)  # the handler always appends after the job's last state change
+        self.log.append(changed)
+        return len(self.log)
+
+
+@dataclass
+class FakeLifecycleUnit:
+    jobs: FakeJobs = field(default_factory=FakeJobs)
+    transitions: FakeTransitions = field(default_factory=FakeTransitions)
+
+
+async def test_the_lifecycle_appends_each_transition_after_the_last_and_records_its_sequence() -> None:
+    uow = FakeLifecycleUnit()
+    job_id = f"j{uuid.uuid4().hex[:6]}"
+    assert await apply_job_event(_submitted(job_id), uow) == []
+    placed = JobPlaced(
+        source="tests",
+        jobid=job_id,
+        attempt=1,
+        data={"assignments": (RankAssignment(rank=0, node="n1", gpus=(0,)),)},  # type: ignore[arg-type]
+    )
+    await apply_job_event(placed, uow)
+    assert [c.data.to_state for c in uow.transitions.log] == [JobState.QUEUED, JobState.ADMITTED]
+    view, seq = uow.jobs.views[job_id]
+    assert view.state is JobState.ADMITTED
+    assert seq == 2
+
+
+async def test_an_event_the_job_state_forbids_is_rejected_visibly_not_raised() -> None:
+    uow = FakeLifecycleUnit()
+    stray = JobPlaced(
+        source="tests",
+        jobid="never-submitted",
+        attempt=1,
+        data={"assignments": (RankAssignment(rank=0, node="n1", gpus=(0,)),)},  # type: ignore[arg-type]
+    )
+    (rejected,) = await apply_job_event(stray, uow)
+    assert isinstance(rejected, TransitionRejected)
+    assert "never submitted" in rejected.data.reason
+    assert uow.jobs.views == {}
+    assert uow.transitions.log == []
