@@ -73,7 +73,13 @@ class RegistryFeed:
     async def _replayed(self, subscriptions: list[JetStreamContext.PushSubscription]) -> bool:
         # Replayed when the server has nothing left to deliver and this process has folded what it sent.
         for sub in subscriptions:
-            info = await sub.consumer_info()
+            try:
+                info = await sub.consumer_info()
+            except TimeoutError:  # nats-py's own TimeoutError is one too
+                # A busy server answers the JetStream API late: not caught up yet, ask again (a slow server
+                # is no reason for a router to die at start-up).
+                log.info("consumer state not answered in time; asking again")
+                return False
             # Counted in this consumer's own deliveries: with a filter, the delivered *stream* sequence can
             # point past messages that were never sent (they did not match).
             delivered = (info.delivered.consumer_seq if info.delivered is not None else 0) or 0
