@@ -24,7 +24,8 @@ from nats.aio.client import Client as NatsClient
 from nats.errors import AuthorizationError, NoServersError
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from nats.js.errors import APIError, ServiceUnavailableError
+from nats.js.api import PubAck
+from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 
 from lanes_contract.codec import EncodedEvent, encode
 from lanes_contract.errors import (
@@ -192,6 +193,30 @@ class Published:
     duplicate: bool
 
 
+PUBLISH_TRY_S = 2.0
+"""How long one publish waits for JetStream's ack before sending the same message again."""
+PUBLISH_TRIES = 4
+
+
+async def _store(js: JetStreamContext, encoded: EncodedEvent, headers: dict[str, str], stream: str | None) -> PubAck:
+    """Publish until JetStream acknowledges, re-sending the same message (same id) when an ack is late.
+
+    While a stream elects a new leader the request in flight is never answered; re-sending it after a short
+    wait reaches the new leader, and `Nats-Msg-Id` makes a copy that did land count once.
+    """
+    for attempt in range(1, PUBLISH_TRIES + 1):
+        try:
+            return await js.publish(
+                encoded.subject, encoded.payload, headers=headers, stream=stream, timeout=PUBLISH_TRY_S
+            )
+        except (TimeoutError, NoStreamResponseError):
+            if attempt == PUBLISH_TRIES:
+                raise
+            await asyncio.sleep(0.1 * attempt)
+    msg = "unreachable: the last try raises"
+    raise AssertionError(msg)
+
+
 async def publish_encoded(
     js: JetStreamContext,
     encoded: EncodedEvent,
@@ -213,7 +238,7 @@ async def publish_encoded(
         headers[EXPECTED_LAST_SUBJECT_SEQUENCE] = str(expected_last_subject_seq)
         if expected_subject is not None:
             headers[EXPECTED_LAST_SUBJECT_SEQUENCE_SUBJECT] = expected_subject
-    publishing = asyncio.ensure_future(js.publish(encoded.subject, encoded.payload, headers=headers, stream=stream))
+    publishing = asyncio.ensure_future(_store(js, encoded, headers, stream))
     # A publish the server refuses is dropped, never answered; the refusal arrives on the connection, so
     # wait for whichever comes first instead of waiting out the publish timeout.
     refusals = _DENIED.get(js._nc)  # noqa: SLF001 - the connection the context publishes on
