@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import subprocess
+import sys
 import tomllib
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -107,9 +109,17 @@ def nats_nodes(services: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]
 
 
 @pytest.fixture(scope="module")
-def lanes_containers(services: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Containers running the project's image (built from the Dockerfile)."""
-    return {name: spec for name, spec in services.items() if "build" in spec}
+def one_shots(services: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Tasks that run once before the services (e.g. creating the streams as the admin), then exit."""
+    return {name: spec for name, spec in services.items() if "build" in spec and "entrypoint" in spec}
+
+
+@pytest.fixture(scope="module")
+def lanes_containers(
+    services: dict[str, dict[str, Any]], one_shots: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """The long-running Lanes services, each built from the Dockerfile."""
+    return {name: spec for name, spec in services.items() if "build" in spec and name not in one_shots}
 
 
 # --- A reader for the NATS configuration format (the subset the compose config uses) --------------------------------
@@ -327,8 +337,8 @@ def test_postgres_and_redis_are_there(services):
     assert _image_version(rd["image"]) >= (6, 2), rd["image"]
 
 
-def test_every_server_has_a_healthcheck(services, lanes_containers):
-    servers = {name: spec for name, spec in services.items() if name not in lanes_containers}
+def test_every_server_has_a_healthcheck(services, lanes_containers, one_shots):
+    servers = {name: spec for name, spec in services.items() if name not in lanes_containers | one_shots}
     assert len(servers) == NATS_NODE_COUNT + 2
     for name, spec in servers.items():
         test = (spec.get("healthcheck") or {}).get("test")
@@ -352,11 +362,34 @@ def test_each_service_has_exactly_one_container_built_for_it(lanes_containers):
     assert not duplicates, duplicates
 
 
-def test_services_set_only_known_variables_and_all_required_ones(lanes_containers):
+@pytest.fixture(scope="module")
+def secrets_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What `deploy/secrets/generate.py` writes (the env files the services read), generated afresh."""
+    out = tmp_path_factory.mktemp("secrets") / "out"
+    subprocess.run(
+        [sys.executable, str(ROOT / "deploy" / "secrets" / "generate.py"), str(out)], check=True, timeout=120
+    )
+    return out
+
+
+def _service_environment(spec: dict[str, Any], secrets: Path) -> dict[str, str]:
+    """A container's variables: its identity's generated env file, then its own `environment`."""
+    env: dict[str, str] = {}
+    files = spec.get("env_file") or []
+    for name in [files] if isinstance(files, str) else files:
+        generated = secrets / Path(name).name
+        for line in generated.read_text().splitlines():
+            if line.strip() and not line.startswith("#"):
+                key, _, value = line.partition("=")
+                env[key.strip()] = value.strip()
+    return env | _environment(spec)
+
+
+def test_services_set_only_known_variables_and_all_required_ones(lanes_containers, secrets_out):
     assert lanes_containers
     for container, spec in lanes_containers.items():
-        env = _environment(spec)
-        unknown = set(env) - set(ENV_VARS)
+        env = _service_environment(spec, secrets_out)
+        unknown = set(env) - set(ENV_VARS) - {"SSL_CERT_FILE"}  # OpenSSL's own: the CA the NATS client trusts
         assert not unknown, f"{container}: sets {sorted(unknown)}, which Lanes does not read"
         for name in REQUIRED_ENV:
             assert env.get(name), f"{container}: {name} is not set"
@@ -364,13 +397,14 @@ def test_services_set_only_known_variables_and_all_required_ones(lanes_container
         assert env.get("LANES_LOG_FORMAT") == "json", container
 
 
-def test_server_urls_point_at_the_compose_servers(services, lanes_containers, nats_nodes, nats_configs):
+def test_server_urls_point_at_the_compose_servers(services, lanes_containers, nats_nodes, nats_configs, secrets_out):
     postgres = next(iter(_by_image(services, "postgres")))
     redis = next(iter(_by_image(services, "redis")))
     for container, spec in lanes_containers.items():
-        env = _environment(spec)
+        env = _service_environment(spec, secrets_out)
         nats_urls = [urlsplit(url.strip()) for url in env["NATS_URL"].split(",")]
-        assert {url.scheme for url in nats_urls} == {"nats"}, container
+        assert {url.scheme for url in nats_urls} == {"tls"}, container
+        assert {url.username for url in nats_urls} == {container}, f"{container} connects as its own identity"
         assert sorted(str(url.hostname) for url in nats_urls) == sorted(nats_nodes), f"{container}: {env['NATS_URL']}"
         for url in nats_urls:
             assert url.port == nats_configs[url.hostname].get("port", 4222), f"{container}: {url.geturl()}"
@@ -385,16 +419,18 @@ def test_server_urls_point_at_the_compose_servers(services, lanes_containers, na
         assert cache.hostname == redis, container
 
 
-def test_depends_on_names_real_containers_and_waits_for_healthy_servers(services, lanes_containers):
+def test_depends_on_names_real_containers_and_waits_for_healthy_servers(services, lanes_containers, one_shots):
     for container, spec in services.items():
         for target in _depends_on(spec):
             assert target in services, f"{container} depends on unknown {target!r}"
-    servers = set(services) - set(lanes_containers)
+    servers = set(services) - set(lanes_containers) - set(one_shots)
     for container, spec in lanes_containers.items():
         depends = _depends_on(spec)
-        assert set(depends) == servers, f"{container}: depends on {sorted(depends)}, not on {sorted(servers)}"
+        expected = servers | set(one_shots)
+        assert set(depends) == expected, f"{container}: depends on {sorted(depends)}, not on {sorted(expected)}"
         for target, condition in depends.items():
-            assert condition.get("condition") == "service_healthy", f"{container} -> {target}: {condition}"
+            wanted = "service_completed_successfully" if target in one_shots else "service_healthy"
+            assert condition.get("condition") == wanted, f"{container} -> {target}: {condition}"
 
 
 def test_services_restart_and_build_from_the_dockerfile(lanes_containers):
