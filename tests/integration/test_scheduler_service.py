@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -465,16 +466,39 @@ def test_two_scheduler_processes_on_one_stream_never_double_book(urls: ServerUrl
             )
             for _ in range(2)
         ]
+        logs = [_drained_when_started(proc) for proc in procs]
         try:
+            # Both must be serving before the flood, and before any SIGTERM: a process still importing when
+            # it is signalled dies of the signal, which says nothing about the scheduler.
+            for started, _ in logs:
+                assert started.wait(timeout=120), "a scheduler process never started its consumers"
             held = asyncio.run(_flood(own, unique))
         finally:
             for proc in procs:
                 proc.send_signal(signal.SIGTERM)
             for proc in procs:
                 proc.wait(timeout=30)
-        assert all(proc.returncode == 0 for proc in procs), [p.stderr.read()[-2000:] for p in procs if p.stderr]
+        assert all(proc.returncode == 0 for proc in procs), [
+            (proc.returncode, "".join(lines)[-2000:]) for proc, (_, lines) in zip(procs, logs, strict=True)
+        ]
     assert len(held) == 6 * 8  # the cluster is full: 6 nodes x 8 GPUs, the rest of the 40 jobs wait
     assert len(set(held)) == len(held)
+
+
+def _drained_when_started(proc: subprocess.Popen[str]) -> tuple[threading.Event, list[str]]:
+    """Read a process's stderr in the background (so it never blocks on a full pipe); the event is set once
+    it logs that its consumers started."""
+    started, lines = threading.Event(), []
+
+    def drain() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if '"consumer started"' in line:
+                started.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    return started, lines
 
 
 async def _flood(urls: ServerUrls, unique: str) -> list[tuple[str, int]]:
