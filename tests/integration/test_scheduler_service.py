@@ -305,7 +305,16 @@ async def test_a_new_attempt_never_goes_on_the_nodes_its_request_says_to_avoid(u
             )
 
         await eventually(lambda: _is(reason_of_attempt_2(), "isolated"), what="attempt 2 isolated by its avoided node")
-        (waiting,) = [e for e in await _job_events(c.conns.nc.jetstream(), job) if e.type == "io.lanes.job.waiting.v1"]
+        # The projection commits before the outbox is published: wait for the waiting event on the log too.
+        waits: list[Event] = []
+
+        async def waiting_on_the_log() -> bool:
+            events = await _job_events(c.conns.nc.jetstream(), job)
+            waits[:] = [e for e in events if e.type == "io.lanes.job.waiting.v1"]
+            return bool(waits)
+
+        await eventually(waiting_on_the_log, what="attempt 2's wait on the log")
+        (waiting,) = waits
         assert f"must avoid: {failed_node}" in waiting.data.detail
         assert [(b.kind, b.id) for b in waiting.data.blocking] == [("node", failed_node)]
         stored = await c.conns.pool.fetchval(
