@@ -68,6 +68,19 @@ async def _job_events(js: JetStreamContext, job_id: str) -> list[Event]:
     return events
 
 
+async def _logged(js: JetStreamContext, job_id: str, event_type: str) -> list[Event]:
+    """The job's events of one type, once one is on the log: the projection commits before the outbox is
+    published, so what a test saw in the projection may not be on the log yet."""
+    found: list[Event] = []
+
+    async def logged() -> bool:
+        found[:] = [e for e in await _job_events(js, job_id) if e.type == event_type]
+        return bool(found)
+
+    await eventually(logged, what=f"{event_type} of {job_id} on the log")
+    return found
+
+
 class Cluster:
     """A scheduler (one or more instances) consuming only this test's jobs and nodes."""
 
@@ -250,10 +263,10 @@ async def test_capacity_short_isolated_and_spec_mismatch_reasons(urls: ServerUrl
         await c.submit("cordon", workers=1, gpus_per_worker=8)
         await eventually(lambda: _is(c.reason("cordon"), "isolated"), what="isolated by cordon")
         js = c.conns.nc.jetstream()
-        (short,) = [e for e in await _job_events(js, c.jobs["short"]) if e.type == "io.lanes.job.waiting.v1"]
+        (short,) = await _logged(js, c.jobs["short"], "io.lanes.job.waiting.v1")
         assert short.data.blocking[0].holders == (f"{c.jobs['hog']}/1",)
         assert short.data.figures == {"needed_gpus": 16, "free_gpus": 8}
-        (cordon,) = [e for e in await _job_events(js, c.jobs["cordon"]) if e.type == "io.lanes.job.waiting.v1"]
+        (cordon,) = await _logged(js, c.jobs["cordon"], "io.lanes.job.waiting.v1")
         block = cordon.data.blocking[0]
         assert (block.id, block.state, block.reason, block.owner_lane) == (
             c.nodes["n3"],
@@ -262,9 +275,9 @@ async def test_capacity_short_isolated_and_spec_mismatch_reasons(urls: ServerUrl
             Lane.HOST,
         )
         assert cordon.data.owner_lane is Lane.HOST
-        quota_events = [e for e in await _job_events(js, c.jobs["quota"]) if e.type == "io.lanes.job.waiting.v1"]
+        quota_events = await _logged(js, c.jobs["quota"], "io.lanes.job.waiting.v1")
         assert quota_events[-1].data.blocking[0].kind == "quota"
-        (rejected,) = [e for e in await _job_events(js, c.jobs["b200"]) if e.type == "io.lanes.job.rejected.v1"]
+        (rejected,) = await _logged(js, c.jobs["b200"], "io.lanes.job.rejected.v1")
         assert rejected.data.reason == "spec_mismatch"
         assert rejected.data.owner_lane is Lane.ALGORITHM
 
@@ -305,16 +318,7 @@ async def test_a_new_attempt_never_goes_on_the_nodes_its_request_says_to_avoid(u
             )
 
         await eventually(lambda: _is(reason_of_attempt_2(), "isolated"), what="attempt 2 isolated by its avoided node")
-        # The projection commits before the outbox is published: wait for the waiting event on the log too.
-        waits: list[Event] = []
-
-        async def waiting_on_the_log() -> bool:
-            events = await _job_events(c.conns.nc.jetstream(), job)
-            waits[:] = [e for e in events if e.type == "io.lanes.job.waiting.v1"]
-            return bool(waits)
-
-        await eventually(waiting_on_the_log, what="attempt 2's wait on the log")
-        (waiting,) = waits
+        (waiting,) = await _logged(c.conns.nc.jetstream(), job, "io.lanes.job.waiting.v1")
         assert f"must avoid: {failed_node}" in waiting.data.detail
         assert [(b.kind, b.id) for b in waiting.data.blocking] == [("node", failed_node)]
         stored = await c.conns.pool.fetchval(
@@ -347,8 +351,7 @@ async def test_release_is_exactly_once_and_a_double_release_is_refused_and_logge
             "SELECT outcome, gpus FROM scheduler_releases WHERE job_id = $1 ORDER BY at, outcome", c.jobs["j"]
         )
         assert sorted((r["outcome"], r["gpus"]) for r in outcomes) == [("double_release", 0), ("released", 8)]
-        events = await _job_events(c.conns.nc.jetstream(), c.jobs["j"])
-        released = [e for e in events if e.type == "io.lanes.job.resources_released.v1"]
+        released = await _logged(c.conns.nc.jetstream(), c.jobs["j"], "io.lanes.job.resources_released.v1")
         assert len(released) == 1
         assert released[0].data.gpus == 8
         assert await c.conns.pool.fetchval("SELECT count(*) FROM scheduler_allocations") == 0
