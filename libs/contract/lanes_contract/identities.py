@@ -42,12 +42,14 @@ from lanes_contract.events import (
     RankStarted,
     RecoveryDecided,
     RecoveryEscalated,
+    RecoverySuperseded,
     RendezvousDone,
     ReplicaListening,
     ReplicaStateChanged,
     ResourcesReleased,
     ResumeRequested,
     RetryRequested,
+    SettleWindowEnded,
     TransitionRejected,
 )
 from lanes_contract.ids import validate_token
@@ -137,14 +139,23 @@ SERVICE_IDENTITIES = (
     ),
     Identity(
         "telemetry",
-        (*subjects_of(JobEvidence, JobFinding), DEAD_LETTERS),
+        (*subjects_of(JobEvidence, JobFinding, SettleWindowEnded), DEAD_LETTERS),
         "evidence correlation and first-error findings",
     ),
     Identity(
         "recovery",
         (
             *subjects_of(
-                RecoveryDecided, RecoveryEscalated, CancelRequested, RetryRequested, HoldRequested, ResumeRequested
+                RecoveryDecided,
+                RecoveryEscalated,
+                RecoverySuperseded,
+                TransitionRejected,  # a manual action it refuses
+                NodeStateChanged,  # cordon and uncordon
+                ReplicaStateChanged,  # a failed replica out of rotation
+                CancelRequested,
+                RetryRequested,
+                HoldRequested,
+                ResumeRequested,
             ),
             DEAD_LETTERS,
         ),
