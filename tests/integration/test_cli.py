@@ -110,6 +110,9 @@ def test_demo_json_on_embedded_servers_runs_the_job_to_the_end(private_tmp: Path
 def test_demo_prints_the_timeline_grouped_by_lane() -> None:
     result = _lanes("demo", env=_env())
     assert result.returncode == 0, result.stderr[-3000:]
+    # A demo that tells its stories while a service keeps failing behind them is not a passing demo.
+    errors = [line for line in result.stderr.splitlines() if '"level": "error"' in line]
+    assert not errors, errors[:3]
     out = result.stdout
     assert out.index("platform lane") < out.index("host lane")
     job_id = out.split()[1]
