@@ -1,0 +1,113 @@
+"""`lanes run -- torchrun …` on an unmodified 4-rank torch.distributed (gloo) job in which one rank fails.
+
+torchrun starts four CPU processes that rendezvous over TCP, all-reduce once, and then rank 2 raises while
+the others wait in a barrier. The peers see their connection closed and torchrun tears them down with
+SIGTERM, so the output holds four tracebacks and torchelastic's failure summary. Lanes must name the same
+first error live, from the wrapped output as it streams, as `lanes analyze` does afterwards from the
+saved log: rank 2's own exception, in the algorithm lane, not the peers' closed connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from support.cli import LANES, local_stack, run_lanes_async
+from support.observe import OBSERVE_SERVICES, in_state, job_view, timeline_events
+from support.waiting import eventually
+
+from lanes_contract.events import JobFinding, RankExited, RankStarted
+from lanes_runtime.service import Connections
+from lanes_runtime.settings import ServerUrls
+
+pytestmark = [pytest.mark.real_servers, pytest.mark.slow]
+
+_TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+_WHY_NOT = None if importlib.util.find_spec("torch") and _TORCHRUN else "torch (the `drill` group) is not installed"
+if _WHY_NOT and os.environ.get("LANES_REQUIRE_TORCH"):
+    pytest.fail(f"LANES_REQUIRE_TORCH is set but {_WHY_NOT}", pytrace=False)
+if _WHY_NOT:
+    pytest.skip(_WHY_NOT, allow_module_level=True)
+
+_FAILING_RANK = 2
+# Plain torch.distributed: nothing in it knows about Lanes.
+_TRAIN = f"""\
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+total = torch.ones(8) * rank
+dist.all_reduce(total)
+print(f"rank {{rank}} step 1 reduced {{total[0].item()}}", flush=True)
+if rank == {_FAILING_RANK}:
+    raise RuntimeError("loss became NaN at step 2")
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture
+async def stack(own_urls: ServerUrls) -> AsyncIterator[Connections]:
+    async with local_stack(own_urls, OBSERVE_SERVICES, nodes=False) as conns:
+        yield conns
+
+
+async def test_torchrun_with_a_failing_rank_gets_the_finding_lanes_analyze_elects_from_its_log(
+    stack: Connections, own_urls: ServerUrls, unique: str, tmp_path: Path
+) -> None:
+    assert _TORCHRUN is not None
+    script = tmp_path / "train.py"
+    script.write_text(_TRAIN)
+    job_id = f"torchrun-{unique}"
+    env = os.environ | {"NATS_URL": own_urls.nats_url, "LANES_LOG_FORMAT": "json", "OMP_NUM_THREADS": "1"}
+    command = [_TORCHRUN, "--standalone", "--nproc-per-node", "4"]  # standalone: a free local rendezvous port
+    proc = await asyncio.create_subprocess_exec(
+        LANES, "run", "--job", job_id, "--node", "n-test", "--outbox", str(tmp_path / "outbox.ndjson"), "--",
+        *command, str(script),
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = (stream.decode() for stream in await proc.communicate())
+    assert proc.returncode == 1, err  # torchrun's own status, passed through
+    assert f"[rank{_FAILING_RANK}]: RuntimeError: loss became NaN at step 2" in err
+    assert "Root Cause (first observed failure)" in err
+
+    await eventually(lambda: in_state(own_urls, job_id, "released"), what="the job released", timeout_s=60)
+    events = await timeline_events(stack, job_id)
+    assert {e.rank for e in events if isinstance(e, RankStarted)} == {0, 1, 2, 3}
+    exits = {e.rank: e.data for e in events if isinstance(e, RankExited)}
+    assert exits[_FAILING_RANK].exit_code == 1  # from torchelastic's summary
+    assert all(exits[r].signal == 15 for r in (0, 1, 3))  # torchrun stopped the rest of the gang
+
+    async def found() -> bool:
+        return any(isinstance(e, JobFinding) for e in await timeline_events(stack, job_id))
+
+    await eventually(found, what="a finding", timeout_s=60)
+    live = [e for e in await timeline_events(stack, job_id) if isinstance(e, JobFinding)][-1].data
+
+    logs = tmp_path / "logs" / "n-test"
+    logs.mkdir(parents=True)
+    (logs / "stdout.log").write_text(out)
+    (logs / "stderr.log").write_text(err)
+    offline = json.loads((await run_lanes_async(None, "analyze", "--json", str(tmp_path / "logs"))).stdout)
+    expected = offline["first_error"]
+    assert live.first_error is not None
+    assert (live.first_error.category, live.first_error.lane.value, live.first_error.rank) == (
+        expected["category"],
+        expected["lane"],
+        expected["rank"],
+    )
+    assert (expected["lane"], expected["rank"]) == ("algorithm", _FAILING_RANK)
+    assert live.first_error.summary == expected["summary"]
+    assert live.stage == offline["stage"]
+    view = await job_view(own_urls, job_id)
+    assert view is not None
+    (attempt,) = view["attempts"]
+    assert attempt["ranks"][str(_FAILING_RANK)]["exit_code"] == 1
