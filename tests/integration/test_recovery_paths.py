@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from support.cli import run_lanes_async
 from support.recovery import (
+    Checkpoint,
     ScriptedLauncher,
     events_of,
     node_events,
@@ -350,6 +352,37 @@ async def test_a_failed_attempt_with_no_finding_is_decided_after_the_grace_perio
         assert len(await events_of(client, job_id, RecoveryDecided)) == 1  # never decided twice for an attempt
 
 
+async def test_a_checkpoint_that_cannot_be_hashed_never_delays_another_jobs_decision_and_its_own_says_unverified(
+    own_urls: ServerUrls, tmp_path: Path, unique: str
+) -> None:
+    hog, canary = f"hog-{unique}", f"canary-{unique}"
+    # A user's job names checkpoints recovery must not trust and must not hang on: a terabyte of holes (a
+    # regular file whose hashing outlasts the policy's time limit) and /dev/zero (endless, not a file).
+    sparse = tmp_path / "step-100.pt"
+    with sparse.open("wb") as handle:
+        handle.truncate(1 << 40)
+    fake = "sha256:" + "ab" * 32
+    hostile = (Checkpoint(100, sparse, fake), Checkpoint(200, Path("/dev/zero"), fake))
+    async with stack(own_urls, policy(digest_timeout_s=15), "lifecycle") as conns:
+        client = LanesClient(conns.nc, "tests")
+        await _fail_with(client, hog, tmp_path, Lane.HOST, "gpu_xid", recorded=hostile)
+        started = time.monotonic()
+        await _fail_with(client, canary, tmp_path, Lane.HOST, "gpu_xid", checkpoints=(100,))
+        (decided,) = [e.data for e in await wait_for(client, canary, RecoveryDecided)]
+        print(f"canary: failed and decided in {time.monotonic() - started:.2f} s beside the hog's digest")  # noqa: T201
+        assert (decided.action, decided.checkpoint and decided.checkpoint.step) == (RecoveryAction.RESUME, 100)
+        # Decided while the hog's first digest still runs: the hog has no decision until its time limit.
+        assert await events_of(client, hog, RecoveryDecided) == []
+
+        (hogs,) = [e.data for e in await wait_for(client, hog, RecoveryDecided)]
+        assert hogs.action is RecoveryAction.MANUAL
+        assert {(r.checkpoint.step, r.found) for r in hogs.refused} == {
+            (200, "unverified: /dev/zero is not a regular file"),
+            (100, "unverified: not hashed within the digest time limit of 15 s"),
+        }
+        assert "unverified" in hogs.reason
+
+
 async def _fail_with(  # noqa: PLR0917 - a failure story's parameters, named at each call
     client: LanesClient,
     job_id: str,
@@ -360,8 +393,12 @@ async def _fail_with(  # noqa: PLR0917 - a failure story's parameters, named at 
     attempt: int = 1,
     node: str = "n-2",
     versions: dict[str, str] | None = None,
+    recorded: tuple[Checkpoint, ...] = (),
 ) -> None:
-    """Run one attempt without a scheduler: placed on n-1 and n-2, checkpoints, a finding, a failure, a release."""
+    """Run one attempt without a scheduler: placed on n-1 and n-2, checkpoints, a finding, a failure, a release.
+
+    `checkpoints` are written as real files; `recorded` are records published as they are (any path).
+    """
     if attempt == 1:
         await submit(client, job_id, spec())
     assignments = (RankAssignment(rank=0, node="n-1", gpus=(0,)), RankAssignment(rank=1, node="n-2", gpus=(0,)))
@@ -376,7 +413,10 @@ async def _fail_with(  # noqa: PLR0917 - a failure story's parameters, named at 
         directory = tmp_path / job_id / str(attempt)
         directory.mkdir(parents=True, exist_ok=True)
         await run.checkpoint(write_checkpoint(directory, step), **(versions or {}))
-    await run.steps([max(checkpoints, default=0) + 30])
+    for saved in recorded:
+        await run.steps([saved.step])
+        await run.checkpoint(saved, **(versions or {}))
+    await run.steps([max((*checkpoints, *(saved.step for saved in recorded)), default=0) + 30])
     if lane is not None:
         cause = FindingCause(category=category, lane=lane, node=node, summary=f"{category} on {node}")
         finding = JobFindingData(version=1, first_error=cause, stage="steady_state", confidence=0.9, settled=True)
