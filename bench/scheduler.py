@@ -30,10 +30,13 @@ import uuid
 from dataclasses import dataclass
 
 from baselines.first_fit import GangRequest, NodeCapacity, place_first_fit
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from lanes_cli.stack import servers
 from lanes_contract.client import LanesClient
+from lanes_contract.codec import encode
 from lanes_contract.events import JobSubmitted, JobSubmittedData, NodeRegistered, NodeRegisteredData
+from lanes_contract.ids import new_event_id
 from lanes_contract.jobs import JobSpec
 from lanes_contract.streams import JOBS, NODES
 from lanes_contract.topology import ClusterPolicy, Level, Node, TopologyConstraint
@@ -253,22 +256,31 @@ async def end_to_end(urls: ServerUrls, jobs: int) -> dict[str, float]:
         stop.set()
         await asyncio.gather(task, node_task, return_exceptions=True)
 
-        raw_subject = f"bench.raw.{tag}"
-        raw_stream = f"BENCH_{tag}"
-        await js.add_stream(name=raw_stream, subjects=[f"{raw_subject}.>"])
+        # The raw baseline moves the same messages (submissions, encoded) through the same stream with nats-py
+        # alone. It reads only what it publishes (a consumer that starts at new messages), and it needs no
+        # stream of its own: only the admin may create streams.
+        # (new ids: the same ids would be JetStream duplicates, acknowledged and never stored)
+        raw = [encode(e.model_copy(update={"id": new_event_id(), "jobid": f"{e.job_key}-raw"})) for e in events]
+        raw_config = ConsumerConfig(
+            durable_name=f"raw-{tag}",
+            filter_subject="lanes.job.*.submitted",
+            deliver_policy=DeliverPolicy.NEW,
+            ack_policy=AckPolicy.EXPLICIT,
+        )
+        await js.add_consumer(JOBS.name, config=raw_config)
+        sub = await js.pull_subscribe_bind(raw_config.durable_name, stream=JOBS.name)
         began = time.perf_counter()
         for chunk in range(0, jobs, 200):
             await asyncio.gather(
-                *(js.publish(f"{raw_subject}.{i}", b"{}") for i in range(chunk, min(jobs, chunk + 200)))
+                *(js.publish(m.subject, m.payload, headers=m.headers) for m in raw[chunk : chunk + 200])
             )
-        sub = await js.pull_subscribe(f"{raw_subject}.>", durable=f"raw-{tag}", stream=raw_stream)
         consumed = 0
         while consumed < jobs:
             for msg in await sub.fetch(64, timeout=5):
                 await msg.ack()
                 consumed += 1
         raw_elapsed = time.perf_counter() - began
-        await js.delete_stream(raw_stream)
+        await js.delete_consumer(JOBS.name, raw_config.durable_name)
         for durable, stream in ((job_spec.durable, JOBS.name), (node_spec.durable, NODES.name)):
             await js.delete_consumer(stream, durable)
     return {
