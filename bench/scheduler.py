@@ -261,14 +261,15 @@ async def end_to_end(urls: ServerUrls, jobs: int) -> dict[str, float]:
         # stream of its own: only the admin may create streams.
         # (new ids: the same ids would be JetStream duplicates, acknowledged and never stored)
         raw = [encode(e.model_copy(update={"id": new_event_id(), "jobid": f"{e.job_key}-raw"})) for e in events]
+        raw_durable = f"raw-{tag}"
         raw_config = ConsumerConfig(
-            durable_name=f"raw-{tag}",
+            durable_name=raw_durable,
             filter_subject="lanes.job.*.submitted",
             deliver_policy=DeliverPolicy.NEW,
             ack_policy=AckPolicy.EXPLICIT,
         )
         await js.add_consumer(JOBS.name, config=raw_config)
-        sub = await js.pull_subscribe_bind(raw_config.durable_name, stream=JOBS.name)
+        sub = await js.pull_subscribe_bind(raw_durable, stream=JOBS.name)
         began = time.perf_counter()
         for chunk in range(0, jobs, 200):
             await asyncio.gather(
@@ -280,7 +281,7 @@ async def end_to_end(urls: ServerUrls, jobs: int) -> dict[str, float]:
                 await msg.ack()
                 consumed += 1
         raw_elapsed = time.perf_counter() - began
-        await js.delete_consumer(JOBS.name, raw_config.durable_name)
+        await js.delete_consumer(JOBS.name, raw_durable)
         for durable, stream in ((job_spec.durable, JOBS.name), (node_spec.durable, NODES.name)):
             await js.delete_consumer(stream, durable)
     return {
