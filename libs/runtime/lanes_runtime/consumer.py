@@ -112,28 +112,37 @@ class ConsumerSpec:
         return self.redelivery_delays_s[max(1, min(deliveries, len(self.redelivery_delays_s))) - 1]
 
 
+Caused = tuple[Event, Event]
+"""An output event with the event that caused it (the outbox's row)."""
+BeforeCommit = Callable[[], Awaitable[Sequence[Caused] | None]]
+
+
 @dataclass
 class TransactionScope:
     """What handlers share for the rest of one transaction (a batch): a cache, and work to do before commit.
 
     A handler that reads and rewrites the same rows for every event (a fold) can keep them here and write
-    them once, just before the batch commits.
+    them once, just before the batch commits. Such work may also produce events (an election over
+    everything the batch added): they go to the outbox with the batch's other outputs.
     """
 
     deferred: bool = False
     """True when the consumer runs `flush` before commit; a scope a caller made itself writes at once."""
     cache: dict[object, Any] = field(default_factory=dict)
-    _before_commit: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    _before_commit: list[BeforeCommit] = field(default_factory=list)
 
-    def before_commit(self, action: Callable[[], Awaitable[None]]) -> None:
+    def before_commit(self, action: BeforeCommit) -> None:
         """Run `action` inside the transaction, after the last handler and before the commit."""
         self._before_commit.append(action)
 
-    async def flush(self) -> None:
-        """Run the registered actions, in order (the consumer calls this)."""
-        actions, self._before_commit = self._before_commit, []
-        for action in actions:
-            await action()
+    async def flush(self) -> list[Caused]:
+        """Run the registered actions, in order (the consumer calls this); return the events they produced."""
+        produced: list[Caused] = []
+        while self._before_commit:  # an action may register another
+            actions, self._before_commit = self._before_commit, []
+            for action in actions:
+                produced += await action() or ()
+        return produced
 
 
 @dataclass(frozen=True)
@@ -332,7 +341,7 @@ class EventConsumer:
             fresh = await self._record(conn, items)
             scope = TransactionScope(deferred=True)
             outcomes: list[decision.Outcome] = []
-            outbox: list[tuple[Event, Event]] = []
+            outbox: list[Caused] = []
             for item in items:
                 if item.event is None:
                     outcomes.append(decision.Invalid(item.invalid or "invalid"))
@@ -350,7 +359,7 @@ class EventConsumer:
                     outbox += [(item.event, output) for output in outputs]
                     outcomes.append(decision.Processed())
             try:
-                await scope.flush()
+                outbox += await scope.flush()
             except Exception as exc:
                 if is_infrastructure(exc):
                     raise
@@ -372,8 +381,8 @@ class EventConsumer:
                     return decision.Duplicate()
                 scope = TransactionScope(deferred=True)
                 outputs = await self._run_handler(conn, item.event, item.seq, item.deliveries, scope)
-                await scope.flush()
-                await self._store_outbox(conn, [(item.event, output) for output in outputs])
+                produced = await scope.flush()
+                await self._store_outbox(conn, [*((item.event, output) for output in outputs), *produced])
         except Exception as exc:
             if is_infrastructure(exc):
                 raise
@@ -416,7 +425,7 @@ class EventConsumer:
         )
         return {row["event_id"]: int(row["stream_seq"]) for row in rows}
 
-    async def _store_outbox(self, conn: Db, outputs: Sequence[tuple[Event, Event]]) -> None:
+    async def _store_outbox(self, conn: Db, outputs: Sequence[Caused]) -> None:
         if not outputs:
             return
         encoded = [(cause, output, encode(output)) for cause, output in outputs]
@@ -554,7 +563,7 @@ class EventConsumer:
             blocked: set[str] = set()
             finished: list[int] = []
             retried: list[int] = []
-            outbox: list[tuple[Event, Event]] = []
+            outbox: list[Caused] = []
             for row in rows:
                 seq = int(row["stream_seq"])
                 key = _key_of(row["subject"])
@@ -587,7 +596,7 @@ class EventConsumer:
                         blocked.add(key)
                         self.outcomes[Outcome.RETRY] += 1
                         self._metrics.count(Outcome.RETRY)
-            await scope.flush()
+            outbox += await scope.flush()
             await conn.execute(
                 "DELETE FROM lanes_inbox WHERE consumer = $1 AND stream_seq = ANY($2::bigint[])",
                 self.spec.durable,

@@ -1,6 +1,7 @@
 """Telemetry handlers: ingest evidence, correlate it to the attempt placed on its node, (re)elect the finding.
 
-Two consumers, each under the consumer contract (one transaction per event, outputs through the outbox):
+Two consumers, each under the consumer contract (a batch per transaction, outputs through the outbox; in a
+batch the finding is elected once per attempt, just before the commit):
 
 - evidence (`lanes.tel.>`): store it; when a placement explains its node and time, publish a compact
   correlated copy on the job's subject (not for raw, unrecognised lines) and re-elect when the evidence
@@ -22,6 +23,7 @@ is settled, so recovery acts on settled findings only.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 from lanes_contract.events import (
@@ -74,7 +76,7 @@ async def handle_evidence(event: Event, ctx: HandlerContext) -> Sequence[Event]:
     return await Telemetry().handle_evidence(event, ctx)
 
 
-async def _evidence(event: Event, store: TelemetryStore, stream_seq: int) -> Sequence[Event]:
+async def _evidence(event: Event, store: TelemetryStore, ctx: HandlerContext) -> Sequence[Event]:
     """Store one piece of evidence, correlate it, and return its job copy and any new finding."""
     if event.node is None or not hasattr(event.data, "category"):
         return ()
@@ -92,7 +94,7 @@ async def _evidence(event: Event, store: TelemetryStore, stream_seq: int) -> Seq
         evidence=evidence,
         node=node,
         lane=event.lane.value,
-        stream_seq=stream_seq,
+        stream_seq=ctx.stream_seq,
         job_id=job_id,
         attempt=attempt,
     )
@@ -105,7 +107,7 @@ async def _evidence(event: Event, store: TelemetryStore, stream_seq: int) -> Seq
     if job_id is None or attempt is None:
         return ()
     copy = _copy(event, job_id, attempt, StoredEvidence(event.id, event.lane.value, evidence))
-    return [copy, *await _maybe_reelect(store, event, job_id, attempt, [evidence])]
+    return [copy, *await _reelect(ctx, store, event, job_id, attempt, [evidence])]
 
 
 async def _owner_of(
@@ -156,7 +158,7 @@ class Telemetry:
 
     async def handle_evidence(self, event: Event, ctx: HandlerContext) -> Sequence[Event]:
         """Store one piece of evidence, correlate it, and return its job copy and any new finding."""
-        return await _evidence(event, self._store(ctx.conn), ctx.stream_seq)
+        return await _evidence(event, self._store(ctx.conn), ctx)
 
     async def handle_job_event(self, event: Event, ctx: HandlerContext) -> Sequence[Event]:
         """Fold one job fact; re-elect when it can change the finding or settle it."""
@@ -172,18 +174,19 @@ class Telemetry:
             data = event.data
             ex = RankExit(event.rank, event.node, data.exit_code, data.signal, event.time, data.evidence, event.id)
             await store.save_exit(job_id, attempt, ex)
-            known = await store.load_finding(job_id, attempt)
-            return await _elect(store, event, job_id, attempt) if may_explain(ex) or known else ()
+            if may_explain(ex) or _election_pending(ctx, job_id, attempt) or await store.load_finding(job_id, attempt):
+                return await _reelect(ctx, store, event, job_id, attempt, force=True)
+            return ()
         if isinstance(event, JobStateChanged) and event.data.to_state is JobState.FAILED:
             await store.attempt_ended(job_id, attempt, event.time, self.settle_window)
             return ()
         if isinstance(event, SettleWindowEnded):
             await store.end_window(job_id, attempt)
-            return await _elect(store, event, job_id, attempt)
-        return await _placements(event, store)
+            return await _reelect(ctx, store, event, job_id, attempt, force=True)
+        return await _placements(event, store, ctx)
 
 
-async def _placements(event: Event, store: TelemetryStore) -> Sequence[Event]:
+async def _placements(event: Event, store: TelemetryStore, ctx: HandlerContext) -> Sequence[Event]:
     if isinstance(event, ResourcesReleased):
         await store.release(event.job_key, event.attempt, event.time)
         return ()
@@ -203,7 +206,7 @@ async def _placements(event: Event, store: TelemetryStore) -> Sequence[Event]:
         for stored in late
         if stored.evidence.category.value not in NOT_ELECTED
     ]
-    return [*copies, *await _maybe_reelect(store, event, job_id, attempt, [s.evidence for s in late])]
+    return [*copies, *await _reelect(ctx, store, event, job_id, attempt, [s.evidence for s in late])]
 
 
 def _copy(cause: Event, job_id: str, attempt: int, stored: StoredEvidence, key: str = "") -> JobEvidence:
@@ -224,6 +227,63 @@ def _copy(cause: Event, job_id: str, attempt: int, stored: StoredEvidence, key: 
         lane=Lane(stored.lane),
         data=JobEvidenceData(evidence_id=stored.event_id, evidence=compact),
     )
+
+
+_ELECTIONS = "telemetry.elections"
+"""The scope's cache key of the attempts whose election waits for the end of the batch."""
+
+
+@dataclass
+class _PendingElection:
+    cause: Event
+    new: list[Evidence] = field(default_factory=list)
+    force: bool = False
+
+
+def _election_pending(ctx: HandlerContext, job_id: str, attempt: int) -> bool:
+    return (job_id, attempt) in ctx.scope.cache.get(_ELECTIONS, {})
+
+
+async def _reelect(  # noqa: PLR0917 - the election's inputs, as _maybe_reelect takes them
+    ctx: HandlerContext,
+    store: TelemetryStore,
+    cause: Event,
+    job_id: str,
+    attempt: int,
+    new: Sequence[Evidence] = (),
+    *,
+    force: bool = False,
+) -> Sequence[Event]:
+    """Elect over `new` evidence (or at all, when `force`): at once, or in a batch once per attempt.
+
+    In a batch the election runs just before the commit, over everything the batch stored: an election
+    reads the attempt's whole evidence, so electing per event made a 1,024-rank storm quadratic. The
+    result is the same finding the last per-event election would give (it is a function of what is
+    stored); only the intermediate versions, stale before they were published, are skipped.
+    """
+    if not ctx.scope.deferred:
+        return await (
+            _elect(store, cause, job_id, attempt) if force else _maybe_reelect(store, cause, job_id, attempt, new)
+        )
+    elections: dict[tuple[str, int], _PendingElection] = ctx.scope.cache.setdefault(_ELECTIONS, {})
+    pending = elections.get((job_id, attempt))
+    if pending is None:
+        pending = elections[job_id, attempt] = _PendingElection(cause)
+
+        async def elect() -> list[tuple[Event, Event]]:
+            del elections[job_id, attempt]
+            found = await (
+                _elect(store, pending.cause, job_id, attempt)
+                if pending.force
+                else _maybe_reelect(store, pending.cause, job_id, attempt, pending.new)
+            )
+            return [(pending.cause, event) for event in found]
+
+        ctx.scope.before_commit(elect)
+    pending.cause = cause  # the finding follows from the batch's last event that touched the attempt
+    pending.new += new
+    pending.force = pending.force or force
+    return ()
 
 
 async def _maybe_reelect(
