@@ -15,9 +15,11 @@ from typing import Any
 import pytest
 import yaml
 from support.contract import submission
+from typer.testing import CliRunner
 
 from lanes_cli.asyncapi_cli import REGENERATE, rendered
 from lanes_cli.bootstrap import SERVICES
+from lanes_cli.cli import app
 from lanes_contract.asyncapi import address, envelope_headers
 from lanes_contract.codec import encode
 from lanes_contract.events import EVENT_TYPES, Family, JobSubmitted, RequestServed, RequestServedData
@@ -47,6 +49,17 @@ def test_there_is_one_document_per_service_and_no_stale_one() -> None:
 
 def test_rendering_is_deterministic() -> None:
     assert rendered() == TEXTS
+
+
+def test_the_command_writes_the_documents_and_check_tells_when_they_drift(tmp_path: Path) -> None:
+    runner = CliRunner()
+    stale = runner.invoke(app, ["asyncapi", "--dir", str(tmp_path), "--check"])
+    assert stale.exit_code == 1
+    assert f"run `{REGENERATE} --dir {tmp_path}` to update" in " ".join(stale.output.split())  # rich wraps lines
+    assert list(tmp_path.iterdir()) == []  # --check writes nothing
+    assert runner.invoke(app, ["asyncapi", "--dir", str(tmp_path)]).exit_code == 0
+    assert {path.name: path.read_text(encoding="utf-8") for path in tmp_path.iterdir()} == TEXTS
+    assert runner.invoke(app, ["asyncapi", "--dir", str(tmp_path), "--check"]).exit_code == 0
 
 
 def test_every_event_type_appears_in_at_least_one_document() -> None:

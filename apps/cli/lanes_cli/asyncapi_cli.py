@@ -47,7 +47,8 @@ def asyncapi(
     stale = [name for name, text in rendered().items() if _read(directory / name) != text]
     if check:
         if stale:
-            fail(f"out of date in {directory}: {', '.join(stale)}; run `{REGENERATE}` to update", EXIT_FAILED)
+            command = REGENERATE if directory == DOCS_DIR else f"{REGENERATE} --dir {directory}"
+            fail(f"out of date in {directory}: {', '.join(stale)}; run `{command}` to update", EXIT_FAILED)
         err.print(f"{directory}: up to date")
         return
     directory.mkdir(parents=True, exist_ok=True)

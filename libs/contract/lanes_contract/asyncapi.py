@@ -20,13 +20,22 @@ from pydantic.json_schema import models_json_schema
 
 from lanes_contract.codec import CONTEXT_ATTRIBUTES, JSON, MSG_ID_HEADER, SPEC_VERSION
 from lanes_contract.events import EVENT_TYPES, Event, Family, Lane
-from lanes_contract.identities import identity_named, subject_matches
+from lanes_contract.identities import Identity, identity_named, subject_matches
 from lanes_contract.ids import TOKEN_PATTERN
 from lanes_contract.signing import SIGNATURE_HEADER, SIGNER_HEADER
 from lanes_contract.streams import STREAM_OF_FAMILY
 
 ASYNCAPI_VERSION = "3.0.0"
+ENVELOPE_HEADERS = "CloudEventHeaders"
+"""The shared header schema in `components/schemas`; each message narrows `ce-type` and its join keys."""
 _SCHEMAS = "#/components/schemas/"
+_SERVER = {
+    "host": "{host}",
+    "protocol": "nats",
+    "description": "The NATS server (with JetStream) that holds the Lanes streams: NATS_URL. Each identity"
+    " may publish only the subjects of its role (lanes_contract.identities).",
+    "variables": {"host": {"default": "localhost:4222", "description": "host:port of NATS_URL"}},
+}
 
 _PARAMETERS: dict[Family, tuple[tuple[str, str], ...]] = {
     Family.JOB: (("job", "$message.header#/ce-jobid"),),
@@ -118,10 +127,6 @@ def _header_schema(field: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
-ENVELOPE_HEADERS = "CloudEventHeaders"
-"""The shared header schema in `components/schemas`; each message narrows `ce-type` and its join keys."""
-
-
 def envelope_headers() -> dict[str, Any]:
     """The NATS headers every event carries in binary mode (`codec.encode`, then `EventSigner.sign`)."""
     fields = Event.model_json_schema()["properties"]
@@ -179,7 +184,8 @@ def _channel(event: type[Event]) -> dict[str, Any]:
     stream = STREAM_OF_FAMILY[event.family]
     return {
         "address": address(event),
-        "description": f"Stored in the JetStream stream {stream.name}.",
+        "description": f"Stored in the JetStream stream {stream.name}, which drops a re-sent Nats-Msg-Id"
+        f" within {stream.duplicate_window_s:g} s.",
         "parameters": {
             name: {"description": _KEY_RULE, "location": location} for name, location in _PARAMETERS[event.family]
         },
@@ -196,12 +202,17 @@ def _operation(action: str, event: type[Event]) -> dict[str, Any]:
     }
 
 
-def sends(service: str) -> list[type[Event]]:
-    """The event types a service's identity may publish, by type."""
+def _identity(service: str) -> Identity:
     identity = identity_named(service)
     if identity is None:
         msg = f"unknown service {service!r}: it has no identity in lanes_contract.identities"
         raise ValueError(msg)
+    return identity
+
+
+def sends(service: str) -> list[type[Event]]:
+    """The event types a service's identity may publish, by type."""
+    identity = _identity(service)
     return [
         e for _, e in sorted(EVENT_TYPES.items()) if any(subject_matches(p, _wildcard(e)) for p in identity.publishes)
     ]
@@ -225,11 +236,13 @@ def document(service: str, subscribed: Iterable[str], *, version: str) -> dict[s
         "info": {
             "title": f"Lanes {service}",
             "version": version,
-            "description": f"The events the Lanes {service} service publishes and consumes on NATS JetStream:"
-            " CloudEvents 1.0 in binary mode (attributes in ce-* headers, the event's data as the JSON body)."
+            "description": f"The Lanes {service} service ({_identity(service).description}): the events it"
+            " publishes (send) and consumes (receive) on NATS JetStream, as CloudEvents 1.0"
+            " in binary mode (attributes in ce-* headers, the event's data as the JSON body)."
             " Generated from lanes_contract; do not edit by hand.",
         },
         "defaultContentType": JSON,
+        "servers": {"nats": _SERVER},
         "channels": {_channel_id(e): _channel(e) for e in events},
         "operations": dict(sorted(operations.items())),
         "components": {
