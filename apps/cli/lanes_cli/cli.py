@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from lanes_agent.launcher import LocalLauncher
 from lanes_cli import (
     analyze_cli,
+    asyncapi_cli,
     audit_cli,
     dead_cli,
     import_cli,
@@ -352,6 +353,7 @@ def replay(  # noqa: PLR0917 - typer maps each option to a parameter
 app.add_typer(audit_cli.app, name="audit")
 app.add_typer(dead_cli.app, name="dead")
 app.command()(poc_cli.poc)
+app.command()(asyncapi_cli.asyncapi)
 app.command()(incident_cli.incident)
 app.command("import")(import_cli.import_events)
 app.command(context_settings={"allow_interspersed_args": False})(run_cli.run)

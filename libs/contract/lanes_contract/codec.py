@@ -28,7 +28,7 @@ MAX_EVENT_BYTES = 256 * 1024
 
 # Context attributes carried as headers. `traceparent` keeps its W3C name, as the CloudEvents
 # distributed-tracing extension does; everything else is prefixed with `ce-`.
-_ATTRIBUTES = (
+CONTEXT_ATTRIBUTES = (
     "id",
     "source",
     "type",
@@ -42,7 +42,7 @@ _ATTRIBUTES = (
     "causationid",
     "correlationid",
 )
-_HEADER_OF = {name: f"ce-{name}" for name in _ATTRIBUTES} | {"traceparent": "traceparent"}
+_HEADER_OF = {name: f"ce-{name}" for name in CONTEXT_ATTRIBUTES} | {"traceparent": "traceparent"}
 _ATTRIBUTE_OF = {header.lower(): name for name, header in _HEADER_OF.items()}
 
 Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
@@ -178,7 +178,7 @@ def _fields_of(headers: Mapping[str, str], payload: bytes) -> dict[str, Any]:
             msg = "structured-mode body is not a JSON object"
             raise DecodeError(msg)
         _check_spec_version(body.get("specversion"))
-        known = set(_ATTRIBUTES) | {"traceparent", "data"}
+        known = set(CONTEXT_ATTRIBUTES) | {"traceparent", "data"}
         return {key: value for key, value in body.items() if key in known}
     msg = "not a CloudEvent: no ce-specversion header and no structured-mode body"
     raise DecodeError(msg)

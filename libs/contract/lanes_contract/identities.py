@@ -242,10 +242,14 @@ def nats_permissions(identity: Identity) -> dict[str, object]:
 
 def may_publish(identity: Identity, subject: str) -> bool:
     """Whether `identity` may publish on `subject` (NATS wildcard rules: `*` one token, `>` the rest)."""
-    return any(_matches(pattern, subject) for pattern in identity.publishes)
+    return any(subject_matches(pattern, subject) for pattern in identity.publishes)
 
 
-def _matches(pattern: str, subject: str) -> bool:
+def subject_matches(pattern: str, subject: str) -> bool:
+    """Whether a NATS subject pattern (`*` one token, `>` the rest) covers `subject`.
+
+    A `*` in `subject` stands for any token, so a pattern covers it only with a wildcard of its own there.
+    """
     wanted, given = pattern.split("."), subject.split(".")
     for index, part in enumerate(wanted):
         if part == ">":

@@ -12,6 +12,8 @@ from datetime import datetime
 # A token becomes one NATS subject token, so it must never contain `.`, `*`, `>` or whitespace.
 # The character set is deliberately narrow: ids are also used as PostgreSQL keys and file names.
 _TOKEN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_\-]{0,127}")
+TOKEN_PATTERN = f"^{_TOKEN.pattern}$"
+"""A subject token (job, node, model, replica id) as a JSON Schema pattern."""
 
 
 def is_valid_token(value: str) -> bool:

@@ -86,6 +86,13 @@ class ServiceDefinition:
     migrations: Traversable | None
     consumers: tuple[tuple[ConsumerSpec, Handler | Bound], ...]
     runners: tuple[RunnerFactory, ...] = ()
+    runner_subjects: tuple[str, ...] = ()
+    """The subjects its runners read (consumers name their own), for the service's AsyncAPI document."""
+
+    @property
+    def subscribed(self) -> tuple[str, ...]:
+        """Every subject filter the service reads, its consumers' and its runners'."""
+        return (*(subject for spec, _ in self.consumers for subject in spec.subjects), *self.runner_subjects)
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lanes_audit.entrypoints.recorder import AuditRecorder
+from lanes_contract.streams import JOBS
 from lanes_runtime.service import RunnerContext, ServiceDefinition
 from lanes_runtime.store import migrations_of
 
@@ -16,4 +17,5 @@ SERVICE = ServiceDefinition(
     migrations=migrations_of("lanes_audit.adapters"),
     consumers=(),
     runners=(_recorder,),
+    runner_subjects=JOBS.subjects,  # the recorder copies the whole job timeline
 )
