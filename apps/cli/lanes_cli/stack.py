@@ -31,8 +31,10 @@ def servers(settings: Settings) -> Iterator[ServerUrls]:
             nats = stack.enter_context(EmbeddedNats())
             nats_url = nats.url_for(PLATFORM.name)
             # This process signs its events as `platform`; `lanes audit verify` checks them against the keyring.
-            os.environ.setdefault(SIGNING_KEY_ENV, str(nats.credentials_dir / f"{PLATFORM.name}.key"))
-            os.environ.setdefault(KEYRING_ENV, str(nats.credentials_dir / KEYRING_FILE))
+            # Both live in this server's temp directory, so they are unset again when it stops (a second
+            # embedded server in the same process, as a bench's next run, has keys of its own).
+            stack.enter_context(_env_default(SIGNING_KEY_ENV, str(nats.credentials_dir / f"{PLATFORM.name}.key")))
+            stack.enter_context(_env_default(KEYRING_ENV, str(nats.credentials_dir / KEYRING_FILE)))
             log.info("embedded nats credentials", directory=str(nats.credentials_dir))
         database_url = settings.database_url or stack.enter_context(EmbeddedPostgres()).url
         redis_url = settings.redis_url or stack.enter_context(EmbeddedRedis()).url
@@ -48,3 +50,16 @@ def servers(settings: Settings) -> Iterator[ServerUrls]:
         if embedded:
             log.info("embedded servers started", servers=embedded)
         yield ServerUrls(nats_url=nats_url, database_url=database_url, redis_url=redis_url)
+
+
+@contextlib.contextmanager
+def _env_default(name: str, value: str) -> Iterator[None]:
+    """Set an environment variable the user did not set, for the duration of the block."""
+    if name in os.environ:
+        yield
+        return
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
