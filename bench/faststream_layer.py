@@ -87,7 +87,7 @@ async def _own_loop(conns: Connections, subject: str, events: int, tag: str) -> 
 
 
 async def _undecoded(message: object) -> None:
-    """faststream's decoder: nothing (its default JSON-decodes every body, which the processor does again)."""
+    """Decode nothing: the default JSON-decodes every body, which the processor then does again."""
     del message
 
 

@@ -193,7 +193,7 @@ def main() -> None:
                 "quick": args.quick,
                 "runs": len(runs),
                 "medians": medians,
-                "not_measured": {"faststream": "faststream not measured (not installed)"},
+                "see_also": {"faststream": "bench/faststream_layer.py measures faststream's layer over the runtime"},
             }
         )
     )
