@@ -5,6 +5,9 @@ Real scheduler and lifecycle consumers, a real launcher and real rank processes 
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import signal
 import sys
 from collections.abc import AsyncIterator
 
@@ -24,17 +27,20 @@ from lanes_contract.events import (
     JobStateChanged,
     JobSubmitted,
     JobSubmittedData,
+    Lane,
+    RankExited,
     ReplicaListening,
     RetryData,
     RetryRequested,
 )
-from lanes_contract.jobs import JobSpec, JobState, ServingSpec, WorkloadClass
+from lanes_contract.jobs import FailureCause, JobSpec, JobState, ServingSpec, WorkloadClass
 from lanes_contract.streams import DEAD, JOBS
 from lanes_runtime.consumer import DEAD_REASON, DEAD_SUBJECT
 from lanes_runtime.service import Connections
 from lanes_runtime.settings import ServerUrls
 
 pytestmark = pytest.mark.real_servers
+GRACE_S = 1.0
 
 MODEL_VERSION = "sha256:" + "12" * 32
 # Attempt 1 trains to step 12, checkpoints step 10 and fails; attempt 2 reports the step it resumed from.
@@ -56,7 +62,7 @@ _SERVER = "print('INFO:     Uvicorn running on http://0.0.0.0:8123 (Press CTRL+C
 @pytest.fixture
 async def stack(own_urls: ServerUrls) -> AsyncIterator[Connections]:
     """Scheduler, lifecycle and a launcher for the demo's nodes."""
-    async with local_stack(own_urls, ["scheduler", "lifecycle"]) as conns:
+    async with local_stack(own_urls, ["scheduler", "lifecycle"], stop_grace_s=GRACE_S) as conns:
         yield conns
 
 
@@ -134,6 +140,80 @@ async def test_a_placement_whose_rank_cannot_be_started_is_dead_lettered_with_th
     assert "cannot be started" in headers[DEAD_REASON]
     assert f"/nonexistent/{unique}/train" in headers[DEAD_REASON]
     assert headers["Lanes-Dead-Deliveries"] == "1"  # the event itself is bad: at once, not after retries
+
+    # The rank's exit says it never ran, so the job fails (platform lane) instead of sitting admitted.
+    await eventually(lambda: _released(stack, job_id, 1), what="the unstartable job released")
+    events = await _events(stack, job_id)
+    (exited,) = [e for e in events if isinstance(e, RankExited)]
+    assert exited.data.start_error is not None
+    assert f"/nonexistent/{unique}/train" in exited.data.start_error
+    assert exited.lane is Lane.PLATFORM
+    failed = next(e for e in events if isinstance(e, JobStateChanged) and e.data.to_state is JobState.FAILED)
+    assert failed.data.cause is FailureCause.PLATFORM_ACTION
+    assert "could not be started" in failed.data.reason
+
+
+_STUBBORN = """
+import os, signal, sys, time
+if os.environ["RANK"] == "0":
+    print("lanes: communicator ready", flush=True)
+    time.sleep(0.5)
+    sys.exit(3)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("lanes: communicator ready", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+async def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace_and_its_exit_says_so(
+    stack: Connections, unique: str
+) -> None:
+    job_id = f"stubborn-{unique}"
+    spec = JobSpec(name="stubborn", workers=2, command=(sys.executable, "-c", _STUBBORN))
+    await LanesClient(stack.nc, "tests").publish(
+        JobSubmitted(source="tests", jobid=job_id, attempt=1, data=JobSubmittedData(spec=spec))
+    )
+    await eventually(lambda: _released(stack, job_id, 1), what="the job released")
+    events = await _events(stack, job_id)
+    exits = {e.rank: e.data for e in events if isinstance(e, RankExited)}
+    assert exits[0].exit_code == 3
+    assert exits[1].signal == signal.SIGKILL
+    assert exits[1].killed_after_grace_s == GRACE_S
+    failed = next(e for e in events if isinstance(e, JobStateChanged) and e.data.to_state is JobState.FAILED)
+    assert failed.data.cause is FailureCause.USER_CODE_ERROR  # rank 0's exit, not the enforced stop
+    assert "exited with code 3" in failed.data.reason
+
+
+_GLOO = """
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")  # env://: MASTER_ADDR and MASTER_PORT come from the launcher
+total = torch.ones(4) * (dist.get_rank() + 1)
+dist.all_reduce(total)
+print("lanes: communicator ready", flush=True)
+print(f"reduced {total[0].item():g}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+async def test_an_unmodified_torch_distributed_job_finds_its_peers_through_the_launcher(
+    stack: Connections, unique: str
+) -> None:
+    if importlib.util.find_spec("torch") is None:
+        if os.environ.get("LANES_REQUIRE_TORCH"):
+            pytest.fail("LANES_REQUIRE_TORCH is set but torch is not installed")
+        pytest.skip("torch (the `drill` group) is not installed")
+    job_id = f"gloo-{unique}"
+    spec = JobSpec(name="gloo", workers=2, command=(sys.executable, "-c", _GLOO))
+    await LanesClient(stack.nc, "tests").publish(
+        JobSubmitted(source="tests", jobid=job_id, attempt=1, data=JobSubmittedData(spec=spec))
+    )
+    await eventually(lambda: _released(stack, job_id, 1), what="the gloo job released", timeout_s=90)
+    events = await _events(stack, job_id)
+    assert sorted((e.rank, e.data.exit_code) for e in events if isinstance(e, RankExited)) == [(0, 0), (1, 0)]
+    assert any(isinstance(e, JobStateChanged) and e.data.to_state is JobState.SUCCEEDED for e in events)
 
 
 async def _letters(conns: Connections, subject: str) -> list[Msg]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from lanes_agent.launcher import LocalLauncher
+from lanes_agent.launcher import STOP_GRACE_S, LocalLauncher
 from lanes_cli.bootstrap import prepare_services
 from lanes_cli.cli import app
 from lanes_cli.demo import DEMO_NODES, register_nodes, wait_for_nodes
@@ -64,14 +64,18 @@ async def run_lanes_async(urls: ServerUrls | None, *args: str, env: Mapping[str,
 
 
 @contextlib.asynccontextmanager
-async def local_stack(urls: ServerUrls, services: Iterable[str], *, nodes: bool = True) -> AsyncIterator[Connections]:
+async def local_stack(
+    urls: ServerUrls, services: Iterable[str], *, nodes: bool = True, stop_grace_s: float = STOP_GRACE_S
+) -> AsyncIterator[Connections]:
     """Services as `lanes up` runs them; with `nodes`, a local launcher on the demo's nodes, registered."""
     async with connected(urls, name="cli-tests") as conns:
         stop = asyncio.Event()
         consumers = await prepare_services(conns, services)
         tasks = [asyncio.create_task(run_consumers(consumers, stop))]
         if nodes:
-            tasks.append(asyncio.create_task(LocalLauncher(conns.nc, frozenset(DEMO_NODES)).run(stop)))
+            tasks.append(
+                asyncio.create_task(LocalLauncher(conns.nc, frozenset(DEMO_NODES), stop_grace_s=stop_grace_s).run(stop))
+            )
         try:
             if nodes:
                 await register_nodes(LanesClient(conns.nc, "tests"), DEMO_NODES)

@@ -431,7 +431,13 @@ def test_structured_mode_object_shape():
     assert structured["type"] == "io.lanes.job.rank_exited.v1"
     assert structured["time"] == "2026-12-02T10:20:11.123456Z"
     assert structured["traceparent"] == TRACEPARENT
-    assert structured["data"] == {"exit_code": 137, "signal": None, "evidence": None}
+    assert structured["data"] == {
+        "exit_code": 137,
+        "signal": None,
+        "evidence": None,
+        "start_error": None,
+        "killed_after_grace_s": None,
+    }
 
 
 def test_header_names_are_case_insensitive_on_decode():
@@ -810,7 +816,13 @@ def test_a_rank_killed_by_a_signal_round_trips():
         source="agent/node-1", jobid="job-1", node="node-1", rank=0, data=RankExitedData(exit_code=None, signal=9)
     )
     encoded = encode(event)
-    assert json.loads(encoded.payload) == {"exit_code": None, "signal": 9, "evidence": None}
+    assert json.loads(encoded.payload) == {
+        "exit_code": None,
+        "signal": 9,
+        "evidence": None,
+        "start_error": None,
+        "killed_after_grace_s": None,
+    }
     assert _decode_encoded(encoded) == event
     assert decode(encoded.subject, None, json.dumps(to_structured(event)).encode()) == event
 

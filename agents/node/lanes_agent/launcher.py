@@ -1,9 +1,11 @@
 """A local launcher: the node agent of `lanes demo` and `lanes up`, running each rank as a real process.
 
 It reads placements from the job timeline, starts one OS process per rank with the usual torchrun-style
-environment (RANK, WORLD_SIZE, LOCAL_RANK, LANES_JOB_ID) and publishes each rank's start, rendezvous,
-communicator readiness (the rank prints READY_MARKER) and exit. It terminates an attempt's ranks when
-the lifecycle cancels it or declares it partially failed. Event ids derive from the placement, so a
+environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT for torch.distributed's env://
+rendezvous, LANES_JOB_ID) and publishes each rank's start, rendezvous, communicator readiness (the rank prints
+READY_MARKER) and exit. A rank that cannot be started exits with the OS error (`start_error`). It terminates
+an attempt's ranks when the lifecycle cancels it or declares it partially failed, and SIGKILLs any still
+there after a grace period (`killed_after_grace_s` on its exit). Event ids derive from the placement, so a
 placement redelivered after a crash publishes the same ids.
 """
 
@@ -14,6 +16,7 @@ import contextlib
 import dataclasses
 import os
 import re
+import socket
 import sys
 from collections.abc import Awaitable
 from datetime import UTC
@@ -40,6 +43,7 @@ from lanes_contract.events import (
     JobPlaced,
     JobStateChanged,
     JobSubmitted,
+    Lane,
     RankAssignment,
     RankExited,
     RankExitedData,
@@ -61,6 +65,8 @@ from lanes_runtime import decision
 from lanes_runtime.consumer import ConsumerSpec, DeadLetter, dead_letter
 from lanes_runtime.failures import classify
 
+STOP_GRACE_S = 10.0
+"""How long a stopped rank has between SIGTERM and SIGKILL."""
 READY_MARKER = "lanes: communicator ready"
 """A rank prints this line once its collective communicator is initialised; the launcher reports it."""
 _LISTENING = re.compile(r"Uvicorn running on (?P<scheme>https?)://(?P<host>[^\s:/]+):(?P<port>\d+)")
@@ -127,8 +133,16 @@ def progress_report(line: str) -> HeartbeatData | CheckpointSavedData | None:
 class LocalLauncher:
     """Runs the ranks placed on a set of (simulated) nodes as local processes."""
 
-    def __init__(self, nc: NatsClient, nodes: frozenset[str], *, durable: str = "launcher-local") -> None:
+    def __init__(
+        self,
+        nc: NatsClient,
+        nodes: frozenset[str],
+        *,
+        durable: str = "launcher-local",
+        stop_grace_s: float = STOP_GRACE_S,
+    ) -> None:
         self._nc = nc
+        self._stop_grace_s = stop_grace_s
         self._js = nc.jetstream()
         self._nodes = nodes
         self._spec = dataclasses.replace(LAUNCHER_INPUTS, durable=durable)
@@ -136,6 +150,9 @@ class LocalLauncher:
         self._resume_steps: dict[tuple[str, int], int] = {}
         self._procs: dict[tuple[str, int], set[asyncio.subprocess.Process]] = {}
         self._stopping: set[tuple[str, int]] = set()
+        self._rendezvous_ports: dict[tuple[str, int], int] = {}
+        self._killed: set[asyncio.subprocess.Process] = set()
+        """Ranks SIGKILLed because they outlived the stop grace (their exit says so)."""
 
     @property
     def name(self) -> str:
@@ -240,9 +257,13 @@ class LocalLauncher:
             "LANES_NODE": assignment.node,
             "CUDA_VISIBLE_DEVICES": ",".join(map(str, assignment.gpus)),
         }
+        attempt_key = (str(placed.jobid), placed.attempt or 1)
+        # torch.distributed's env:// rendezvous: every rank of the attempt meets rank 0 at one endpoint. The
+        # simulated nodes share this host, so it is a free local port, the same for the attempt's ranks.
+        port = self._rendezvous_ports.setdefault(attempt_key, _free_port())
+        env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         env |= _spec_environment(spec, self._resume_steps.get((placed.job_key, placed.attempt or 1)))
         keys = {"source": f"agent/{assignment.node}", "node": assignment.node, "rank": assignment.rank}
-        attempt_key = (str(placed.jobid), placed.attempt or 1)
         if attempt_key in self._stopping:
             return  # cancelled before this rank was started: never start it
         try:
@@ -251,6 +272,12 @@ class LocalLauncher:
             )
         except OSError as exc:  # the placement itself cannot run here: a bad event for this node, not an outage
             self._stop_attempt(attempt_key)
+            # The rank's exit says it never ran, so the job fails instead of waiting for it forever; the
+            # placement is dead-lettered with the same reason.
+            error = f"{type(exc).__name__}: {exc}"[:1024]
+            never_ran = RankExitedData(exit_code=None, start_error=error, evidence=0)
+            exited = derive(RankExited, placed, key=str(assignment.rank), data=never_ran, lane=Lane.PLATFORM, **keys)
+            await publish_encoded(self._js, encode(exited), stream=JOBS.name)
             msg_text = f"rank {assignment.rank} of job {placed.jobid} cannot be started on {assignment.node}: {exc}"
             raise PoisonEventError(msg_text) from exc
         self._procs.setdefault(attempt_key, set()).add(proc)
@@ -272,8 +299,12 @@ class LocalLauncher:
         published = await reader  # its events come before the exit, as they happened
         self._procs[attempt_key].discard(proc)
         exit_data = RankExitedData(
-            exit_code=code if code >= 0 else None, signal=None if code >= 0 else -code, evidence=published
+            exit_code=code if code >= 0 else None,
+            signal=None if code >= 0 else -code,
+            evidence=published,
+            killed_after_grace_s=self._stop_grace_s if proc in self._killed else None,
         )
+        self._killed.discard(proc)
         exited = derive(RankExited, placed, key=str(assignment.rank), data=exit_data, **keys)
         await publish_encoded(self._js, encode(exited), stream=JOBS.name)
         log.info("rank finished", job_id=placed.jobid, rank=assignment.rank, node=assignment.node, exit_code=code)
@@ -360,12 +391,33 @@ class LocalLauncher:
         return published
 
     def _stop_attempt(self, attempt_key: tuple[str, int]) -> None:
-        """Terminate the ranks of a cancelled attempt; their exits (signal 15) end the cancellation."""
+        """Terminate the ranks of a stopped attempt; their exits (signal 15) end the cancellation.
+
+        A rank still there after the grace period is SIGKILLed: a stopped process keeps SIGTERM pending
+        forever, and one hung in the kernel or ignoring signals would otherwise hold its GPUs for good.
+        """
         self._stopping.add(attempt_key)
-        for proc in self._procs.get(attempt_key, set()):
+        procs = [p for p in self._procs.get(attempt_key, set()) if p.returncode is None]
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+        if procs:
+            asyncio.get_running_loop().call_later(self._stop_grace_s, self._kill_stragglers, procs)
+
+    def _kill_stragglers(self, procs: list[asyncio.subprocess.Process]) -> None:
+        for proc in procs:
             if proc.returncode is None:
+                self._killed.add(proc)
+                log.warning("rank ignored SIGTERM; killing it", pid=proc.pid, grace_s=self._stop_grace_s)
                 with contextlib.suppress(ProcessLookupError):
-                    proc.terminate()
+                    proc.kill()
+
+
+def _free_port() -> int:
+    """A TCP port nothing listens on now (the OS picks it; released at once for the rank to bind)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def _seq(msg: Msg) -> int:

@@ -116,6 +116,18 @@ class RankExitedData(Data):
         description="How many evidence events the agent published from this rank's output before its exit: "
         "telemetry knows the rank has reported everything once it has seen that many.",
     )
+    start_error: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="The OS error that kept the process from starting (a missing binary, an argument list too "
+        "long): the rank never ran, so no exit status exists.",
+    )
+    killed_after_grace_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="The agent stopped the rank (SIGTERM), and SIGKILLed it when it had not exited this many "
+        "seconds later (stopped, hung in the kernel, or ignoring signals). The stop is the cause, not the kill.",
+    )
 
     @property
     def succeeded(self) -> bool:

@@ -499,6 +499,12 @@ def _placed_rank(view: JobView, attempt: Attempt, event: Event) -> int:
 
 def _exit_cause(rank: RankProcess, event: RankExited, *, cancelling: bool) -> tuple[FailureCause, str]:
     where = f"rank {rank.rank} on {rank.node}"
+    if event.data.start_error is not None:
+        return FailureCause.PLATFORM_ACTION, f"{where} could not be started: {event.data.start_error}"
+    if event.data.killed_after_grace_s is not None:
+        # The agent stopped the gang and enforced it: the stop is the cause (as a plain SIGTERM would be).
+        how = f"{where} ignored SIGTERM and was killed after {event.data.killed_after_grace_s:g} s"
+        return (FailureCause.USER_CANCEL if cancelling else FailureCause.PLATFORM_ACTION), how
     if event.data.signal is not None:
         how = f"{where} was killed by signal {event.data.signal}"
         if cancelling:

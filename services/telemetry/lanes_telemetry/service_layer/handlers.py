@@ -22,6 +22,7 @@ is settled, so recovery acts on settled findings only.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -172,7 +173,10 @@ class Telemetry:
             return ()
         if isinstance(event, RankExited) and event.rank is not None:
             data = event.data
-            ex = RankExit(event.rank, event.node, data.exit_code, data.signal, event.time, data.evidence, event.id)
+            # A SIGKILL that only enforced the agent's own stop is that stop (SIGTERM): it waits for no kernel
+            # line and explains nothing, as a rank that obeyed the SIGTERM would not.
+            killed = signal.SIGTERM if data.killed_after_grace_s is not None else data.signal
+            ex = RankExit(event.rank, event.node, data.exit_code, killed, event.time, data.evidence, event.id)
             await store.save_exit(job_id, attempt, ex)
             if may_explain(ex) or _election_pending(ctx, job_id, attempt) or await store.load_finding(job_id, attempt):
                 return await _reelect(ctx, store, event, job_id, attempt, force=True)
