@@ -192,7 +192,6 @@ import torch.distributed as dist
 dist.init_process_group("gloo")  # env://: MASTER_ADDR and MASTER_PORT come from the launcher
 total = torch.ones(4) * (dist.get_rank() + 1)
 dist.all_reduce(total)
-print("lanes: communicator ready", flush=True)
 print(f"reduced {total[0].item():g}", flush=True)
 dist.destroy_process_group()
 """

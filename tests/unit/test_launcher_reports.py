@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lanes_agent.launcher import listening_endpoint, progress_report
+from lanes_agent.launcher import READY_MARKER, communicator_ready, listening_endpoint, progress_report
 from lanes_contract.events import CheckpointSavedData, HeartbeatData
 
 DIGEST = "sha256:" + "ab" * 32
@@ -32,3 +32,15 @@ def test_a_malformed_checkpoint_line_is_refused_with_the_reason() -> None:
         progress_report(f"lanes: checkpoint saved step=1 path=/c digest={DIGEST} colour=blue")
     with pytest.raises(ValueError, match="digest"):
         progress_report("lanes: checkpoint saved step=1 path=/c digest=nope")
+
+
+def test_readiness_is_read_from_nccls_own_init_line_as_well_as_lanes_marker() -> None:
+    # NCCL_DEBUG=INFO output of an unmodified workload: host:pid:tid [device] NCCL INFO comm ... Init COMPLETE
+    nccl = (
+        "gpu-07:48211:48390 [3] NCCL INFO comm 0x55d2c1a0f2e0 rank 27 nranks 64 cudaDev 3 nvmlDev 3 "
+        "busId 4f000 commId 0x9c1e7b2a44f0d3e1 - Init COMPLETE\n"
+    )
+    assert communicator_ready(nccl) == "nccl"
+    assert communicator_ready(f"{READY_MARKER}\n") == ""
+    assert communicator_ready("gpu-07:48211:48390 [3] NCCL INFO NET/IB : Using [0]mlx5_0:1/IB ; OOB ib0") is None
+    assert communicator_ready("epoch 1 step 20 loss 2.31") is None

@@ -103,6 +103,20 @@ LAUNCHER_INPUTS = ConsumerSpec(
 """What the node agent reads; a placement is held (in progress) for as long as its ranks run."""
 
 
+_NCCL_READY = re.compile(r"NCCL INFO comm 0x[0-9a-f]+ rank \d+ nranks \d+ .*- Init COMPLETE")
+"""NCCL's own line (NCCL_DEBUG=INFO) once a rank's communicator is initialised."""
+
+
+def communicator_ready(line: str) -> str | None:
+    """The backend whose communicator this line says is ready ("" for Lanes' own marker), or None.
+
+    An unmodified workload says so in its own words: NCCL's `Init COMPLETE` line under NCCL_DEBUG=INFO.
+    """
+    if line.strip() == READY_MARKER:
+        return ""
+    return "nccl" if _NCCL_READY.search(line) else None
+
+
 def listening_endpoint(line: str) -> str | None:
     """The endpoint a server's "running on" line announces; a wildcard host becomes loopback (local nodes)."""
     found = _LISTENING.search(line)
@@ -360,22 +374,28 @@ class LocalLauncher:
             event = derive(kind, placed, key=f"{rank_key}:{key}", data=data, **keys)
             await publish_encoded(self._js, encode(event), stream=JOBS.name)
 
-        async def follow(stream: asyncio.StreamReader, *, watch_ready: bool) -> None:
-            reported = False
+        reported = False  # readiness is said once, on whichever stream says it first
+
+        async def follow(stream: asyncio.StreamReader, *, hooks: bool) -> None:
+            nonlocal reported
             async for raw in stream:
                 line = raw.decode(errors="replace")
-                endpoint = listening_endpoint(line) if watch_ready else None
-                if watch_ready and not reported and (line.strip() == READY_MARKER or endpoint):
+                endpoint = listening_endpoint(line) if hooks else None
+                backend = communicator_ready(line)
+                if not reported and (backend is not None or endpoint):
                     # A serving replica is ready when its server listens; a training rank when it says so.
                     if endpoint:
                         await publish(
                             ReplicaListening, ReplicaListeningData(endpoint=endpoint, rank=assignment.rank), ""
                         )
-                    await publish(CommunicatorReady, CommunicatorReadyData(backend="http" if endpoint else ""), "")
+                    await publish(
+                        CommunicatorReady, CommunicatorReadyData(backend="http" if endpoint else backend or ""), ""
+                    )
                     reported = True
-                    continue
+                    if backend == "" or endpoint:
+                        continue  # Lanes' own marker (and the listening line) is no evidence
                 try:
-                    progress = progress_report(line) if watch_ready else None
+                    progress = progress_report(line) if hooks else None
                 except ValueError as exc:  # a malformed hook line is the rank's bug: say so, keep tailing
                     log.warning("rank printed a malformed progress line", job_id=placed.jobid, error=str(exc))
                     progress = None
@@ -386,7 +406,7 @@ class LocalLauncher:
                 else:
                     await report(parser.feed(line))
 
-        await asyncio.gather(follow(proc.stdout, watch_ready=True), follow(proc.stderr, watch_ready=False))
+        await asyncio.gather(follow(proc.stdout, hooks=True), follow(proc.stderr, hooks=False))
         await report(parser.finish())
         return published
 
