@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from nats.aio.msg import Msg
@@ -23,12 +24,16 @@ from lanes_contract.events import (
     CheckpointSaved,
     CommunicatorReady,
     Event,
+    EvidenceCategory,
     Heartbeat,
+    JobEvidence,
+    JobFinding,
     JobStateChanged,
     JobSubmitted,
     JobSubmittedData,
     Lane,
     RankExited,
+    RankStarted,
     ReplicaListening,
     RetryData,
     RetryRequested,
@@ -230,3 +235,44 @@ async def _letters(conns: Connections, subject: str) -> list[Msg]:
                 return letters
     finally:
         await sub.unsubscribe()
+
+
+KMSG = Path("/dev/kmsg")
+# A rank on a node whose kernel OOM-kills it: the kernel's line goes to the real kernel log (written here,
+# as the kernel would, since this machine has no memory pressure to spare), then the process dies of SIGKILL.
+_OOM_KILLED = """
+import os, signal, time
+print("lanes: communicator ready", flush=True)
+time.sleep(0.5)
+pid = os.getpid()
+with open("/dev/kmsg", "w") as kmsg:
+    kmsg.write(f"<3>Memory cgroup out of memory: Killed process {pid} (python) total-vm:2048000kB, "
+               f"anon-rss:1024000kB, file-rss:0kB, shmem-rss:0kB, UID:0 pgtables:2100kB oom_score_adj:0\\n")
+os.kill(pid, signal.SIGKILL)
+"""
+
+
+@pytest.mark.skipif(not os.access(KMSG, os.R_OK | os.W_OK), reason="needs a readable, writable /dev/kmsg (root)")
+async def test_a_real_kernel_oom_line_naming_a_ranks_pid_becomes_that_ranks_settled_first_error(
+    own_urls: ServerUrls, unique: str
+) -> None:
+    job_id = f"kmsg-oom-{unique}"
+    async with local_stack(own_urls, ["scheduler", "lifecycle", "telemetry"], kernel_log=KMSG) as conns:
+        spec = JobSpec(name="oom", workers=1, command=(sys.executable, "-c", _OOM_KILLED))
+        await LanesClient(conns.nc, "tests").publish(
+            JobSubmitted(source="tests", jobid=job_id, attempt=1, data=JobSubmittedData(spec=spec))
+        )
+
+        async def settled() -> bool:
+            return any(isinstance(e, JobFinding) and e.data.settled for e in await _events(conns, job_id))
+
+        await eventually(settled, what="a settled finding", timeout_s=60)
+        events = await _events(conns, job_id)
+    (started,) = [e for e in events if isinstance(e, RankStarted)]
+    copies = [e for e in events if isinstance(e, JobEvidence) and e.data.evidence.category is EvidenceCategory.OOM_KILL]
+    assert [(c.rank, c.data.evidence.pid, c.data.evidence.origin) for c in copies] == [(0, started.data.pid, "kmsg")]
+    finding = [e for e in events if isinstance(e, JobFinding) and e.data.settled][-1]
+    first = finding.data.first_error
+    assert first is not None
+    assert (first.category, first.lane, first.rank) == ("oom_kill", Lane.HOST, 0)
+    assert finding.data.settle_reason.startswith("every rank")  # the kernel line arrived: no window ran out

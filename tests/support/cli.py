@@ -65,7 +65,12 @@ async def run_lanes_async(urls: ServerUrls | None, *args: str, env: Mapping[str,
 
 @contextlib.asynccontextmanager
 async def local_stack(
-    urls: ServerUrls, services: Iterable[str], *, nodes: bool = True, stop_grace_s: float = STOP_GRACE_S
+    urls: ServerUrls,
+    services: Iterable[str],
+    *,
+    nodes: bool = True,
+    stop_grace_s: float = STOP_GRACE_S,
+    kernel_log: Path | None = None,
 ) -> AsyncIterator[Connections]:
     """Services as `lanes up` runs them; with `nodes`, a local launcher on the demo's nodes, registered."""
     async with connected(urls, name="cli-tests") as conns:
@@ -74,7 +79,11 @@ async def local_stack(
         tasks = [asyncio.create_task(run_consumers(consumers, stop))]
         if nodes:
             tasks.append(
-                asyncio.create_task(LocalLauncher(conns.nc, frozenset(DEMO_NODES), stop_grace_s=stop_grace_s).run(stop))
+                asyncio.create_task(
+                    LocalLauncher(
+                        conns.nc, frozenset(DEMO_NODES), stop_grace_s=stop_grace_s, kernel_log=kernel_log
+                    ).run(stop)
+                )
             )
         try:
             if nodes:

@@ -19,7 +19,8 @@ import re
 import socket
 import sys
 from collections.abc import Awaitable
-from datetime import UTC
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -27,6 +28,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
+from lanes_agent import kmsg
 from lanes_contract.client import publish_encoded
 from lanes_contract.codec import decode, encode
 from lanes_contract.errors import DecodeError, PoisonEventError
@@ -38,12 +40,14 @@ from lanes_contract.events import (
     CommunicatorReadyData,
     Event,
     EvidenceCategory,
+    EvidenceData,
     Heartbeat,
     HeartbeatData,
     JobPlaced,
     JobStateChanged,
     JobSubmitted,
     Lane,
+    PlatformEvidence,
     RankAssignment,
     RankExited,
     RankExitedData,
@@ -65,6 +69,8 @@ from lanes_runtime import decision
 from lanes_runtime.consumer import ConsumerSpec, DeadLetter, dead_letter
 from lanes_runtime.failures import classify
 
+_PIDS_KEPT = 65_536
+_KERNEL_LOG_POLL_S = 0.2
 STOP_GRACE_S = 10.0
 """How long a stopped rank has between SIGTERM and SIGKILL."""
 READY_MARKER = "lanes: communicator ready"
@@ -154,8 +160,14 @@ class LocalLauncher:
         *,
         durable: str = "launcher-local",
         stop_grace_s: float = STOP_GRACE_S,
+        kernel_log: Path | None = None,
+        kernel_log_position: Path | None = None,
     ) -> None:
         self._nc = nc
+        self._kernel_log = kernel_log
+        self._kernel_log_position = kernel_log_position
+        self._ranks_by_pid: dict[int, tuple[JobPlaced, RankAssignment]] = {}
+        """The ranks this agent started, by pid: whose process a kernel line names."""
         self._stop_grace_s = stop_grace_s
         self._js = nc.jetstream()
         self._nodes = nodes
@@ -178,6 +190,10 @@ class LocalLauncher:
         await self._js.add_consumer(JOBS.name, config=self._spec.config())
         sub = await self._js.pull_subscribe_bind(self._spec.durable, stream=JOBS.name)
         running: set[asyncio.Task[None]] = set()
+        if self._kernel_log is not None:
+            kernel = asyncio.create_task(self._follow_kernel_log(self._kernel_log, stop))
+            running.add(kernel)
+            kernel.add_done_callback(running.discard)
         try:
             while not stop.is_set():
                 try:
@@ -295,6 +311,9 @@ class LocalLauncher:
             msg_text = f"rank {assignment.rank} of job {placed.jobid} cannot be started on {assignment.node}: {exc}"
             raise PoisonEventError(msg_text) from exc
         self._procs.setdefault(attempt_key, set()).add(proc)
+        self._ranks_by_pid[proc.pid] = (placed, assignment)
+        if len(self._ranks_by_pid) > _PIDS_KEPT:  # the oldest go first (dicts keep insertion order)
+            del self._ranks_by_pid[next(iter(self._ranks_by_pid))]
         if attempt_key in self._stopping:  # stopped while this process was being spawned
             proc.terminate()
         rank_key = str(assignment.rank)
@@ -409,6 +428,64 @@ class LocalLauncher:
         await asyncio.gather(follow(proc.stdout, hooks=True), follow(proc.stderr, hooks=False))
         await report(parser.finish())
         return published
+
+    async def _follow_kernel_log(self, path: Path, stop: asyncio.Event) -> None:
+        """Publish the kernel lines that are evidence (Xid, OOM kill, ECC, link), from a stored position on.
+
+        A line that names the pid of a rank this agent started is that rank's (job, attempt, rank, node);
+        one that names none is the node's, when this agent runs one node, and otherwise attributed to no
+        simulated node (they all share this kernel). When the log cannot be read, each node says so.
+        """
+        boot = kmsg.boot_id()
+        position = None if self._kernel_log_position is None else kmsg.Position.load(self._kernel_log_position)
+        try:
+            reader = kmsg.KmsgReader(path, position, boot)
+        except OSError as exc:
+            await self._kernel_log_unreadable(path, exc)
+            return
+        booted = kmsg.boot_time()
+        try:
+            while not stop.is_set():
+                for record in reader.available():
+                    await self._kernel_record(record, boot, booted)
+                    if self._kernel_log_position is not None:
+                        kmsg.Position(boot, record.sequence).save(self._kernel_log_position)
+                await asyncio.sleep(_KERNEL_LOG_POLL_S)
+        except OSError as exc:
+            await self._kernel_log_unreadable(path, exc)
+        except Exception:
+            log.exception("kernel log follower failed")
+            raise
+        finally:
+            reader.close()
+
+    async def _kernel_record(self, record: kmsg.KmsgRecord, boot: str, booted: datetime) -> None:
+        data = kmsg.kernel_evidence(record)
+        if data is None:
+            return
+        owner = self._ranks_by_pid.get(data.pid) if data.pid is not None else None
+        if owner is None and len(self._nodes) != 1:
+            log.info("kernel line names no rank of this agent; not attributed", line=record.text[:200])
+            return
+        node = owner[1].node if owner else next(iter(self._nodes))
+        at = booted + record.since_boot
+        event = evidence_event(Evidence(data=data, time=at, node=node), source=f"agent/{node}", node=node, time=at)
+        update: dict[str, Any] = {"id": derived_event_id(f"kmsg/{boot}", event.type, str(record.sequence))}
+        if owner is not None:
+            placed, assignment = owner
+            update |= {"jobid": placed.jobid, "attempt": placed.attempt or 1, "rank": assignment.rank}
+        await publish_encoded(self._js, encode(event.model_copy(update=update)), stream=TELEMETRY.name)
+
+    async def _kernel_log_unreadable(self, path: Path, exc: OSError) -> None:
+        reason = f"kernel log {path} unreadable: {exc.strerror or exc}"
+        log.warning("agent cannot read the kernel log; kernel evidence will be missing", reason=reason)
+        for node in sorted(self._nodes):
+            data = EvidenceData(category=EvidenceCategory.RAW, summary=reason, origin="agent")
+            said = PlatformEvidence(source=f"agent/{node}", node=node, data=data)
+            try:
+                await publish_encoded(self._js, encode(said), stream=TELEMETRY.name)
+            except Exception as failed:  # noqa: BLE001 - the agent keeps running its ranks without the bus too
+                log.warning("cannot report the unreadable kernel log", node=node, error=str(failed))
 
     def _stop_attempt(self, attempt_key: tuple[str, int]) -> None:
         """Terminate the ranks of a stopped attempt; their exits (signal 15) end the cancellation.

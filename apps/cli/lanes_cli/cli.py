@@ -106,6 +106,13 @@ def demo(
 def up(
     nodes: Annotated[int, typer.Option(help="Simulated local nodes for the local launcher.", min=0)] = 2,
     gpus: Annotated[int, typer.Option(help="GPUs per simulated node.", min=1, max=64)] = 4,
+    kernel_log: Annotated[
+        Path | None,
+        typer.Option(
+            help="Follow this kernel log (/dev/kmsg, as root): Xid, OOM-killer, ECC and link lines naming a rank's "
+            "pid become that rank's evidence. Its resume position is kept in ~/.lanes/kmsg.position."
+        ),
+    ] = None,
 ) -> None:
     """Start embedded servers (unless the environment names yours) and every service, until Ctrl-C."""
     settings = load_settings()
@@ -123,7 +130,12 @@ def up(
                 out.print(f"export {name}={value}", highlight=False, soft_wrap=True)
             out.print(f"[dim]{len(fleet)} local nodes x {gpus} GPUs; Ctrl-C to stop[/dim]")
             consumers = await prepare_services(conns, SERVICES)
-            launcher = LocalLauncher(conns.nc, frozenset(fleet))
+            launcher = LocalLauncher(
+                conns.nc,
+                frozenset(fleet),
+                kernel_log=kernel_log,
+                kernel_log_position=Path.home() / ".lanes" / "kmsg.position" if kernel_log else None,
+            )
             router = next(consumer for consumer in consumers if isinstance(consumer, RouterRunner))
 
             async def announce_router() -> None:
