@@ -17,6 +17,7 @@ from nats.aio.msg import Msg
 from support.cli import local_stack
 from support.waiting import eventually
 
+from lanes_agent.cgroups import MemoryCgroups
 from lanes_cli.demo import DEMO_NODES
 from lanes_cli.timeline import job_timeline
 from lanes_contract.client import LanesClient
@@ -276,3 +277,49 @@ async def test_a_real_kernel_oom_line_naming_a_ranks_pid_becomes_that_ranks_sett
     assert first is not None
     assert (first.category, first.lane, first.rank) == ("oom_kill", Lane.HOST, 0)
     assert finding.data.settle_reason.startswith("every rank")  # the kernel line arrived: no window ran out
+
+
+# An unmodified memory hog: it grows until something stops it.
+_HOG = """
+import time
+print("lanes: communicator ready", flush=True)
+held = []
+while True:
+    held.append(bytearray(16 << 20))  # 16 MiB, written (a bytearray is zero-filled), so really resident
+    time.sleep(0.01)
+"""
+
+
+@pytest.mark.skipif(
+    not (os.access(KMSG, os.R_OK) and MemoryCgroups().unavailable() is None),
+    reason="needs root: /dev/kmsg and a cgroup v1 memory controller",
+)
+async def test_a_rank_over_its_host_memory_is_killed_by_the_kernels_oom_killer_and_that_is_the_first_error(
+    own_urls: ServerUrls, unique: str
+) -> None:
+    job_id = f"real-oom-{unique}"
+    async with local_stack(own_urls, ["scheduler", "lifecycle", "telemetry"], kernel_log=KMSG) as conns:
+        spec = JobSpec(name="hog", workers=1, host_memory_gib=0.125, command=(sys.executable, "-c", _HOG))
+        await LanesClient(conns.nc, "tests").publish(
+            JobSubmitted(source="tests", jobid=job_id, attempt=1, data=JobSubmittedData(spec=spec))
+        )
+
+        async def settled() -> bool:
+            return any(isinstance(e, JobFinding) and e.data.settled for e in await _events(conns, job_id))
+
+        await eventually(settled, what="a settled finding", timeout_s=90)
+        events = await _events(conns, job_id)
+    (started,) = [e for e in events if isinstance(e, RankStarted)]
+    (exited,) = [e for e in events if isinstance(e, RankExited)]
+    assert exited.data.signal == signal.SIGKILL  # the kernel's OOM killer, not anything Lanes did
+    kills = [e for e in events if isinstance(e, JobEvidence) and e.data.evidence.category is EvidenceCategory.OOM_KILL]
+    # The kernel says it twice (`oom-kill:constraint=CONSTRAINT_MEMCG,...,pid=N` and `Memory cgroup out of memory:
+    # Killed process N`); either settles the finding, and every one names the rank's pid: all are the rank's.
+    assert kills
+    assert {(e.rank, e.data.evidence.pid) for e in kills} == {(0, started.data.pid)}
+    assert all(e.data.evidence.lines[0].startswith(("oom-kill:", "Memory cgroup out of memory")) for e in kills)
+    finding = [e for e in events if isinstance(e, JobFinding) and e.data.settled][-1]
+    first = finding.data.first_error
+    assert first is not None
+    assert (first.category, first.lane, first.rank) == ("oom_kill", Lane.HOST, 0)
+    assert not (MemoryCgroups().root / f"{job_id}-a1-r0").exists()  # the rank's cgroup is gone with it

@@ -17,6 +17,7 @@ import dataclasses
 import os
 import re
 import socket
+import subprocess
 import sys
 from collections.abc import Awaitable
 from datetime import UTC, datetime
@@ -29,6 +30,7 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
 from lanes_agent import kmsg
+from lanes_agent.cgroups import MemoryCgroups
 from lanes_contract.client import publish_encoded
 from lanes_contract.codec import decode, encode
 from lanes_contract.errors import DecodeError, PoisonEventError
@@ -162,8 +164,13 @@ class LocalLauncher:
         stop_grace_s: float = STOP_GRACE_S,
         kernel_log: Path | None = None,
         kernel_log_position: Path | None = None,
+        memory_cgroups: MemoryCgroups | None = None,
     ) -> None:
         self._nc = nc
+        self._cgroups = memory_cgroups or MemoryCgroups()
+        self._cgroups_missing: str | None = None
+        """Why specs' host memory limits cannot be enforced here (found at the first spec that sets one)."""
+        self._cgroups_checked = False
         self._kernel_log = kernel_log
         self._kernel_log_position = kernel_log_position
         self._ranks_by_pid: dict[int, tuple[JobPlaced, RankAssignment]] = {}
@@ -296,11 +303,18 @@ class LocalLauncher:
         keys = {"source": f"agent/{assignment.node}", "node": assignment.node, "rank": assignment.rank}
         if attempt_key in self._stopping:
             return  # cancelled before this rank was started: never start it
+        group = self._rank_cgroup(placed, assignment, spec.host_memory_gib)
         try:
             proc = await asyncio.create_subprocess_exec(
-                *command, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+                *command,
+                env=env,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                # Joins the cgroup between fork and exec, so nothing the rank allocates escapes its limit.
+                preexec_fn=MemoryCgroups.join(group) if group else None,
             )
-        except OSError as exc:  # the placement itself cannot run here: a bad event for this node, not an outage
+        # Cannot run here (no binary, no room to join its cgroup): a bad placement for this node, not an outage.
+        except (OSError, subprocess.SubprocessError) as exc:
             self._stop_attempt(attempt_key)
             # The rank's exit says it never ran, so the job fails instead of waiting for it forever; the
             # placement is dead-lettered with the same reason.
@@ -338,6 +352,8 @@ class LocalLauncher:
             killed_after_grace_s=self._stop_grace_s if proc in self._killed else None,
         )
         self._killed.discard(proc)
+        if group is not None:
+            MemoryCgroups.remove(group)
         exited = derive(RankExited, placed, key=str(assignment.rank), data=exit_data, **keys)
         await publish_encoded(self._js, encode(exited), stream=JOBS.name)
         log.info("rank finished", job_id=placed.jobid, rank=assignment.rank, node=assignment.node, exit_code=code)
@@ -428,6 +444,24 @@ class LocalLauncher:
         await asyncio.gather(follow(proc.stdout, hooks=True), follow(proc.stderr, hooks=False))
         await report(parser.finish())
         return published
+
+    def _rank_cgroup(self, placed: JobPlaced, assignment: RankAssignment, limit_gib: float | None) -> Path | None:
+        """The rank's own memory cgroup when its spec sets a limit and this node can make one."""
+        if limit_gib is None:
+            return None
+        if not self._cgroups_checked:
+            self._cgroups_checked = True
+            self._cgroups_missing = self._cgroups.unavailable()
+            if self._cgroups_missing:
+                log.warning("ranks run without memory limits", reason=self._cgroups_missing)
+        if self._cgroups_missing:
+            return None
+        name = f"{placed.job_key}-a{placed.attempt or 1}-r{assignment.rank}"
+        try:
+            return self._cgroups.create(name, limit_gib)
+        except OSError as exc:
+            log.warning("rank runs without its memory limit", cgroup=name, error=exc.strerror or str(exc))
+            return None
 
     async def _follow_kernel_log(self, path: Path, stop: asyncio.Event) -> None:
         """Publish the kernel lines that are evidence (Xid, OOM kill, ECC, link), from a stored position on.

@@ -131,6 +131,13 @@ class JobSpec(BaseModel):
     gpu_model: Text | None = Field(default=None, description="Required GPU model, or any model when unset.")
     # --- scheduler: resources and topology (defaults keep older specs valid) ---
     gpu_memory_gib: StrictInt | None = Field(default=None, ge=1, description="Minimum memory per GPU, or any.")
+    host_memory_gib: float | None = Field(
+        default=None,
+        gt=0,
+        le=65_536,
+        description="Host memory per rank: where the node agent may create cgroups, each rank runs in its own "
+        "memory cgroup of this size, so exceeding it is the kernel's real OOM kill. Unset: no limit.",
+    )
     pool: Token = "default"
     priority: StrictInt = Field(default=0, ge=-1000, le=1000, description="Higher is placed first.")
     topology: TopologyConstraint = TopologyConstraint()
