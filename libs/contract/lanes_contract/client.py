@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ from urllib.parse import urlsplit, urlunsplit
 import nats
 import structlog
 from nats.aio.client import Client as NatsClient
-from nats.errors import AuthorizationError, NoServersError
+from nats.errors import AuthorizationError, NoRespondersError, NoServersError
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
@@ -173,15 +174,52 @@ async def connect_nats(
     try:
         version = nc.connected_server_version
         check_server_version(f"{version.major}.{version.minor}.{version.patch}", shown)
-        try:
-            await nc.jetstream().account_info()
-        except (ServiceUnavailableError, APIError, NatsError, TimeoutError) as exc:
-            msg = f"JetStream is not enabled on the NATS server at {shown}: start nats-server with -js"
-            raise UnsupportedServerError(msg) from exc
+        await _jetstream_answers(nc, shown)
     except BaseException:
         await nc.close()
         raise
     return nc
+
+
+JETSTREAM_WAIT_S = 30.0
+"""How long a connect waits for JetStream to answer: longer than a cluster takes to elect its meta leader."""
+_JETSTREAM_NOT_ENABLED = 10039
+
+
+async def _jetstream_answers(nc: NatsClient, shown: str) -> None:
+    """Return once JetStream answers; refuse a server without it; wait out one that cannot answer yet.
+
+    A server without JetStream refuses at once (no responders). A cluster that lost its meta leader does
+    not answer until raft elects another (nats-server's election timeout is up to 9 s): that is an outage,
+    never "not enabled".
+    """
+    deadline = time.monotonic() + JETSTREAM_WAIT_S
+    while True:
+        try:
+            await nc.jetstream(timeout=2.0).account_info()
+        except (ServiceUnavailableError, NoRespondersError) as exc:
+            # A bare 503 is "no responders": nothing serves JetStream. One with an error code came from
+            # JetStream itself ("temporarily unavailable" while a cluster elects): wait for it.
+            if getattr(exc, "err_code", None) is None:
+                msg = f"JetStream is not enabled on the NATS server at {shown}: start nats-server with -js"
+                raise UnsupportedServerError(msg) from exc
+            failure: Exception = exc
+        except APIError as exc:
+            if exc.err_code == _JETSTREAM_NOT_ENABLED:
+                msg = f"JetStream is not enabled for this account on the NATS server at {shown}"
+                raise UnsupportedServerError(msg) from exc
+            failure = exc
+        except (NatsError, TimeoutError) as exc:
+            failure = exc
+        else:
+            return
+        if time.monotonic() >= deadline:
+            msg = (
+                f"JetStream at {shown} did not answer within {JETSTREAM_WAIT_S:g} s "
+                f"({failure or type(failure).__name__}): a cluster without a leader, or an overloaded server"
+            )
+            raise ServerUnavailableError(msg) from failure
+        await asyncio.sleep(0.5)
 
 
 @dataclass(frozen=True, slots=True)
