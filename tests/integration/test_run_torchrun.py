@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -83,8 +84,12 @@ async def test_torchrun_with_a_failing_rank_gets_the_finding_lanes_analyze_elect
     events = await timeline_events(stack, job_id)
     assert {e.rank for e in events if isinstance(e, RankStarted)} == {0, 1, 2, 3}
     exits = {e.rank: e.data for e in events if isinstance(e, RankExited)}
-    assert exits[_FAILING_RANK].exit_code == 1  # from torchelastic's summary
-    assert all(exits[r].signal == 15 for r in (0, 1, 3))  # torchrun stopped the rest of the gang
+    # torchelastic's summary names each rank's end. The failing rank exits 1, or dies of SIGABRT when gloo's
+    # teardown aborts on its way out (seen under load); the others are stopped by torchrun (SIGTERM) or
+    # fail on the closed connection first. Every rank ended, and none of them cleanly.
+    assert set(exits) == {0, 1, 2, 3}
+    assert exits[_FAILING_RANK].exit_code == 1 or exits[_FAILING_RANK].signal == signal.SIGABRT
+    assert not any(exits[r].succeeded for r in (0, 1, 3))
 
     async def found() -> bool:
         return any(isinstance(e, JobFinding) for e in await timeline_events(stack, job_id))
@@ -110,4 +115,5 @@ async def test_torchrun_with_a_failing_rank_gets_the_finding_lanes_analyze_elect
     view = await job_view(own_urls, job_id)
     assert view is not None
     (attempt,) = view["attempts"]
-    assert attempt["ranks"][str(_FAILING_RANK)]["exit_code"] == 1
+    failing = attempt["ranks"][str(_FAILING_RANK)]
+    assert (failing["exit_code"], failing["signal"]) == (exits[_FAILING_RANK].exit_code, exits[_FAILING_RANK].signal)
