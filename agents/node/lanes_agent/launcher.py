@@ -3,10 +3,15 @@
 It reads placements from the job timeline, starts one OS process per rank with the usual torchrun-style
 environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT for torch.distributed's env://
 rendezvous, LANES_JOB_ID) and publishes each rank's start, rendezvous, communicator readiness (the rank prints
-READY_MARKER) and exit. A rank that cannot be started exits with the OS error (`start_error`). It terminates
-an attempt's ranks when the lifecycle cancels it or declares it partially failed, and SIGKILLs any still
-there after a grace period (`killed_after_grace_s` on its exit). Event ids derive from the placement, so a
-placement redelivered after a crash publishes the same ids.
+READY_MARKER or NCCL's init line) and exit. A rank that cannot be started exits with the OS error
+(`start_error`). It terminates an attempt's ranks when the lifecycle cancels it or declares it partially
+failed, and SIGKILLs any still there after a grace period (`killed_after_grace_s` on its exit).
+
+Each rank runs at most once: its record in the agent's ledger (`ledger.py`) is written before the process
+starts, so a placement redelivered after an outage or after the agent's own restart re-publishes what
+happened instead of running the rank again, and a restarted agent settles the ranks its earlier self left.
+What it forgot with its memory (the job's spec, a stop already decided) it reads back from the log. Event
+ids derive from the placement, so whatever is published twice is stored once.
 """
 
 from __future__ import annotations
@@ -16,10 +21,13 @@ import contextlib
 import dataclasses
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Awaitable
+import tempfile
+import uuid
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -28,9 +36,11 @@ import structlog
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
+from nats.js.errors import NotFoundError
 
 from lanes_agent import kmsg
 from lanes_agent.cgroups import MemoryCgroups
+from lanes_agent.ledger import RankLedger, RankRecord, process_start, reclaim
 from lanes_contract.client import publish_encoded
 from lanes_contract.codec import decode, encode
 from lanes_contract.errors import DecodeError, PoisonEventError
@@ -69,7 +79,7 @@ from lanes_evidence.evidence import Evidence, evidence_event
 from lanes_evidence.parsers import LogParser, SourceContext
 from lanes_runtime import decision
 from lanes_runtime.consumer import ConsumerSpec, DeadLetter, dead_letter
-from lanes_runtime.failures import classify
+from lanes_runtime.failures import classify, is_infrastructure
 
 _PIDS_KEPT = 65_536
 _KERNEL_LOG_POLL_S = 0.2
@@ -95,6 +105,10 @@ DEFAULT_RANK_PROGRAM = (
 _STOP_RANKS = frozenset({JobState.CANCELLING, JobState.CANCELLED, JobState.PARTIALLY_FAILED, JobState.FAILED})
 """States in which the launcher terminates the attempt's ranks (and starts none of those not yet started):
 cancelled, or (like torchrun's elastic agent) a rank failed, so the rest of the gang is torn down."""
+_ATTEMPT_LIVE = frozenset({JobState.ADMITTED, JobState.STARTING, JobState.RUNNING})
+"""States in which an attempt's ranks may still be started; any other state of it (or a later attempt) ends it."""
+_HOLD_PAUSES_S = (0.5, 1.0, 2.0, 5.0)
+"""Pauses between tries of a publish that must not be dropped while the bus is away (the last repeats)."""
 log = structlog.get_logger(__name__)
 
 LAUNCHER_INPUTS = ConsumerSpec(
@@ -165,16 +179,23 @@ class LocalLauncher:
         kernel_log: Path | None = None,
         kernel_log_position: Path | None = None,
         memory_cgroups: MemoryCgroups | None = None,
+        state_dir: Path | None = None,
     ) -> None:
         self._nc = nc
+        self._state_dir = state_dir
+        """Where the ledger lives (survives restarts); None: a temporary one, for a launcher that never restarts."""
+        self._ledger: RankLedger | None = None
+        self._incarnation = uuid.uuid4().hex
+        self._runs: dict[str, asyncio.Task[RankRecord]] = {}
+        """The ranks this run of the agent is running, by ledger key: a redelivered placement waits for them."""
         self._cgroups = memory_cgroups or MemoryCgroups()
         self._cgroups_missing: str | None = None
         """Why specs' host memory limits cannot be enforced here (found at the first spec that sets one)."""
         self._cgroups_checked = False
         self._kernel_log = kernel_log
         self._kernel_log_position = kernel_log_position
-        self._ranks_by_pid: dict[int, tuple[JobPlaced, RankAssignment]] = {}
-        """The ranks this agent started, by pid: whose process a kernel line names."""
+        self._ranks_by_pid: dict[int, RankRecord] = {}
+        """The ranks this agent (or its earlier self) started, by pid: whose process a kernel line names."""
         self._stop_grace_s = stop_grace_s
         self._js = nc.jetstream()
         self._nodes = nodes
@@ -194,6 +215,31 @@ class LocalLauncher:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Launch the ranks of every placement on our nodes until `stop` is set."""
+        with contextlib.ExitStack() as scratch:
+            directory = self._state_dir or Path(
+                scratch.enter_context(tempfile.TemporaryDirectory(prefix="lanes-agent-"))
+            )
+            self._ledger = RankLedger(directory)
+            await asyncio.to_thread(self._settle_earlier_runs, self._ledger)
+            await self._consume(stop)
+
+    def _settle_earlier_runs(self, ledger: RankLedger) -> None:
+        """Kill what an earlier run of this agent left running, and record those ranks as lost (at most once)."""
+        ledger.prune()
+        for record in ledger.unfinished():
+            if record.pid is not None:
+                self._remember_pid(record)  # kernel lines about it that this run has not read are still its own
+            settled = ledger.put(reclaim(record))
+            lost = (settled.exit or {}).get("lost")
+            log.warning("rank left by an earlier run of this agent", job_id=record.job_id, rank=record.rank, lost=lost)
+
+    def _remember_pid(self, record: RankRecord) -> None:
+        assert record.pid is not None  # noqa: S101 - only started ranks are remembered
+        self._ranks_by_pid[record.pid] = record
+        if len(self._ranks_by_pid) > _PIDS_KEPT:  # the oldest go first (dicts keep insertion order)
+            del self._ranks_by_pid[next(iter(self._ranks_by_pid))]
+
+    async def _consume(self, stop: asyncio.Event) -> None:
         await self._js.add_consumer(JOBS.name, config=self._spec.config())
         sub = await self._js.pull_subscribe_bind(self._spec.durable, stream=JOBS.name)
         running: set[asyncio.Task[None]] = set()
@@ -275,14 +321,121 @@ class LocalLauncher:
             self._stop_attempt((str(event.jobid), event.attempt or 1))
         elif isinstance(event, JobPlaced):
             mine = [a for a in event.data.assignments if a.node in self._nodes]
-            spec = self._specs.get(str(event.jobid))
+            spec = await self._job_spec(event) if mine else None
             if mine and spec is not None and spec.managed_by is None:  # observed jobs run elsewhere
                 world = len(event.data.assignments)
-                await asyncio.gather(*(self._run_rank(event, spec, a, world, msg) for a in mine))
+                await asyncio.gather(*(self._rank(event, spec, a, world, msg) for a in mine))
 
-    async def _run_rank(
-        self, placed: JobPlaced, spec: JobSpec, assignment: RankAssignment, world: int, msg: Msg
-    ) -> None:
+    async def _job_spec(self, placed: JobPlaced) -> JobSpec | None:
+        """The placed job's spec; when this run of the agent has not seen the job, what the log says of it.
+
+        After a restart the submission (and any stop) was acknowledged by the earlier run: the job's last
+        `submitted`, `attempt_requested` and `state_changed` events give back its spec, the step its attempt
+        resumes from, and whether that attempt is already over (then none of its ranks is started).
+        """
+        job_id, attempt = str(placed.jobid), placed.attempt or 1
+        if job_id in self._specs:
+            return self._specs[job_id]
+        submitted = await self._last_event(f"lanes.job.{job_id}.submitted")
+        if not isinstance(submitted, JobSubmitted):
+            return None
+        requested = await self._last_event(f"lanes.job.{job_id}.attempt_requested")
+        if isinstance(requested, AttemptRequested) and requested.data.resume_step is not None:
+            self._resume_steps[(placed.job_key, requested.attempt or 1)] = requested.data.resume_step
+        changed = await self._last_event(f"lanes.job.{job_id}.state_changed")
+        if isinstance(changed, JobStateChanged) and (
+            (changed.attempt or 1) > attempt
+            or (changed.attempt == attempt and changed.data.to_state not in _ATTEMPT_LIVE)
+        ):
+            self._stopping.add((job_id, attempt))
+        self._specs[job_id] = submitted.data.spec
+        return submitted.data.spec
+
+    async def _last_event(self, subject: str) -> Event | None:
+        try:
+            raw = await self._js.get_last_msg(JOBS.name, subject)
+        except NotFoundError:
+            return None
+        try:
+            return decode(raw.subject or subject, raw.headers, raw.data or b"")
+        except DecodeError:
+            return None  # the services dead-letter it; for the agent the job is unknown
+
+    async def _rank(self, placed: JobPlaced, spec: JobSpec, assignment: RankAssignment, world: int, msg: Msg) -> None:
+        """Run one rank of a placement at most once, then report how it ended (again, if this is a redelivery)."""
+        assert self._ledger is not None  # noqa: S101 - set by run()
+        attempt_key = (str(placed.jobid), placed.attempt or 1)
+        record = self._ledger.get(placed.id, assignment.rank)
+        if record is None:
+            if attempt_key in self._stopping:
+                return  # stopped before this rank was started: never start it
+            intent = RankRecord(
+                placement=placed.id,
+                rank=assignment.rank,
+                job_id=attempt_key[0],
+                attempt=attempt_key[1],
+                node=assignment.node,
+                incarnation=self._incarnation,
+            )
+            record = self._ledger.put(intent)  # before the process exists: a crash from here on never reruns it
+            run = asyncio.create_task(self._execute(placed, spec, assignment, world, record))
+            self._runs[record.key] = run
+            run.add_done_callback(lambda _: self._runs.pop(intent.key, None))
+        if record.exit is None:
+            running = self._runs.get(record.key)
+            if running is None:  # an earlier run's, not settled yet: settle it now
+                record = self._ledger.put(await asyncio.to_thread(reclaim, record))
+            else:
+                record = await _holding(msg, running)
+        await self._report_exit(placed, assignment, record)
+
+    async def _report_exit(self, placed: JobPlaced, assignment: RankAssignment, record: RankRecord) -> None:
+        """Publish the rank's start and exit (ids derive from the placement: a repeat is stored once).
+
+        A rank the agent could not start, or lost in its own restart, is the platform's fault: the agent says
+        so as evidence in the platform lane, so the finding names it rather than the gang's consequences.
+        """
+        assert record.exit is not None  # noqa: S101 - only ended ranks are reported
+        data = RankExitedData.model_validate(record.exit)
+        keys = {"source": f"agent/{assignment.node}", "node": assignment.node, "rank": assignment.rank}
+        rank_key = str(assignment.rank)
+        if record.pid is not None:
+            started = derive(RankStarted, placed, key=rank_key, data=RankStartedData(pid=record.pid), **keys)
+            await publish_encoded(self._js, encode(started), stream=JOBS.name)
+        fault = data.start_error or data.lost
+        if fault is not None:
+            what = "could not be started" if data.start_error else "was lost by its agent"
+            said = EvidenceData(
+                category=EvidenceCategory.AGENT_FAULT,
+                summary=f"rank {assignment.rank} {what}: {fault}"[:1024],
+                origin="agent",
+                pid=record.pid,
+            )
+            now = utc_now()
+            found = Evidence(data=said, time=now, node=assignment.node)
+            evidence = evidence_event(found, source=f"agent/{assignment.node}", node=assignment.node, time=now)
+            evidence = evidence.model_copy(
+                update={
+                    "id": derived_event_id(placed.id, evidence.type, f"{rank_key}:agent_fault"),
+                    "jobid": placed.jobid,
+                    "attempt": placed.attempt or 1,
+                    "rank": assignment.rank,
+                }
+            )
+            await publish_encoded(self._js, encode(evidence), stream=TELEMETRY.name)
+        lane = {"lane": Lane.PLATFORM} if fault is not None else {}
+        exited = derive(RankExited, placed, key=rank_key, data=data, **lane, **keys)
+        await publish_encoded(self._js, encode(exited), stream=JOBS.name)
+        if data.start_error is not None:
+            msg_text = f"rank {assignment.rank} of job {placed.jobid} cannot be started on {assignment.node}: {fault}"
+            raise PoisonEventError(msg_text)
+
+    async def _execute(
+        self, placed: JobPlaced, spec: JobSpec, assignment: RankAssignment, world: int, record: RankRecord
+    ) -> RankRecord:
+        """Start the rank's process, report it as it runs, and return its record with the exit."""
+        assert self._ledger is not None  # noqa: S101 - set by run()
+        ledger = self._ledger
         command = list(spec.command) or [sys.executable, "-c", DEFAULT_RANK_PROGRAM]
         local_rank = [a.rank for a in placed.data.assignments if a.node == assignment.node].index(assignment.rank)
         env = os.environ | {
@@ -301,8 +454,6 @@ class LocalLauncher:
         env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         env |= _spec_environment(spec, self._resume_steps.get((placed.job_key, placed.attempt or 1)))
         keys = {"source": f"agent/{assignment.node}", "node": assignment.node, "rank": assignment.rank}
-        if attempt_key in self._stopping:
-            return  # cancelled before this rank was started: never start it
         group = self._rank_cgroup(placed, assignment, spec.host_memory_gib)
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -310,6 +461,8 @@ class LocalLauncher:
                 env=env,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
+                # Its own process group: a rank's whole tree (torchrun and its workers) can be killed at once.
+                start_new_session=True,
                 # Joins the cgroup between fork and exec, so nothing the rank allocates escapes its limit.
                 preexec_fn=MemoryCgroups.join(group) if group else None,
             )
@@ -317,32 +470,28 @@ class LocalLauncher:
         except (OSError, subprocess.SubprocessError) as exc:
             self._stop_attempt(attempt_key)
             # The rank's exit says it never ran, so the job fails instead of waiting for it forever; the
-            # placement is dead-lettered with the same reason.
-            error = f"{type(exc).__name__}: {exc}"[:1024]
-            never_ran = RankExitedData(exit_code=None, start_error=error, evidence=0)
-            exited = derive(RankExited, placed, key=str(assignment.rank), data=never_ran, lane=Lane.PLATFORM, **keys)
-            await publish_encoded(self._js, encode(exited), stream=JOBS.name)
-            msg_text = f"rank {assignment.rank} of job {placed.jobid} cannot be started on {assignment.node}: {exc}"
-            raise PoisonEventError(msg_text) from exc
+            # placement is dead-lettered with the same reason. Its one piece of evidence is the agent's fault.
+            never_ran = RankExitedData(exit_code=None, start_error=f"{type(exc).__name__}: {exc}"[:1024], evidence=1)
+            return ledger.put(dataclasses.replace(record, exit=never_ran.model_dump(mode="json")))
+        record = ledger.put(dataclasses.replace(record, pid=proc.pid, pid_start=process_start(proc.pid)))
         self._procs.setdefault(attempt_key, set()).add(proc)
-        self._ranks_by_pid[proc.pid] = (placed, assignment)
-        if len(self._ranks_by_pid) > _PIDS_KEPT:  # the oldest go first (dicts keep insertion order)
-            del self._ranks_by_pid[next(iter(self._ranks_by_pid))]
+        self._remember_pid(record)
         if attempt_key in self._stopping:  # stopped while this process was being spawned
             proc.terminate()
         rank_key = str(assignment.rank)
         started = derive(RankStarted, placed, key=rank_key, data=RankStartedData(pid=proc.pid), **keys)
-        await publish_encoded(self._js, encode(started), stream=JOBS.name)
+        await self._publish_held(started, JOBS.name)
         # The local launcher's rendezvous is static: RANK and WORLD_SIZE are known when the process starts.
         met = derive(RendezvousDone, placed, key=rank_key, data=RendezvousDoneData(world_size=world), **keys)
-        await publish_encoded(self._js, encode(met), stream=JOBS.name)
-        reader = asyncio.create_task(self._watch_output(proc, placed, assignment, keys))
-        while True:
-            try:
-                code = await asyncio.wait_for(proc.wait(), timeout=10)
-                break
-            except TimeoutError:
-                await msg.in_progress()  # a long rank must not make JetStream redeliver its placement
+        await self._publish_held(met, JOBS.name)
+        counted = record
+
+        def count(published: int) -> None:
+            nonlocal counted
+            counted = ledger.put(dataclasses.replace(counted, evidence=published))
+
+        reader = asyncio.create_task(self._watch_output(proc, placed, assignment, keys, count))
+        code = await proc.wait()
         published = await reader  # its events come before the exit, as they happened
         self._procs[attempt_key].discard(proc)
         exit_data = RankExitedData(
@@ -354,12 +503,37 @@ class LocalLauncher:
         self._killed.discard(proc)
         if group is not None:
             MemoryCgroups.remove(group)
-        exited = derive(RankExited, placed, key=str(assignment.rank), data=exit_data, **keys)
-        await publish_encoded(self._js, encode(exited), stream=JOBS.name)
         log.info("rank finished", job_id=placed.jobid, rank=assignment.rank, node=assignment.node, exit_code=code)
+        return ledger.put(dataclasses.replace(counted, exit=exit_data.model_dump(mode="json")))
+
+    async def _publish_held(self, event: Event, stream: str) -> None:
+        """Publish what a running rank reports; while the bus is away, keep trying (the rank runs on regardless).
+
+        Dropping it would lose evidence; raising would abandon a live rank. Only a refusal that is not an
+        outage (a permission, a bad event) is raised.
+        """
+        encoded = encode(event)
+        tries = 0
+        while True:
+            try:
+                await publish_encoded(self._js, encoded, stream=stream)
+            except Exception as exc:
+                if not is_infrastructure(exc):
+                    raise
+                pause = _HOLD_PAUSES_S[min(tries, len(_HOLD_PAUSES_S) - 1)]
+                log.warning("agent cannot publish; holding", subject=encoded.subject, error=str(exc), pause_s=pause)
+                await asyncio.sleep(pause)
+                tries += 1
+            else:
+                return
 
     async def _watch_output(
-        self, proc: asyncio.subprocess.Process, placed: JobPlaced, assignment: RankAssignment, keys: dict[str, Any]
+        self,
+        proc: asyncio.subprocess.Process,
+        placed: JobPlaced,
+        assignment: RankAssignment,
+        keys: dict[str, Any],
+        count: Callable[[int], None],
     ) -> int:
         """Tail the rank's output as a node agent tails logs: the ready marker, and evidence for telemetry.
 
@@ -402,12 +576,13 @@ class LocalLauncher:
                         "data": data,
                     }
                 )
-                await publish_encoded(self._js, encode(event), stream=TELEMETRY.name)
+                await self._publish_held(event, TELEMETRY.name)
                 published += 1
+                count(published)  # a restarted agent knows how much of this rank's evidence telemetry should have
 
         async def publish(kind: type[Event], data: Any, key: str) -> None:
             event = derive(kind, placed, key=f"{rank_key}:{key}", data=data, **keys)
-            await publish_encoded(self._js, encode(event), stream=JOBS.name)
+            await self._publish_held(event, JOBS.name)
 
         reported = False  # readiness is said once, on whichever stream says it first
 
@@ -501,14 +676,13 @@ class LocalLauncher:
         if owner is None and len(self._nodes) != 1:
             log.info("kernel line names no rank of this agent; not attributed", line=record.text[:200])
             return
-        node = owner[1].node if owner else next(iter(self._nodes))
+        node = owner.node if owner else next(iter(self._nodes))
         at = booted + record.since_boot
         event = evidence_event(Evidence(data=data, time=at, node=node), source=f"agent/{node}", node=node, time=at)
         update: dict[str, Any] = {"id": derived_event_id(f"kmsg/{boot}", event.type, str(record.sequence))}
         if owner is not None:
-            placed, assignment = owner
-            update |= {"jobid": placed.jobid, "attempt": placed.attempt or 1, "rank": assignment.rank}
-        await publish_encoded(self._js, encode(event.model_copy(update=update)), stream=TELEMETRY.name)
+            update |= {"jobid": owner.job_id, "attempt": owner.attempt, "rank": owner.rank}
+        await self._publish_held(event.model_copy(update=update), TELEMETRY.name)
 
     async def _kernel_log_unreadable(self, path: Path, exc: OSError) -> None:
         reason = f"kernel log {path} unreadable: {exc.strerror or exc}"
@@ -541,7 +715,7 @@ class LocalLauncher:
                 self._killed.add(proc)
                 log.warning("rank ignored SIGTERM; killing it", pid=proc.pid, grace_s=self._stop_grace_s)
                 with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
+                    os.killpg(proc.pid, signal.SIGKILL)  # its whole group: a launcher's workers go with it
 
 
 def _free_port() -> int:
@@ -549,6 +723,15 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+async def _holding(msg: Msg, run: asyncio.Task[RankRecord]) -> RankRecord:
+    """Wait for a running rank, telling JetStream every few seconds that its placement is still in progress."""
+    while True:
+        done, _ = await asyncio.wait({run}, timeout=10)
+        if done:
+            return run.result()
+        await _best_effort(msg.in_progress())  # a long rank must not make JetStream redeliver its placement
 
 
 def _seq(msg: Msg) -> int:

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from lanes_agent.launcher import LocalLauncher
 from lanes_cli import (
+    agent_cli,
     analyze_cli,
     asyncapi_cli,
     audit_cli,
@@ -76,6 +77,7 @@ app = typer.Typer(
 app.add_typer(topology_app, name="topology")
 jobs_cli.register(app)
 analyze_cli.register(app)
+agent_cli.register(app)
 recover_cli.register(app)
 router_cli.register(app)
 

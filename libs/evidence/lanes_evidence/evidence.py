@@ -54,6 +54,7 @@ KIND_OF_CATEGORY: dict[EvidenceCategory, str] = {
     C.NUMERIC_ANOMALY: "process",
     C.CONNECT_FAILED: "comm",
     C.NODE_LOST: "host",
+    C.AGENT_FAULT: "platform",
 }
 """The subject token (`lanes.tel.<node>.<kind>`) each category travels under."""
 
@@ -88,6 +89,7 @@ LANE_OF_CATEGORY: dict[EvidenceCategory, Lane] = {
     C.NUMERIC_ANOMALY: Lane.ALGORITHM,
     C.CONNECT_FAILED: Lane.NETWORK,
     C.NODE_LOST: Lane.HOST,
+    C.AGENT_FAULT: Lane.PLATFORM,
 }
 
 

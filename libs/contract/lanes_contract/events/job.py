@@ -128,6 +128,12 @@ class RankExitedData(Data):
         description="The agent stopped the rank (SIGTERM), and SIGKILLed it when it had not exited this many "
         "seconds later (stopped, hung in the kernel, or ignoring signals). The stop is the cause, not the kill.",
     )
+    lost: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="The agent lost track of the rank: it restarted while the rank ran, found it still running "
+        "(and killed it) or already gone, so the rank's own exit status is unknown. Says which, and why.",
+    )
 
     @property
     def succeeded(self) -> bool:

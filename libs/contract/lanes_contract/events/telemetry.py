@@ -53,6 +53,8 @@ class EvidenceCategory(StrEnum):
     """A rank could not open a connection to a peer (NCCL socket / proxy connect): the first failing side."""
     NODE_LOST = "node_lost"
     """The scheduler lost a node (Slurm `Node failure`)."""
+    AGENT_FAULT = "agent_fault"
+    """The node agent could not start a rank, or lost one when it restarted (the platform's own fault)."""
 
 
 class EvidenceData(Data):

@@ -501,6 +501,8 @@ def _exit_cause(rank: RankProcess, event: RankExited, *, cancelling: bool) -> tu
     where = f"rank {rank.rank} on {rank.node}"
     if event.data.start_error is not None:
         return FailureCause.PLATFORM_ACTION, f"{where} could not be started: {event.data.start_error}"
+    if event.data.lost is not None:
+        return FailureCause.PLATFORM_ACTION, f"{where} was lost by its agent: {event.data.lost}"
     if event.data.killed_after_grace_s is not None:
         # The agent stopped the gang and enforced it: the stop is the cause (as a plain SIGTERM would be).
         how = f"{where} ignored SIGTERM and was killed after {event.data.killed_after_grace_s:g} s"

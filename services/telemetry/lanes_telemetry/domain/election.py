@@ -61,6 +61,7 @@ _PRIORITY: dict[EvidenceCategory, int] = {
     C.NODE_LOST: 88,
     C.OOM_KILL: 85,
     C.LINK_DOWN: 80,
+    C.AGENT_FAULT: 78,
     C.LINK_FLAP: 80,
     C.RETRY_EXCEEDED: 70,
     C.DISK_FULL: 70,

@@ -1,0 +1,85 @@
+"""`lanes agent`: the node agent as a process of its own, one per (real or simulated) node.
+
+It needs only NATS: it runs the ranks the scheduler places on its nodes and reports them, and follows the
+kernel log when asked. Its ledger (`--state-dir`) is what makes it safe to kill and restart: each rank runs
+at most once, and a restarted agent settles the ranks its earlier run left.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from lanes_agent.launcher import STOP_GRACE_S, LocalLauncher
+from lanes_cli.console import EXIT_BAD_INPUT, err, fail, load_settings, require, run_async
+from lanes_contract.client import connect_nats
+from lanes_contract.ids import is_valid_token
+from lanes_runtime.service import stop_on_signals
+
+DEFAULT_STATE_DIR = Path.home() / ".lanes" / "agent"
+_NAMED_UP_TO = 48
+"""Longer lists of nodes name the consumer by a hash (JetStream names stay short)."""
+
+
+def register(app: typer.Typer) -> None:
+    """Add `lanes agent` to the CLI."""
+    app.command()(agent)
+
+
+def durable_name(nodes: list[str]) -> str:
+    """The agent's JetStream consumer: its own per set of nodes (two agents never take each other's placements)."""
+    joined = "-".join(sorted(nodes))
+    if len(joined) <= _NAMED_UP_TO:
+        return f"agent-{joined}"
+    return f"agent-{hashlib.sha256(joined.encode()).hexdigest()[:16]}"
+
+
+def agent(
+    node: Annotated[list[str], typer.Option("--node", help="A node this agent runs ranks for (repeatable).")],
+    state_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help=f"The ledger of started ranks (default {DEFAULT_STATE_DIR}/<consumer>); keep it across restarts."
+        ),
+    ] = None,
+    kernel_log: Annotated[
+        Path | None,
+        typer.Option(help="Follow this kernel log (/dev/kmsg, as root); its resume position is kept in the state dir."),
+    ] = None,
+    stop_grace: Annotated[
+        float, typer.Option(help="Seconds between SIGTERM and SIGKILL when a gang is stopped.", min=0.1)
+    ] = STOP_GRACE_S,
+) -> None:
+    """Run the ranks placed on these nodes until SIGTERM or Ctrl-C (needs NATS_URL only)."""
+    settings = load_settings()
+    url = require(settings.nats_url, "NATS_URL")
+    for name in node:
+        if not is_valid_token(name):
+            fail(f"invalid node name {name!r}: letters, digits, '-' and '_' only", EXIT_BAD_INPUT)
+    durable = durable_name(node)
+    directory = state_dir or DEFAULT_STATE_DIR / durable
+
+    async def serve() -> None:
+        nc = await connect_nats(url, name=durable)
+        try:
+            launcher = LocalLauncher(
+                nc,
+                frozenset(node),
+                durable=durable,
+                stop_grace_s=stop_grace,
+                kernel_log=kernel_log,
+                kernel_log_position=directory / "kmsg.position" if kernel_log else None,
+                state_dir=directory / "ranks",
+            )
+            err.print(f"agent for {', '.join(sorted(node))}: consumer {durable}, ledger {directory}")
+            await launcher.run(stop_on_signals())
+        finally:
+            await nc.close()
+
+    try:
+        run_async(serve)
+    except KeyboardInterrupt:
+        err.print("stopped")
