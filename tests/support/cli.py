@@ -69,15 +69,17 @@ async def local_stack(
     services: Iterable[str],
     *,
     nodes: bool = True,
+    agent: bool = True,
     stop_grace_s: float = STOP_GRACE_S,
     kernel_log: Path | None = None,
 ) -> AsyncIterator[Connections]:
-    """Services as `lanes up` runs them; with `nodes`, a local launcher on the demo's nodes, registered."""
+    """Services as `lanes up` runs them; with `nodes`, the demo's nodes registered and (with `agent`) a local
+    launcher for them in this process (without it, the test runs `lanes agent` itself)."""
     async with connected(urls, name="cli-tests") as conns:
         stop = asyncio.Event()
         consumers = await prepare_services(conns, services)
         tasks = [asyncio.create_task(run_consumers(consumers, stop))]
-        if nodes:
+        if nodes and agent:
             tasks.append(
                 asyncio.create_task(
                     LocalLauncher(

@@ -153,6 +153,10 @@ def test_the_year_and_time_zone_have_no_default():
 def test_application_xids_are_the_codes_fault_and_xid_45_is_an_aftermath():
     mmu = _one("Dec  3 07:55:01 node-2 kernel: NVRM: Xid (PCI:0000:4e:00): 31, pid=3301, name=python, MMU Fault")
     assert (mmu.category, mmu.node) == (C.CUDA_ERROR, "node-2")
+    assert mmu.data.pid == 3301  # the process the driver names: the node agent attributes the line by it
+    fallen = _one("Dec  3 07:55:02 node-2 kernel: NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, "
+                  "GPU has fallen off the bus.")  # fmt: skip
+    assert (fallen.category, fallen.data.pid) == (C.GPU_XID, None)  # no process named: the node's, not a rank's
     cleanup = parse_text("Dec  3 04:00:01 node-2 kernel: NVRM: Xid (PCI:0000:3b:00): 45, pid=3303, Ch 8", CONTEXT)
     assert [e.category for e in cleanup] == [C.RAW]
 

@@ -220,18 +220,37 @@ class LocalLauncher:
                 scratch.enter_context(tempfile.TemporaryDirectory(prefix="lanes-agent-"))
             )
             self._ledger = RankLedger(directory)
-            await asyncio.to_thread(self._settle_earlier_runs, self._ledger)
+            settled = await asyncio.to_thread(self._settle_earlier_runs, self._ledger)
+            await self._report_settled(settled)
             await self._consume(stop)
 
-    def _settle_earlier_runs(self, ledger: RankLedger) -> None:
+    def _settle_earlier_runs(self, ledger: RankLedger) -> list[RankRecord]:
         """Kill what an earlier run of this agent left running, and record those ranks as lost (at most once)."""
         ledger.prune()
+        settled = []
         for record in ledger.unfinished():
             if record.pid is not None:
                 self._remember_pid(record)  # kernel lines about it that this run has not read are still its own
-            settled = ledger.put(reclaim(record))
-            lost = (settled.exit or {}).get("lost")
+            settled.append(ledger.put(reclaim(record)))
+            lost = (settled[-1].exit or {}).get("lost")
             log.warning("rank left by an earlier run of this agent", job_id=record.job_id, rank=record.rank, lost=lost)
+        return settled
+
+    async def _report_settled(self, settled: list[RankRecord]) -> None:
+        """Report the lost ranks now, from their placement on the log, rather than when it is redelivered.
+
+        Its redelivery (the earlier run never acknowledged it) reports them again, harmlessly; if the bus is
+        away now, that redelivery is what reports them.
+        """
+        for record in settled:
+            try:
+                placed = await self._last_event(f"lanes.job.{record.job_id}.placed")
+                if not isinstance(placed, JobPlaced) or placed.id != record.placement:
+                    continue  # a later placement of the job has superseded this one; its redelivery reports it
+                (assignment,) = [a for a in placed.data.assignments if a.rank == record.rank]
+                await self._report_exit(placed, assignment, record)
+            except Exception as exc:  # noqa: BLE001 - the placement's redelivery reports it instead
+                log.warning("lost rank not reported yet", job_id=record.job_id, rank=record.rank, error=str(exc))
 
     def _remember_pid(self, record: RankRecord) -> None:
         assert record.pid is not None  # noqa: S101 - only started ranks are remembered

@@ -101,13 +101,17 @@ class RankLedger:
 
 
 def process_start(pid: int) -> int | None:
-    """When process `pid` started (clock ticks since boot, /proc/<pid>/stat field 22), or None if it is gone."""
+    """When process `pid` started (clock ticks since boot, /proc/<pid>/stat field 22), or None if it is gone.
+
+    A zombie is gone: it has ended and only waits for its parent (init, for an orphan) to reap it.
+    """
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     # The command name (field 2) may hold spaces and parentheses: count the fields after its last ')'.
-    return int(stat.rsplit(")", 1)[1].split()[19])
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] in {"Z", "X"} else int(fields[19])
 
 
 def still_running(record: RankRecord) -> bool:

@@ -353,6 +353,7 @@ def parse_cuda(line: str) -> LineMatch | None:
 _KERNEL_HOST = re.compile(r"^(?:\S+\s+)?(?:[A-Z][a-z]{2} {1,2}\d{1,2} [\d:.]+ )?(?P<host>[\w.-]+) kernel: ")
 _XID = re.compile(r"NVRM: Xid \((?:PCI:)?(?P<pci>[0-9A-Fa-f:.]+)\): (?P<xid>\d+),?\s*(?P<rest>.*)")
 _OOM_KILL = re.compile(r"(?:Out of memory|Memory cgroup out of memory): Killed process (\d+) \(([^)]*)\)")
+_XID_PID = re.compile(r"pid=(\d+)\b")
 _OOM_KILL_TASK = re.compile(r"oom-kill:.*?task=([^,]+),pid=(\d+)")
 _LINK = re.compile(r"(?P<iface>[\w.:-]+): (?:NIC )?Link (?:is )?(?P<state>[Dd]own|[Uu]p)\b")
 _PORT_ERROR_WORDS = ("symbol error", "link error recovery", "port_rcv_errors", "link_downed")
@@ -375,9 +376,16 @@ def parse_kernel(line: str) -> LineMatch | None:
             else C.GPU_XID
         )
         rest = m["rest"].strip()
-        return LineMatch(
-            {"category": category, "xid": xid, "gpu": m["pci"], "summary": f"Xid {xid}: {rest}"[:200]}, node
-        )
+        found: dict[str, Any] = {
+            "category": category,
+            "xid": xid,
+            "gpu": m["pci"],
+            "summary": f"Xid {xid}: {rest}"[:200],
+        }
+        # The driver names the process on the GPU when it knows it (`pid=4242, name=python`), else `pid='<unknown>'`.
+        if pid := _XID_PID.match(rest):
+            found["pid"] = int(pid[1])
+        return LineMatch(found, node)
     if m := _OOM_KILL.search(line):
         return LineMatch(
             {"category": C.OOM_KILL, "pid": int(m[1]), "summary": f"OOM killer killed {m[2]} ({m[1]})"}, node
