@@ -437,6 +437,7 @@ def test_structured_mode_object_shape():
         "evidence": None,
         "start_error": None,
         "killed_after_grace_s": None,
+        "lost": None,
     }
 
 
@@ -822,6 +823,7 @@ def test_a_rank_killed_by_a_signal_round_trips():
         "evidence": None,
         "start_error": None,
         "killed_after_grace_s": None,
+        "lost": None,
     }
     assert _decode_encoded(encoded) == event
     assert decode(encoded.subject, None, json.dumps(to_structured(event)).encode()) == event
