@@ -24,6 +24,7 @@ from lanes_contract.events import (
     CheckpointStarted,
     ClusterPolicySet,
     CommunicatorReady,
+    DrillInjected,
     Event,
     Family,
     Heartbeat,
@@ -171,8 +172,8 @@ SERVICE_IDENTITIES = (
 PEOPLE_IDENTITIES = (
     Identity(
         "cli",
-        (*subjects_of(*USER_COMMANDS), *subjects_of(NodeRegistered, NodeStateChanged, ClusterPolicySet)),
-        "an operator at the `lanes` CLI: submit, cancel, retry, hold, resume, cordon, topology import",
+        (*subjects_of(*USER_COMMANDS, DrillInjected), *subjects_of(NodeRegistered, NodeStateChanged, ClusterPolicySet)),
+        "an operator at the `lanes` CLI: submit, cancel, retry, hold, resume, cordon, topology import, drills",
     ),
     Identity(
         "producer",

@@ -14,6 +14,9 @@ from lanes_contract.events.base import Data, Event, Family, HeaderText, Lane, de
 from lanes_contract.events.commands import (
     CancelRequested,
     CommandData,
+    DrillInjected,
+    DrillInjectedData,
+    DrillKind,
     HoldRequested,
     HoldRequestedData,
     ResumeRequested,
@@ -153,7 +156,8 @@ AnyEvent = Annotated[
     | RecoveryDecided
     | RecoveryEscalated
     | RecoverySuperseded
-    | ManualActionRequested,
+    | ManualActionRequested
+    | DrillInjected,
     Field(discriminator="type"),
 ]
 """Every event type Lanes knows, discriminated by `type`."""
@@ -186,6 +190,9 @@ __all__ = [
     "ConsequenceGroup",
     "Culprit",
     "Data",
+    "DrillInjected",
+    "DrillInjectedData",
+    "DrillKind",
     "Event",
     "EvidenceCategory",
     "EvidenceData",

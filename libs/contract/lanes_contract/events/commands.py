@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 from pydantic import AwareDatetime, Field
 
 from lanes_contract.events.base import Data, Event, Family, Lane
@@ -67,3 +69,45 @@ class ResumeRequested(Event):
     name = "resume_requested"
     lane: Lane = Lane.PLATFORM
     data: RetryData
+
+
+class DrillKind(StrEnum):
+    """The real faults `lanes drill` injects into a running rank."""
+
+    KILL = "kill"
+    """SIGKILL the rank."""
+    HANG = "hang"
+    """SIGSTOP the rank (and SIGCONT it after a duration, if one is given)."""
+    SLOW = "slow"
+    """Stop and continue the rank in turn (a duty cycle) for a duration: a straggler, not a failure."""
+    OOM = "oom"
+    """Shrink the rank's memory cgroup below its use: the kernel's OOM killer kills it."""
+    XID = "xid"
+    """Write an NVRM Xid line naming the rank's pid to the kernel log, then fail its next CUDA call (simulated)."""
+    EXCEPTION = "exception"
+    """Make the rank raise an exception through the drill workload's fault hook (SIGUSR1)."""
+
+
+class DrillInjectedData(Data):
+    """What was injected, where, and by whom."""
+
+    kind: DrillKind
+    node: Token
+    rank: int | None = Field(default=None, ge=0)
+    pid: int | None = Field(default=None, ge=1, description="The process the fault was injected into.")
+    duration_s: float | None = Field(default=None, gt=0, description="How long a hang or slow-down lasts.")
+    requested_by: str = ""
+    detail: str = Field(default="", max_length=1024, description="How it was done (the signal, the kernel line).")
+
+
+class DrillInjected(Event):
+    """An operator injected a real fault into a running job (`lanes drill`), to see who sees what, and when.
+
+    No service reads it: the platform must find the fault from the evidence, as it would an unplanned one.
+    `lanes poc` reads it to time the detection, localisation, decision and recovery, and to judge the finding.
+    """
+
+    family = Family.JOB
+    name = "drill_injected"
+    lane: Lane = Lane.PLATFORM
+    data: DrillInjectedData
