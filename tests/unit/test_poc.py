@@ -5,7 +5,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from lanes_cli.drills import complete, drill_reports
 from lanes_cli.poc import Verdict, scorecard
+from lanes_contract.events import DrillKind
 
 Row = dict[str, Any]
 
@@ -70,6 +72,7 @@ def test_a_complete_drill_passes_and_unexercised_capabilities_are_not_applicable
         "recovery": Verdict.PASSED,
         "inference protection": Verdict.NOT_APPLICABLE,
         "cross-team joinability": Verdict.PASSED,
+        "fault drills": Verdict.NOT_APPLICABLE,
     }
 
 
@@ -168,3 +171,52 @@ def test_a_superseded_and_replanned_decision_leaves_the_new_one_in_force() -> No
         _row(14, "attempt_requested", data={"reason": "resume"}),
     ]
     assert verdicts(rows)["recovery"] is Verdict.PASSED
+
+
+def _injected(seq: int, kind: str, rank: int = 0, node: str = "n1") -> Row:
+    return _row(
+        seq, "drill_injected", node=node, rank=rank, data={"kind": kind, "node": node, "rank": rank, "pid": 4242}
+    )
+
+
+def test_a_drill_is_timed_from_its_injection_and_its_finding_judged_against_the_injected_rank() -> None:
+    rows = [
+        *failing_drill()[:4],
+        _injected(4, "kill"),
+        *failing_drill()[4:],
+        _row(12, "state_changed", attempt=2, data={"to_state": "running", "reason": "resumed"}),
+    ]
+    (report,) = drill_reports(rows)
+    assert (report.kind, report.rank, report.node, report.attempt) == (DrillKind.KILL, 0, "n1", 1)
+    assert report.detect_s == 1.0  # the rank's exit, a second after the injection
+    assert report.localise_s == 2.0  # the settled finding naming rank 0
+    assert report.decide_s == 4.0
+    assert report.recover_s == 8.0  # attempt 2 running
+    assert report.decision == "resume"
+    assert report.wrong is None
+    assert complete(report)
+    assert verdicts(rows)["fault drills"] is Verdict.PASSED
+
+
+def test_a_drill_whose_finding_names_another_lane_or_rank_fails_the_capability_by_name() -> None:
+    rows = [*failing_drill()[:4], _injected(4, "exception"), *failing_drill()[4:]]
+    (report,) = drill_reports(rows)
+    assert report.wrong == "the host lane instead of algorithm"
+    result = {r.capability: r for r in scorecard(rows)}["fault drills"]
+    assert result.verdict is Verdict.PENDING_EVIDENCE
+    assert "exception of rank 0 on n1" in result.reason
+    assert "the host lane instead of algorithm" in result.reason
+    wrong_rank = [*failing_drill()[:4], _injected(4, "kill", rank=3), *failing_drill()[4:]]
+    (other,) = drill_reports(wrong_rank)
+    assert other.wrong == "rank 0 instead of 3"
+    assert other.localise_s is None  # no finding named rank 3
+
+
+def test_a_drill_still_playing_out_is_not_complete() -> None:
+    (report,) = drill_reports([*failing_drill()[:4], _injected(4, "oom")])
+    assert report.named is None
+    assert report.wrong == "no settled finding yet"
+    assert not complete(report)
+    (slow,) = drill_reports([*failing_drill()[:4], _injected(4, "slow")])
+    assert slow.wrong is None  # a straggler is not a failure: nothing to name
+    assert complete(slow)

@@ -23,6 +23,7 @@ from lanes_cli import (
     asyncapi_cli,
     audit_cli,
     dead_cli,
+    drill_cli,
     import_cli,
     incident_cli,
     jobs_cli,
@@ -78,6 +79,7 @@ app.add_typer(topology_app, name="topology")
 jobs_cli.register(app)
 analyze_cli.register(app)
 agent_cli.register(app)
+drill_cli.register(app)
 recover_cli.register(app)
 router_cli.register(app)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from lanes_cli.drills import drill_reports
 from lanes_cli.timeline import is_failure, row_kind
 from lanes_cli.verdicts import decision_verdicts
 
@@ -192,6 +193,22 @@ def joinability(rows: list[Row]) -> CapabilityResult:
     return CapabilityResult(name, Verdict.PASSED, f"all {len(rows)} events carry job, attempt, node and time")
 
 
+def fault_drills(rows: list[Row]) -> CapabilityResult:
+    """Every drill's fault was localised: a settled finding named the injected rank, node and lane.
+
+    A drill whose first error is named wrongly fails the capability, by name; one still playing out is
+    pending. The times of each drill are in `lanes poc`'s per-drill lines.
+    """
+    name = "fault drills"
+    reports = drill_reports(rows)
+    if not reports:
+        return CapabilityResult(name, Verdict.NOT_APPLICABLE, "no drill was injected")
+    for report in reports:
+        if report.wrong is not None:
+            return CapabilityResult(name, Verdict.PENDING_EVIDENCE, f"drill {report.where}: {report.wrong}")
+    return CapabilityResult(name, Verdict.PASSED, f"{len(reports)} drills, each localised to its rank, node and lane")
+
+
 CAPABILITIES: tuple[Callable[[dict[str, list[Row]]], CapabilityResult], ...] = (
     topology_awareness,
     job_lifecycle,
@@ -207,4 +224,5 @@ def scorecard(rows: list[Row], requests: list[Row] | None = None) -> list[Capabi
         *(capability(jobs) for capability in CAPABILITIES),
         inference_protection(jobs, requests or []),
         joinability(rows),
+        fault_drills(rows),
     ]

@@ -11,6 +11,8 @@ import typer
 from nats.js import JetStreamContext
 
 from lanes_cli.console import as_utc, load_settings, out, require, run_async
+from lanes_cli.drill_cli import print_report
+from lanes_cli.drills import DrillReport, drill_reports
 from lanes_cli.poc import CapabilityResult, Row, Verdict, scorecard
 from lanes_cli.timeline import read_stream
 from lanes_contract.client import connect_nats
@@ -27,8 +29,8 @@ async def rows_of(js: JetStreamContext, selection: Selection) -> list[Row]:
 
 async def compute(
     nats_url: str, job: str | None, since: datetime | None, until: datetime | None
-) -> list[CapabilityResult]:
-    """The scorecard of one job, or of every job in the time window."""
+) -> tuple[list[CapabilityResult], list[DrillReport]]:
+    """The scorecard of one job, or of every job in the time window, and the report of each drill in it."""
     nc = await connect_nats(nats_url, name="lanes-poc")
     try:
         js = nc.jetstream()
@@ -38,7 +40,8 @@ async def compute(
         request_rows = await rows_of(js, requests)
         if job:  # one job's scorecard counts only the requests that tried it (it is a replica)
             request_rows = [row for row in request_rows if job in _replicas_tried(row)]
-        return scorecard(await rows_of(js, jobs), request_rows)
+        rows = await rows_of(js, jobs)
+        return scorecard(rows, request_rows), drill_reports(rows)
     finally:
         await nc.close()
 
@@ -65,8 +68,12 @@ def poc(
     """The scorecard: passed, pending evidence (naming the gap) or not applicable, per capability."""
     settings = load_settings(quiet=True)
     nats_url = require(settings.nats_url, "NATS_URL")
-    results = run_async(lambda: compute(nats_url, job, as_utc(since), as_utc(until)))
+    results, drills = run_async(lambda: compute(nats_url, job, as_utc(since), as_utc(until)))
     if as_json:
-        out.print_json(json.dumps({"capabilities": [r.as_json() for r in results]}))
+        out.print_json(
+            json.dumps({"capabilities": [r.as_json() for r in results], "drills": [d.as_json() for d in drills]})
+        )
     else:
         print_scorecard(results)
+        for report in drills:
+            print_report(report)

@@ -1,0 +1,168 @@
+"""What a drill showed, read from the job's timeline rows.
+
+How fast the platform saw, localised, decided and recovered, and whether its finding named the rank, node
+and lane the fault was injected into.
+
+Pure functions of `lanes timeline --json` rows, like `lanes poc`: the same rows always give the same report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from lanes_cli.timeline import row_kind
+from lanes_contract.events import DrillKind, Lane
+
+Row = dict[str, Any]
+
+EXPECTED_LANE: dict[DrillKind, Lane | None] = {
+    DrillKind.KILL: Lane.HOST,  # a process killed from outside it, no kernel line: the host's side
+    DrillKind.HANG: Lane.HOST,  # a stopped process on its node while its peers wait: that node's rank
+    DrillKind.OOM: Lane.HOST,
+    DrillKind.XID: Lane.HOST,  # the GPU's ECC error explains the CUDA failure after it
+    DrillKind.EXCEPTION: Lane.ALGORITHM,
+    DrillKind.SLOW: None,  # a straggler, not a failure: nothing to localise
+}
+"""The lane whose team owns each injected fault: the finding must name it."""
+_EVIDENCE_KINDS = {"evidence", "rank_exited", "finding"}
+
+
+@dataclass(frozen=True)
+class DrillReport:
+    """One drill: what was injected where, and what the platform made of it."""
+
+    drill_id: str
+    job_id: str
+    attempt: int
+    kind: DrillKind
+    node: str
+    rank: int | None
+    detect_s: float | None
+    """Injection to the first evidence of the attempt (an evidence copy, a rank's exit, a finding)."""
+    localise_s: float | None
+    """Injection to the first settled finding naming the injected rank (the node, if no rank was named)."""
+    decide_s: float | None
+    """Injection to the attempt's first recovery decision."""
+    recover_s: float | None
+    """Injection to the next attempt running."""
+    named: dict[str, Any] | None
+    """The settled finding's first error: lane, category, node and rank (None: no settled finding yet)."""
+    decision: str | None
+    """The recovery decision's action (resume, manual, ...)."""
+
+    @property
+    def expected_lane(self) -> Lane | None:
+        """The lane the finding must name (None: this kind is not a failure)."""
+        return EXPECTED_LANE[self.kind]
+
+    @property
+    def wrong(self) -> str | None:
+        """Why the finding does not name the injected fault, or None when it does (or nothing is to be named)."""
+        if self.expected_lane is None:
+            return None
+        if self.named is None:
+            return "no settled finding yet"
+        misses = []
+        if self.rank is not None and self.named.get("rank") != self.rank:
+            misses.append(f"rank {self.named.get('rank')} instead of {self.rank}")
+        if self.named.get("node") != self.node:
+            misses.append(f"node {self.named.get('node')} instead of {self.node}")
+        if self.named.get("lane") != self.expected_lane.value:
+            misses.append(f"the {self.named.get('lane')} lane instead of {self.expected_lane.value}")
+        return "; ".join(misses) or None
+
+    @property
+    def where(self) -> str:
+        """`kill of rank 2 on node-3 (job j, attempt 1)`."""
+        rank = f"rank {self.rank} on " if self.rank is not None else ""
+        return f"{self.kind.value} of {rank}{self.node} (job {self.job_id}, attempt {self.attempt})"
+
+    def as_json(self) -> dict[str, Any]:
+        """The row of `lanes drill --json` and `lanes poc --json`."""
+        return {
+            "drill_id": self.drill_id,
+            "job_id": self.job_id,
+            "attempt": self.attempt,
+            "kind": self.kind.value,
+            "node": self.node,
+            "rank": self.rank,
+            "detect_s": self.detect_s,
+            "localise_s": self.localise_s,
+            "decide_s": self.decide_s,
+            "recover_s": self.recover_s,
+            "named": self.named,
+            "expected_lane": None if self.expected_lane is None else self.expected_lane.value,
+            "named_right": self.wrong is None,
+            "wrong": self.wrong,
+            "decision": self.decision,
+        }
+
+
+def _time(row: Row) -> datetime:
+    return datetime.fromisoformat(str(row["time"]))
+
+
+def _after(rows: list[Row], start: datetime, matches: Any) -> float | None:
+    times = [_time(row) for row in rows if row.get("time") and _time(row) >= start and matches(row)]
+    return round((min(times) - start).total_seconds(), 3) if times else None
+
+
+def drill_report(drill: Row, rows: list[Row]) -> DrillReport:
+    """The report of one `drill_injected` row, from its job's rows (in stream order)."""
+    data = drill.get("data") or {}
+    attempt = int(drill.get("attempt") or 1)
+    rank = data.get("rank")
+    node = str(data.get("node"))
+    start = _time(drill)
+    mine = [row for row in rows if row.get("attempt") == attempt]
+
+    def evidence(row: Row) -> bool:
+        return row_kind(row) in _EVIDENCE_KINDS
+
+    def names_it(row: Row) -> bool:
+        first = (row.get("data") or {}).get("first_error") or {}
+        named = first.get("rank") == rank if rank is not None else first.get("node") == node
+        return row_kind(row) == "finding" and bool((row.get("data") or {}).get("settled")) and named
+
+    def running_again(row: Row) -> bool:
+        to_state = (row.get("data") or {}).get("to_state")
+        return row_kind(row) == "state_changed" and to_state == "running" and int(row.get("attempt") or 0) > attempt
+
+    settled = [r for r in mine if row_kind(r) == "finding" and (r.get("data") or {}).get("settled")]
+    first_error = (settled[-1].get("data") or {}).get("first_error") if settled else None
+    decisions = [r for r in mine if row_kind(r) == "recovery_decided" and _time(r) >= start]
+    return DrillReport(
+        drill_id=str(drill.get("id")),
+        job_id=str(drill.get("job_id")),
+        attempt=attempt,
+        kind=DrillKind(str(data.get("kind"))),
+        node=node,
+        rank=rank,
+        detect_s=_after(mine, start, evidence),
+        localise_s=_after(mine, start, names_it),
+        decide_s=_after(decisions, start, lambda _: True),
+        recover_s=_after(rows, start, running_again),
+        named=None
+        if first_error is None
+        else {key: first_error.get(key) for key in ("lane", "category", "node", "rank")},
+        decision=str((decisions[0].get("data") or {}).get("action")) if decisions else None,
+    )
+
+
+def drill_reports(rows: list[Row]) -> list[DrillReport]:
+    """A report per drill among the rows (of any set of jobs), in the order they were injected."""
+    by_job: dict[str, list[Row]] = {}
+    for row in rows:
+        by_job.setdefault(str(row.get("job_id")), []).append(row)
+    return [drill_report(row, by_job[str(row.get("job_id"))]) for row in rows if row_kind(row) == "drill_injected"]
+
+
+def complete(report: DrillReport) -> bool:
+    """Whether the drill has played out: settled and decided, and recovered when the decision expects it."""
+    if report.expected_lane is None:
+        return True
+    if report.named is None or report.decision is None:
+        return False
+    return report.decision == "manual" or report.recover_s is not None
