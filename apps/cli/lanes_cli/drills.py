@@ -122,9 +122,10 @@ def drill_report(drill: Row, rows: list[Row]) -> DrillReport:
         return row_kind(row) in _EVIDENCE_KINDS
 
     def names_it(row: Row) -> bool:
+        if row_kind(row) != "finding" or not (row.get("data") or {}).get("settled"):
+            return False
         first = (row.get("data") or {}).get("first_error") or {}
-        named = first.get("rank") == rank if rank is not None else first.get("node") == node
-        return row_kind(row) == "finding" and bool((row.get("data") or {}).get("settled")) and named
+        return bool(first.get("rank") == rank if rank is not None else first.get("node") == node)
 
     def running_again(row: Row) -> bool:
         to_state = (row.get("data") or {}).get("to_state")

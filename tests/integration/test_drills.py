@@ -1,0 +1,123 @@
+"""`lanes drill` on a real 4-rank torch.distributed (gloo) training job: one real fault per test.
+
+Scheduler, lifecycle, telemetry and recovery run in this process against the test's own NATS and database,
+with a node agent for five simulated nodes of four GPUs (so a rank fills a node, the job spans four, and a
+cordoned node leaves room to resume). The agent follows the real kernel log. Each rank is the shipped drill
+workload (`lanes_agent.drill_workload`): it all-reduces every step and rank 0 checkpoints.
+
+For each kind the drill must end named right (the settled finding names the injected rank, its node and the
+lane that owns the fault) and recovery must do what the default policy says for that lane: resume from the
+checkpoint on the other nodes for a host fault, wait for the model's owner for an exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from support.cli import local_stack, run_lanes_async
+from support.recovery import register_nodes, spec
+from support.waiting import eventually
+
+from lanes_agent.cgroups import MemoryCgroups
+from lanes_agent.launcher import LocalLauncher
+from lanes_cli.timeline import job_timeline
+from lanes_contract.client import LanesClient
+from lanes_contract.events import CheckpointSaved, JobSubmitted, JobSubmittedData
+from lanes_runtime.service import Connections
+from lanes_runtime.settings import ServerUrls
+
+pytestmark = [pytest.mark.real_servers, pytest.mark.slow]
+
+_WHY_NOT = None if importlib.util.find_spec("torch") else "torch (the `drill` group) is not installed"
+if _WHY_NOT and os.environ.get("LANES_REQUIRE_TORCH"):
+    pytest.fail(f"LANES_REQUIRE_TORCH is set but {_WHY_NOT}", pytrace=False)
+if _WHY_NOT:
+    pytest.skip(_WHY_NOT, allow_module_level=True)
+
+KMSG = Path("/dev/kmsg")
+NODES = [f"drill-{i}" for i in range(1, 6)]
+DRILLED_RANK = 2
+_NO_KMSG = None if os.access(KMSG, os.R_OK | os.W_OK) else "needs a readable, writable /dev/kmsg (root)"
+_NO_CGROUPS = MemoryCgroups().unavailable()
+
+
+@pytest.fixture
+async def stack(own_urls: ServerUrls, tmp_path: Path) -> AsyncIterator[Connections]:
+    async with local_stack(own_urls, ["scheduler", "lifecycle", "telemetry", "recovery"], nodes=False) as conns:
+        stop = asyncio.Event()
+        agent = LocalLauncher(
+            conns.nc,
+            frozenset(NODES),
+            durable="agent-drills",
+            stop_grace_s=2.0,
+            kernel_log=None if _NO_KMSG else KMSG,
+            kernel_log_position=tmp_path / "kmsg.position",
+            state_dir=tmp_path / "ledger",
+        )
+        running = asyncio.create_task(agent.run(stop))
+        try:
+            await register_nodes(conns, LanesClient(conns.nc, "tests"), NODES)
+            yield conns
+        finally:
+            stop.set()
+            await running
+
+
+async def _checkpointed(conns: Connections, job_id: str) -> bool:
+    timeline = await job_timeline(conns.nc.jetstream(), job_id)
+    return any(isinstance(entry.event, CheckpointSaved) for entry in timeline)
+
+
+@pytest.mark.parametrize(
+    ("kind", "lane", "action", "why_not"),
+    [
+        ("kill", "host", "resume", None),
+        ("hang", "host", "resume", None),
+        ("oom", "host", "resume", _NO_CGROUPS or _NO_KMSG),
+        ("xid", "host", "resume", _NO_KMSG),
+        ("exception", "algorithm", "manual", None),
+    ],
+)
+async def test_a_drilled_fault_is_localised_to_its_rank_node_and_lane_and_recovered_by_the_policy(  # noqa: PLR0917 - parametrized
+    stack: Connections, own_urls: ServerUrls, tmp_path: Path, kind: str, lane: str, action: str, why_not: str | None
+) -> None:
+    if why_not:
+        pytest.skip(why_not)
+    job_id = f"drill-{kind}"
+    command = (sys.executable, "-m", "lanes_agent.drill_workload", "--step-s", "0.05", "--timeout-s", "15")
+    job = spec(
+        "drill",
+        workers=4,
+        command=command,
+        checkpoint_location=str(tmp_path / "checkpoints"),
+        host_memory_gib=4.0,
+    )
+    await LanesClient(stack.nc, "tests").publish(
+        JobSubmitted(source="tests", jobid=job_id, attempt=1, data=JobSubmittedData(spec=job))
+    )
+    await eventually(lambda: _checkpointed(stack, job_id), timeout_s=180, what="the drill job's first checkpoint")
+
+    ran = await run_lanes_async(
+        own_urls, "drill", job_id, "--kind", kind, "--rank", str(DRILLED_RANK), "--timeout", "240", "--json"
+    )
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    (report,) = json.loads(ran.stdout)["drills"]
+    assert report["named_right"], report
+    assert report["named"]["rank"] == DRILLED_RANK
+    assert report["named"]["lane"] == lane
+    assert report["decision"] == action
+    assert report["detect_s"] is not None
+    assert report["localise_s"] is not None
+    assert report["decide_s"] is not None
+    if action == "resume":
+        assert report["recover_s"] is not None  # the next attempt ran, on the nodes left
+    poc = await run_lanes_async(own_urls, "poc", "--job", job_id, "--json")
+    drills = {row["capability"]: row for row in json.loads(poc.stdout)["capabilities"]}["fault drills"]
+    assert drills["verdict"] == "passed", drills
