@@ -189,6 +189,11 @@ def _lifecycle_samples() -> list[Event]:
         ev.ArtifactProduced(data=ev.ArtifactProducedData(artifact="model", path="s3://m", digest=digest), **rank_keys),
         ev.Heartbeat(data=ev.HeartbeatData(step=101), **rank_keys),
         ev.CancelRequested(source="lanes/cli", data=command, **_JOB_KEYS),
+        ev.DrillInjected(
+            source="lanes/cli",
+            data=ev.DrillInjectedData(kind=ev.DrillKind.HANG, node="node-1", rank=0, pid=4242, duration_s=5),
+            **_JOB_KEYS,
+        ),
         ev.RetryRequested(
             source="lanes/recovery",
             data=ev.RetryData(reason="r", resume_step=100, avoid_nodes=("node-1",)),

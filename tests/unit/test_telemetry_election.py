@@ -300,3 +300,34 @@ def test_hang_where_one_rank_says_nothing_on_a_node_that_reports_names_that_rank
     assert (first.category, first.rank, first.node, first.lane) == ("silent_rank", 5, "node-3", Lane.ALGORITHM)
     assert [(m.lane, m.rank) for m in finding.missing_evidence] == [(Lane.PLATFORM, 5)]
     assert "rank 5" in finding.missing_evidence[0].what
+
+
+def _gloo_timeout(rank: int, node: str) -> list[Evidence]:
+    text = (
+        f"[rank{rank}]: RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
+        "Timed out waiting 15000ms for recv operation to complete\n"
+    )
+    return parse_text(text, SourceContext(origin=f"rank{rank}.log", node=node, rank=rank, year=2026, tz=UTC))
+
+
+def _teardown_exit(rank: int, node: str) -> Evidence:
+    data = EvidenceData(category=C.PROCESS_EXITED, summary=f"rank {rank} killed by signal 15", signal=15)
+    return Evidence(data=data, time=datetime(2026, 12, 2, 10, 31, tzinfo=UTC), node=node, rank=rank)
+
+
+def test_a_stopped_rank_that_the_teardown_ended_is_still_the_silent_one_its_peers_waited_for():
+    # One rank per node (a drill's SIGSTOP): three ranks time out in gloo, the stopped one says nothing, and
+    # its only trace is the SIGTERM (enforced by SIGKILL) of the gang's teardown. That exit is no report.
+    world = World(ranks={r: f"node-{r + 1}" for r in range(4)})
+    evidence = [e for r in (0, 1, 3) for e in _gloo_timeout(r, f"node-{r + 1}")]
+    evidence += [_teardown_exit(r, f"node-{r + 1}") for r in range(4)]
+    first = elect_first_error(evidence, world=world).first_error
+    assert first is not None
+    assert (first.category, first.lane, first.node, first.rank) == ("silent_node", Lane.HOST, "node-3", 2)
+    # Two ranks on the stopped rank's node, the other one timing out: the silent rank, not its node.
+    shared = World(ranks={0: "node-1", 1: "node-1", 2: "node-2", 3: "node-2"})
+    evidence = [e for r, n in ((0, "node-1"), (1, "node-1"), (3, "node-2")) for e in _gloo_timeout(r, n)]
+    evidence += [_teardown_exit(r, shared.ranks[r] or "") for r in range(4)]
+    first = elect_first_error(evidence, world=shared).first_error
+    assert first is not None
+    assert (first.category, first.rank) == ("silent_rank", 2)

@@ -460,7 +460,9 @@ def _explain_hang(items: list[_Item], world: World) -> tuple[FindingCause | None
                 summary=summary,
                 evidence=lines,
             ), 0.6
-    silent = _silent_nodes(items, world)
+    # Who stayed silent about the hang: a rank the teardown stopped said nothing, whatever its exit.
+    spoke = [i for i in items if _said_something(i)]
+    silent = _silent_nodes(spoke, world)
     if silent and _has_consequences(items):
         node = min(silent)
         ranks = sorted(r for r, n in world.ranks.items() if n == node)
@@ -477,7 +479,7 @@ def _explain_hang(items: list[_Item], world: World) -> tuple[FindingCause | None
     if timeouts:
         # A rank whose node reports while it says nothing (no timeout of its own, while the others time
         # out waiting for it) never reached the collective: the laggard, seen by its silence.
-        reported = {i.evidence.rank for i in items if i.evidence.rank is not None}
+        reported, _ = _reporting(spoke)
         quiet = sorted(r for r, n in world.ranks.items() if r not in reported and n not in silent)
         if quiet:
             rank = quiet[0]
@@ -570,6 +572,16 @@ def _looks_like_address(peer: str) -> bool:
 
 def _has_consequences(items: list[_Item]) -> bool:
     return any(_is_consequence_category(i.evidence) for i in items)
+
+
+def _said_something(item: _Item) -> bool:
+    """Whether the item is the rank's (or node's) own word on the failure.
+
+    An exit by the teardown's SIGTERM (or SIGINT) is not: every rank still there when the gang was stopped
+    ends so, the hung one included, and counting it would hide the one rank that never said anything.
+    """
+    e = item.evidence
+    return not (e.category is C.PROCESS_EXITED and e.data.signal in {_SIGTERM, _SIGINT})
 
 
 def _reporting(items: list[_Item]) -> tuple[set[int], set[str]]:
