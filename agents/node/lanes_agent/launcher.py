@@ -285,9 +285,14 @@ class LocalLauncher:
         finally:
             for attempt_key in list(self._procs):
                 self._stop_attempt(attempt_key)  # no rank outlives its launcher
-            for task in running:
-                task.cancel()
-            await asyncio.gather(*running, return_exceptions=True)
+            # Their ends go to the ledger (the placements' redeliveries report them to the next run), and
+            # stragglers get their SIGKILL: wait out the grace, then a little more, but no longer.
+            runs = set(self._runs.values())
+            if runs:
+                await asyncio.wait(runs, timeout=self._stop_grace_s + 2.0)
+            for unfinished in (*running, *runs):
+                unfinished.cancel()
+            await asyncio.gather(*running, *runs, return_exceptions=True)
 
     async def _handle(self, msg: Msg) -> None:
         """Apply one message and carry out `decide`'s verdict: ack, nak, dead letter, or hold through an outage."""
