@@ -280,3 +280,25 @@ async def test_an_agent_restarted_mid_job_neither_loses_nor_repeats_kernel_log_e
         await asyncio.sleep(1)  # anything repeated would have arrived by now, beside the second line
         found = await xid_lines()
     assert found == [13, 31]  # each line once, in order; none lost, none repeated
+
+
+async def test_a_rank_that_cannot_start_fails_its_job_in_the_platform_lane_and_holds_no_gpu(
+    own_urls: ServerUrls, stack: Connections, tmp_path: Path
+) -> None:
+    job_id = f"no-binary-{uuid.uuid4().hex[:6]}"
+    spec = JobSpec(name="no-binary", workers=2, command=(str(tmp_path / "no-such-trainer"),))
+    async with _agent(own_urls.nats_url, tmp_path / "agent"):
+        await _submit(stack, [job_id], spec)
+        states = await _all_ended(stack, [job_id])
+        await _no_gpu_held(stack, [job_id])
+        await eventually(lambda: _settled_finding(stack, job_id), timeout_s=60, what="a settled finding")
+    assert states[job_id] in {JobState.FAILED.value, JobState.RELEASED.value}
+    finding = await _settled_finding(stack, job_id)
+    assert finding is not None
+    assert finding.lane is Lane.PLATFORM
+    assert finding.data.first_error is not None
+    assert finding.data.first_error.category == EvidenceCategory.AGENT_FAULT.value
+    assert "no-such-trainer" in finding.data.first_error.summary  # the OS error, as the agent saw it
+    letters = await _dead_letters(stack)
+    assert letters  # the placement, dead-lettered with the reason
+    assert all("cannot be started" in letter["Lanes-Dead-Reason"] for letter in letters)

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from lanes_cli.cli import MAX_SPEC_BYTES, app
+from lanes_cli.cli import app
+from lanes_cli.input_files import MAX_SPEC_BYTES
 from lanes_contract.codec import MAX_EVENT_BYTES, encode
 from lanes_contract.errors import InvalidEventError
 from lanes_contract.events import JobSubmitted, JobSubmittedData

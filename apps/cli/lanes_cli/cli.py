@@ -13,7 +13,6 @@ from typing import Annotated, Any
 import asyncpg
 import typer
 import uvloop
-import yaml
 from pydantic import ValidationError
 
 from lanes_agent.launcher import LocalLauncher
@@ -49,6 +48,7 @@ from lanes_cli.console import (
 )
 from lanes_cli.demo import local_nodes, register_nodes, run_demo
 from lanes_cli.html import render_page
+from lanes_cli.input_files import load_yaml, validation_problems
 from lanes_cli.render import render_demo, render_job
 from lanes_cli.replay import Pace, merged, selections, write_ndjson
 from lanes_cli.scheduling import scheduling_view
@@ -178,54 +178,9 @@ def serve(service: Annotated[str, typer.Argument(help=f"One of: {', '.join(SERVI
         err.print("stopped")
 
 
-MAX_SPEC_BYTES = 1024 * 1024
-"""A job spec is a page of YAML; anything larger is a mistake (or an attack), refused before parsing."""
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """A safe YAML loader that refuses a key given twice (YAML would silently keep the last one)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                msg = f"duplicate key {key!r} (line {key_node.start_mark.line + 1})"
-                raise yaml.constructor.ConstructorError(None, None, msg, key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-def read_spec_text(path: Path) -> str:
-    """The text of a spec file: a regular file, at most MAX_SPEC_BYTES, UTF-8 text; else exit 2 saying why."""
-    try:
-        if not path.exists():
-            fail(f"cannot read {path}: no such file or directory", EXIT_BAD_INPUT)
-        if not path.is_file():
-            what = "a directory" if path.is_dir() else "not a regular file"
-            fail(f"{path} is {what}; a job spec is a YAML or JSON file", EXIT_BAD_INPUT)
-        with path.open("rb") as handle:
-            raw = handle.read(MAX_SPEC_BYTES + 1)
-    except OSError as exc:
-        fail(f"cannot read {path}: {exc.strerror}", EXIT_BAD_INPUT)
-    if len(raw) > MAX_SPEC_BYTES:
-        fail(f"{path} is larger than {MAX_SPEC_BYTES // 1024} KiB; a job spec is a page of YAML", EXIT_BAD_INPUT)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        text = "\x00"
-    if "\x00" in text:
-        fail(f"{path} is not a text file (binary content); a job spec is YAML or JSON", EXIT_BAD_INPUT)
-    return text
-
-
 def load_spec(path: Path) -> tuple[str | None, JobSpec]:
     """Read a job spec file (YAML or JSON); return its optional `job_id` and the validated spec."""
-    text = read_spec_text(path)
-    try:
-        raw: Any = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as exc:
-        fail(f"{path} is not valid YAML: {' '.join(str(exc).split())}", EXIT_BAD_INPUT)
+    raw = load_yaml(path)
     if not isinstance(raw, dict):
         fail(f"{path} must hold a mapping of job fields, not {type(raw).__name__}", EXIT_BAD_INPUT)
     job_id = raw.pop("job_id", None)
@@ -234,10 +189,7 @@ def load_spec(path: Path) -> tuple[str | None, JobSpec]:
     try:
         return job_id, JobSpec.model_validate(raw)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or 'spec'}: {e['msg']}".replace("\n", " ") for e in exc.errors()
-        )
-        fail(f"{path}: {problems}", EXIT_BAD_INPUT)
+        fail(f"{path}: {validation_problems(exc)}", EXIT_BAD_INPUT)
 
 
 @app.command()

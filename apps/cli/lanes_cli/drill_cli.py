@@ -18,13 +18,14 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-import yaml
 from nats.js import JetStreamContext
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lanes_agent.faults import KMSG, FaultError, inject
+from lanes_agent.ledger import process_start
 from lanes_cli.console import EXIT_BAD_INPUT, EXIT_FAILED, checked_job_id, fail, load_settings, out, require, run_async
 from lanes_cli.drills import DrillReport, complete, drill_report
+from lanes_cli.input_files import load_yaml, validation_problems
 from lanes_cli.timeline import job_timeline, row_kind
 from lanes_contract.client import LanesClient, connect_nats
 from lanes_contract.events import DrillInjected, DrillInjectedData, DrillKind
@@ -85,6 +86,9 @@ async def run_drill(
     """Inject one drill, then wait (at most `timeout_s`) for it to play out; its report either way."""
     js = client.js
     attempt, node, pid = running_rank(await _rows(js, step.job), step.rank)
+    if process_start(pid) is None:  # checked before the drill is announced: no drill event for a fault never made
+        msg = f"rank {step.rank}'s process {pid} is not running on this host (run the drill on the rank's node)"
+        raise FaultError(msg)
     announced = DrillInjectedData(
         kind=step.kind, node=node, rank=step.rank, pid=pid, duration_s=step.duration_s, requested_by=by
     )
@@ -95,13 +99,15 @@ async def run_drill(
     injecting = asyncio.create_task(inject(step.kind, pid, duration_s=step.duration_s, kmsg=kmsg))
     async with asyncio.timeout(timeout_s):
         while True:
+            if injecting.done():
+                injecting.result()  # a fault that could not be injected is said now, not hidden behind a timeout
             rows = await _rows(js, step.job)
             drilled = next(row for row in rows if row.get("id") == event.id)
             report = drill_report(drilled, rows)
             if complete(report) and injecting.done():
                 break
             await asyncio.sleep(_POLL_S)
-    await injecting  # a fault that could not be injected is said, not hidden behind a timeout
+    await injecting
     return report
 
 
@@ -136,9 +142,9 @@ def drill(  # noqa: PLR0917 - typer maps each option to a parameter
     url = require(settings.nats_url, "NATS_URL")
     if plan is not None:
         try:
-            steps = DrillPlan.model_validate(yaml.safe_load(plan.read_text())).drills
-        except (OSError, yaml.YAMLError, ValidationError) as exc:
-            fail(f"cannot read the drill plan {plan}: {exc}", EXIT_BAD_INPUT)
+            steps = DrillPlan.model_validate(load_yaml(plan)).drills
+        except ValidationError as exc:
+            fail(f"drill plan {plan}: {validation_problems(exc, 'plan')}", EXIT_BAD_INPUT)
     elif job is not None and kind is not None:
         steps = [DrillStep(job=checked_job_id(job), kind=kind, rank=rank, duration_s=duration)]
     else:

@@ -1,0 +1,69 @@
+"""Reading the files a user hands the CLI (job specs, drill plans): bounded, text only, strict YAML.
+
+Each problem is one line on stderr and exit code 2, naming the file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from lanes_cli.console import EXIT_BAD_INPUT, fail
+
+MAX_SPEC_BYTES = 1024 * 1024
+"""A job spec is a page of YAML; anything larger is a mistake (or an attack), refused before parsing."""
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """A safe YAML loader that refuses a key given twice (YAML would silently keep the last one)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        """The mapping, or a ConstructorError naming the key given twice and its line."""
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                msg = f"duplicate key {key!r} (line {key_node.start_mark.line + 1})"
+                raise yaml.constructor.ConstructorError(None, None, msg, key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_spec_text(path: Path) -> str:
+    """The text of a spec file: a regular file, at most MAX_SPEC_BYTES, UTF-8 text; else exit 2 saying why."""
+    try:
+        if not path.exists():
+            fail(f"cannot read {path}: no such file or directory", EXIT_BAD_INPUT)
+        if not path.is_file():
+            what = "a directory" if path.is_dir() else "not a regular file"
+            fail(f"{path} is {what}; a job spec is a YAML or JSON file", EXIT_BAD_INPUT)
+        with path.open("rb") as handle:
+            raw = handle.read(MAX_SPEC_BYTES + 1)
+    except OSError as exc:
+        fail(f"cannot read {path}: {exc.strerror}", EXIT_BAD_INPUT)
+    if len(raw) > MAX_SPEC_BYTES:
+        fail(f"{path} is larger than {MAX_SPEC_BYTES // 1024} KiB; a job spec is a page of YAML", EXIT_BAD_INPUT)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = "\x00"
+    if "\x00" in text:
+        fail(f"{path} is not a text file (binary content); a job spec is YAML or JSON", EXIT_BAD_INPUT)
+    return text
+
+
+def load_yaml(path: Path) -> Any:
+    """The file's YAML (or JSON) document, with no key given twice; else exit 2 saying why."""
+    text = read_spec_text(path)
+    try:
+        return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        fail(f"{path} is not valid YAML: {' '.join(str(exc).split())}", EXIT_BAD_INPUT)
+
+
+def validation_problems(exc: ValidationError, whole: str = "spec") -> str:
+    """Every problem pydantic found, on one line: `workers: Input should be greater than 0; ...`."""
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or whole}: {e['msg']}".replace("\n", " ") for e in exc.errors())
