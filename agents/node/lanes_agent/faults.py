@@ -9,7 +9,8 @@ Each kind does what the fault does on a real node, so the evidence that follows 
 - `xid`: an NVRM Xid 94 line (a contained ECC error, which names the process) written to the kernel log for
   the rank's pid, then the drill workload's fault hook (SIGUSR2) fails its next step as the CUDA call after
   an ECC error fails. The one simulated part, since no GPU is here: the kernel line;
-- `exception`: the drill workload's fault hook (SIGUSR1) raises an exception at its next step.
+- `exception`: the drill workload's fault hook (SIGUSR1) raises an exception at its next step;
+- `link-down`: the node's link (its veth on the bridge, `lanes up --netns`) down, and up after `duration_s`.
 
 The drill runs on the rank's host (the simulated nodes of `lanes up` share one).
 """
@@ -22,6 +23,7 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
+from lanes_agent import netns
 from lanes_contract.events import DrillKind
 
 KMSG = Path("/dev/kmsg")
@@ -85,9 +87,13 @@ def xid_line(pid: int, gpu: str = "0000:3b:00") -> str:
     return f"NVRM: Xid (PCI:{gpu}): 94, pid={pid}, name=python, Contained: SM (0x1). RST: No, D-RST: No"
 
 
-async def inject(kind: DrillKind, pid: int, *, duration_s: float | None = None, kmsg: Path = KMSG) -> Injected:
-    """Inject `kind` into process `pid`; a hang with a duration (or a slow-down) returns once it is over."""
+async def inject(
+    kind: DrillKind, pid: int, *, node: str = "", duration_s: float | None = None, kmsg: Path = KMSG
+) -> Injected:
+    """Inject `kind` into process `pid` (on `node`); one with a duration returns once it is over."""
     match kind:
+        case DrillKind.LINK_DOWN:
+            return await _cut_link(node, duration_s)
         case DrillKind.KILL:
             _signal(pid, signal.SIGKILL)
             return Injected("SIGKILL")
@@ -129,6 +135,18 @@ def _squeeze(group: Path, tries: int = 20) -> Injected:
         return Injected(f"memory limit of cgroup {group.name} lowered to its use, {used} bytes")
     msg = f"cannot lower the memory limit of {group}: its use keeps moving"
     raise FaultError(msg)
+
+
+async def _cut_link(node: str, duration_s: float | None) -> Injected:
+    if netns.link_is_up(node) is None:
+        msg = f"{node} has no link of its own here (run the nodes in network namespaces: lanes up --netns)"
+        raise FaultError(msg)
+    netns.set_link(node, up=False)
+    if duration_s is None:
+        return Injected(f"link {netns.link_of(node)} of {node} down, never restored")
+    await asyncio.sleep(duration_s)
+    netns.set_link(node, up=True)
+    return Injected(f"link {netns.link_of(node)} of {node} down for {duration_s:g} s")
 
 
 async def _slow(pid: int, duration_s: float) -> Injected:

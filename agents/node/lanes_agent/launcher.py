@@ -38,7 +38,7 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js.errors import NotFoundError
 
-from lanes_agent import kmsg
+from lanes_agent import kmsg, netns
 from lanes_agent.cgroups import MemoryCgroups
 from lanes_agent.ledger import RankLedger, RankRecord, process_start, reclaim
 from lanes_contract.client import publish_encoded
@@ -83,6 +83,7 @@ from lanes_runtime.failures import classify, is_infrastructure
 
 _PIDS_KEPT = 65_536
 _KERNEL_LOG_POLL_S = 0.2
+_LINK_POLL_S = 0.2
 STOP_GRACE_S = 10.0
 """How long a stopped rank has between SIGTERM and SIGKILL."""
 READY_MARKER = "lanes: communicator ready"
@@ -180,8 +181,11 @@ class LocalLauncher:
         kernel_log_position: Path | None = None,
         memory_cgroups: MemoryCgroups | None = None,
         state_dir: Path | None = None,
+        networks: netns.NodeNetworks | None = None,
     ) -> None:
         self._nc = nc
+        self._networks = networks
+        """Each node's network namespace (made by the caller), or None: the nodes share the host's network."""
         self._state_dir = state_dir
         """Where the ledger lives (survives restarts); None: a temporary one, for a launcher that never restarts."""
         self._ledger: RankLedger | None = None
@@ -266,6 +270,10 @@ class LocalLauncher:
             kernel = asyncio.create_task(self._follow_kernel_log(self._kernel_log, stop))
             running.add(kernel)
             kernel.add_done_callback(running.discard)
+        if self._networks is not None:
+            links = asyncio.create_task(self._watch_links(stop))
+            running.add(links)
+            links.add_done_callback(running.discard)
         try:
             while not stop.is_set():
                 try:
@@ -476,6 +484,13 @@ class LocalLauncher:
         # simulated nodes share this host, so it is a free local port, the same for the attempt's ranks.
         port = self._rendezvous_ports.setdefault(attempt_key, _free_port())
         env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        first = next(a.node for a in placed.data.assignments if a.rank == 0)
+        if self._networks is not None and first in self._networks.links:
+            # Each node in its own namespace: rank 0 listens on its node's address, and every rank's traffic
+            # leaves through its node's own interface, across the bridge.
+            ifname = {"GLOO_SOCKET_IFNAME": netns.INTERFACE, "NCCL_SOCKET_IFNAME": netns.INTERFACE}
+            env |= {"MASTER_ADDR": self._networks.address(first)} | ifname
+            command = self._networks.command(assignment.node, command)
         env |= _spec_environment(spec, self._resume_steps.get((placed.job_key, placed.attempt or 1)))
         keys = {"source": f"agent/{assignment.node}", "node": assignment.node, "rank": assignment.rank}
         group = self._rank_cgroup(placed, assignment, spec.host_memory_gib)
@@ -707,6 +722,26 @@ class LocalLauncher:
         if owner is not None:
             update |= {"jobid": owner.job_id, "attempt": owner.attempt, "rank": owner.rank}
         await self._publish_held(event.model_copy(update=update), TELEMETRY.name)
+
+    async def _watch_links(self, stop: asyncio.Event) -> None:
+        """Report each node's link going down or up, as a node agent watching its NICs does (network lane)."""
+        assert self._networks is not None  # noqa: S101 - started only with networks
+        was = dict.fromkeys(self._networks.links, True)
+        while not stop.is_set():
+            for node in sorted(self._networks.links):
+                up = netns.link_is_up(node)
+                if up is None or up == was[node]:
+                    continue
+                was[node] = up
+                category = EvidenceCategory.LINK_UP if up else EvidenceCategory.LINK_DOWN
+                what = f"link {netns.link_of(node)} of {node} is {'up' if up else 'down'}"
+                data = EvidenceData(category=category, summary=what, origin="agent: link state")
+                now = utc_now()
+                found = Evidence(data=data, time=now, node=node)
+                await self._publish_held(
+                    evidence_event(found, source=f"agent/{node}", node=node, time=now), TELEMETRY.name
+                )
+            await asyncio.sleep(_LINK_POLL_S)
 
     async def _kernel_log_unreadable(self, path: Path, exc: OSError) -> None:
         reason = f"kernel log {path} unreadable: {exc.strerror or exc}"

@@ -8,13 +8,15 @@ at most once, and a restarted agent settles the ranks its earlier run left.
 from __future__ import annotations
 
 import hashlib
+import subprocess
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from lanes_agent.launcher import STOP_GRACE_S, LocalLauncher
-from lanes_cli.console import EXIT_BAD_INPUT, err, fail, load_settings, require, run_async
+from lanes_agent.netns import NodeNetworks
+from lanes_cli.console import EXIT_BAD_INPUT, EXIT_FAILED, err, fail, load_settings, require, run_async
 from lanes_contract.client import connect_nats
 from lanes_contract.ids import is_valid_token
 from lanes_runtime.service import stop_on_signals
@@ -37,6 +39,24 @@ def durable_name(nodes: list[str]) -> str:
     return f"agent-{hashlib.sha256(joined.encode()).hexdigest()[:16]}"
 
 
+def node_networks(nodes: list[str]) -> NodeNetworks | None:
+    """Each node's network namespace, made; or None (said on stderr) where they cannot be made."""
+    why = NodeNetworks.unavailable()
+    if why is not None:
+        err.print(f"--netns: {why}; the nodes share this host's network")
+        return None
+    networks = NodeNetworks(nodes)
+    try:
+        networks.up()
+    except subprocess.CalledProcessError as exc:
+        networks.down()
+        fail(f"--netns: `{' '.join(map(str, exc.cmd))}` failed: {(exc.stderr or '').strip()}", EXIT_FAILED)
+    err.print(f"nodes in network namespaces on bridge {networks.bridge}: " + ", ".join(
+        f"{link.node}={link.address}" for link in networks.links.values()
+    ))  # fmt: skip
+    return networks
+
+
 def agent(
     node: Annotated[list[str], typer.Option("--node", help="A node this agent runs ranks for (repeatable).")],
     state_dir: Annotated[
@@ -52,6 +72,9 @@ def agent(
     stop_grace: Annotated[
         float, typer.Option(help="Seconds between SIGTERM and SIGKILL when a gang is stopped.", min=0.1)
     ] = STOP_GRACE_S,
+    netns: Annotated[
+        bool, typer.Option("--netns", help="Each node's ranks in a network namespace of its own (root).")
+    ] = False,
 ) -> None:
     """Run the ranks placed on these nodes until SIGTERM or Ctrl-C (needs NATS_URL only)."""
     settings = load_settings()
@@ -61,6 +84,8 @@ def agent(
             fail(f"invalid node name {name!r}: letters, digits, '-' and '_' only", EXIT_BAD_INPUT)
     durable = durable_name(node)
     directory = state_dir or DEFAULT_STATE_DIR / durable
+
+    networks = node_networks(node) if netns else None
 
     async def serve() -> None:
         nc = await connect_nats(url, name=durable)
@@ -73,6 +98,7 @@ def agent(
                 kernel_log=kernel_log,
                 kernel_log_position=directory / "kmsg.position" if kernel_log else None,
                 state_dir=directory / "ranks",
+                networks=networks,
             )
             err.print(f"agent for {', '.join(sorted(node))}: consumer {durable}, ledger {directory}")
             await launcher.run(stop_on_signals())
@@ -83,3 +109,6 @@ def agent(
         run_async(serve)
     except KeyboardInterrupt:
         err.print("stopped")
+    finally:
+        if networks is not None:
+            networks.down()

@@ -32,6 +32,7 @@ from lanes_cli import (
     run_cli,
     slurm_cli,
 )
+from lanes_cli.agent_cli import node_networks
 from lanes_cli.bootstrap import SERVICES, prepare_services
 from lanes_cli.console import (
     EXIT_BAD_INPUT,
@@ -117,6 +118,14 @@ def up(
             "pid become that rank's evidence. Its resume position is kept in ~/.lanes/kmsg.position."
         ),
     ] = None,
+    netns: Annotated[
+        bool,
+        typer.Option(
+            "--netns",
+            help="Each simulated node's ranks in a network namespace of its own, joined by a bridge (root): "
+            "torch.distributed traffic crosses real links, and `lanes drill --kind link-down` cuts one.",
+        ),
+    ] = False,
 ) -> None:
     """Start embedded servers (unless the environment names yours) and every service, until Ctrl-C."""
     settings = load_settings()
@@ -139,6 +148,7 @@ def up(
                 frozenset(fleet),
                 kernel_log=kernel_log,
                 kernel_log_position=Path.home() / ".lanes" / "kmsg.position" if kernel_log else None,
+                networks=networks,
             )
             router = next(consumer for consumer in consumers if isinstance(consumer, RouterRunner))
 
@@ -148,11 +158,15 @@ def up(
 
             await asyncio.gather(run_consumers(consumers, stop), launcher.run(stop), announce_router())
 
+    networks = node_networks(list(local_nodes(nodes, gpus))) if netns else None
     try:
         with servers(settings) as urls:
             run_async(lambda: serve_all(urls))
     except KeyboardInterrupt:
         err.print("stopped")
+    finally:
+        if networks is not None:
+            networks.down()
 
 
 @app.command()

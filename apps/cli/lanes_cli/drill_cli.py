@@ -96,7 +96,7 @@ async def run_drill(
         source="lanes/cli", jobid=step.job, attempt=attempt, node=node, rank=step.rank, data=announced
     )
     await client.publish(event)  # before the fault: its time is the start of every measure
-    injecting = asyncio.create_task(inject(step.kind, pid, duration_s=step.duration_s, kmsg=kmsg))
+    injecting = asyncio.create_task(inject(step.kind, pid, node=node, duration_s=step.duration_s, kmsg=kmsg))
     async with asyncio.timeout(timeout_s):
         while True:
             if injecting.done():
@@ -137,7 +137,7 @@ def drill(  # noqa: PLR0917 - typer maps each option to a parameter
     timeout: Annotated[float, typer.Option(help="Seconds to wait for each drill to play out.", min=1)] = 300.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Inject a real fault (kill, hang, slow, oom, xid, exception) into a rank; time and judge the response."""
+    """Inject a real fault (kill, hang, slow, oom, xid, exception, link-down) into a rank; judge the answer."""
     settings = load_settings(quiet=True)
     url = require(settings.nats_url, "NATS_URL")
     if plan is not None:

@@ -24,8 +24,11 @@ EXPECTED_LANE: dict[DrillKind, Lane | None] = {
     DrillKind.XID: Lane.HOST,  # the GPU's ECC error explains the CUDA failure after it
     DrillKind.EXCEPTION: Lane.ALGORITHM,
     DrillKind.SLOW: None,  # a straggler, not a failure: nothing to localise
+    DrillKind.LINK_DOWN: Lane.NETWORK,
 }
 """The lane whose team owns each injected fault: the finding must name it."""
+NODE_FAULTS = frozenset({DrillKind.LINK_DOWN})
+"""Faults of a node rather than of one rank: the finding must name the node; any rank on it will do."""
 _EVIDENCE_KINDS = {"evidence", "rank_exited", "finding"}
 
 
@@ -42,7 +45,7 @@ class DrillReport:
     detect_s: float | None
     """Injection to the first evidence of the attempt (an evidence copy, a rank's exit, a finding)."""
     localise_s: float | None
-    """Injection to the first settled finding naming the injected rank (the node, if no rank was named)."""
+    """Injection to the first settled finding naming the injected rank (its node, for a node's fault)."""
     decide_s: float | None
     """Injection to the attempt's first recovery decision."""
     recover_s: float | None
@@ -65,7 +68,7 @@ class DrillReport:
         if self.named is None:
             return "no settled finding yet"
         misses = []
-        if self.rank is not None and self.named.get("rank") != self.rank:
+        if self.rank is not None and self.kind not in NODE_FAULTS and self.named.get("rank") != self.rank:
             misses.append(f"rank {self.named.get('rank')} instead of {self.rank}")
         if self.named.get("node") != self.node:
             misses.append(f"node {self.named.get('node')} instead of {self.node}")
@@ -113,6 +116,7 @@ def drill_report(drill: Row, rows: list[Row]) -> DrillReport:
     """The report of one `drill_injected` row, from its job's rows (in stream order)."""
     data = drill.get("data") or {}
     attempt = int(drill.get("attempt") or 1)
+    kind = DrillKind(str(data.get("kind")))
     rank = data.get("rank")
     node = str(data.get("node"))
     start = _time(drill)
@@ -125,7 +129,8 @@ def drill_report(drill: Row, rows: list[Row]) -> DrillReport:
         if row_kind(row) != "finding" or not (row.get("data") or {}).get("settled"):
             return False
         first = (row.get("data") or {}).get("first_error") or {}
-        return bool(first.get("rank") == rank if rank is not None else first.get("node") == node)
+        by_rank = rank is not None and kind not in NODE_FAULTS
+        return bool(first.get("rank") == rank if by_rank else first.get("node") == node)
 
     def running_again(row: Row) -> bool:
         to_state = (row.get("data") or {}).get("to_state")
@@ -138,7 +143,7 @@ def drill_report(drill: Row, rows: list[Row]) -> DrillReport:
         drill_id=str(drill.get("id")),
         job_id=str(drill.get("job_id")),
         attempt=attempt,
-        kind=DrillKind(str(data.get("kind"))),
+        kind=kind,
         node=node,
         rank=rank,
         detect_s=_after(mine, start, evidence),

@@ -86,6 +86,8 @@ class DrillKind(StrEnum):
     """Write an NVRM Xid line naming the rank's pid to the kernel log, then fail its next CUDA call (simulated)."""
     EXCEPTION = "exception"
     """Make the rank raise an exception through the drill workload's fault hook (SIGUSR1)."""
+    LINK_DOWN = "link-down"
+    """Bring the rank's node's link down (its veth, with `lanes up --netns`), and up after a duration if given."""
 
 
 class DrillInjectedData(Data):

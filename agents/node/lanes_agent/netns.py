@@ -1,0 +1,119 @@
+"""Real links between simulated nodes: one network namespace per node, joined by a bridge.
+
+Each simulated node gets a namespace `lanes-<node>` with its own `eth0` and address on a private subnet; the
+other end of that veth pair sits on a bridge in the host's namespace. A node's ranks run inside its
+namespace, so torch.distributed's traffic between nodes crosses real (virtual) links, and cutting a node's
+link (`ip link set <its veth> down`, as `lanes drill --kind link-down` does) really cuts it.
+
+The agent itself stays in the host's namespace, where NATS is: it publishes for every node it runs.
+Names derive from the node's name, so a drill on the same host finds a node's link without asking the agent.
+Needs root and iproute2; without them ranks share the host's network and the agent says why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+INTERFACE = "eth0"
+"""The node's interface inside its namespace (ranks bind to it: GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME)."""
+SUBNET = "10.77"
+"""Nodes get 10.77.<i / 250>.<i % 250 + 2>/16 (up to 12,500 nodes on one bridge)."""
+_MAX_NODES = 12_500
+
+
+def namespace_of(node: str) -> str:
+    """The network namespace of a simulated node."""
+    return f"lanes-{node}"
+
+
+def link_of(node: str) -> str:
+    """The host's end of the node's veth pair (at most 15 characters, as the kernel requires)."""
+    return "lv" + hashlib.sha256(node.encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class NodeLink:
+    """Where a simulated node sits on the bridge."""
+
+    node: str
+    address: str
+    namespace: str
+    link: str
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)  # noqa: S603, S607 - iproute2, fixed arguments
+
+
+class NodeNetworks:
+    """The namespaces, veth pairs and bridge of a set of simulated nodes; `up` makes them, `down` removes them."""
+
+    def __init__(self, nodes: Sequence[str], bridge: str | None = None) -> None:
+        if len(nodes) > _MAX_NODES:
+            msg = f"at most {_MAX_NODES} simulated nodes share one bridge"
+            raise ValueError(msg)
+        self.bridge = bridge or "lbr" + hashlib.sha256(",".join(sorted(nodes)).encode()).hexdigest()[:10]
+        self.links = {
+            node: NodeLink(node, f"{SUBNET}.{i // 250}.{i % 250 + 2}", namespace_of(node), link_of(node))
+            for i, node in enumerate(sorted(nodes))
+        }
+
+    @staticmethod
+    def unavailable() -> str | None:
+        """Why nodes cannot get namespaces here, or None when they can."""
+        if os.geteuid() != 0:
+            return "network namespaces need root"
+        if shutil.which("ip") is None:
+            return "iproute2 (`ip`) is not installed"
+        if not Path("/proc/self/ns/net").exists():
+            return "this kernel has no network namespaces"
+        return None
+
+    def up(self) -> dict[str, NodeLink]:
+        """Make the bridge and every node's namespace, veth pair and address (what an earlier run left goes first)."""
+        self.down()
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("link", "set", self.bridge, "up")
+        for link in self.links.values():
+            _ip("netns", "add", link.namespace)
+            _ip("link", "add", link.link, "type", "veth", "peer", "name", INTERFACE, "netns", link.namespace)
+            _ip("link", "set", link.link, "master", self.bridge, "up")
+            _ip("-n", link.namespace, "addr", "add", f"{link.address}/16", "dev", INTERFACE)
+            _ip("-n", link.namespace, "link", "set", INTERFACE, "up")
+            _ip("-n", link.namespace, "link", "set", "lo", "up")
+        return dict(self.links)
+
+    def down(self) -> None:
+        """Remove the namespaces (their veth pairs go with them) and the bridge; what is not there is skipped."""
+        for link in self.links.values():
+            subprocess.run(["ip", "netns", "del", link.namespace], check=False, capture_output=True)  # noqa: S603, S607
+            subprocess.run(["ip", "link", "del", link.link], check=False, capture_output=True)  # noqa: S603, S607
+        subprocess.run(["ip", "link", "del", self.bridge], check=False, capture_output=True)  # noqa: S603, S607
+
+    def command(self, node: str, argv: Sequence[str]) -> list[str]:
+        """`argv` run inside the node's namespace (`ip netns exec` execs it: the pid stays the rank's)."""
+        return ["ip", "netns", "exec", self.links[node].namespace, *argv]
+
+    def address(self, node: str) -> str:
+        """The node's address, where its ranks listen (rank 0's is the rendezvous endpoint)."""
+        return self.links[node].address
+
+
+def link_is_up(node: str) -> bool | None:
+    """Whether the host's end of the node's link is up (None: the node has no such link here)."""
+    try:
+        state = Path(f"/sys/class/net/{link_of(node)}/operstate").read_text().strip()
+    except OSError:
+        return None
+    return state != "down"
+
+
+def set_link(node: str, *, up: bool) -> None:
+    """Bring the node's link down or up, from the host's side (a drill's cable pull)."""
+    _ip("link", "set", link_of(node), "up" if up else "down")
