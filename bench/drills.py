@@ -6,6 +6,7 @@ For each fault kind (kill, hang, oom, xid, exception), `--runs` times:
   `lanes drill` injects the fault into rank 2. Measured from the `drill_injected` event: time to detect
   (first evidence), to localise (a settled finding naming rank 2), to decide (recovery's decision) and to
   recover (the next attempt running), and whether the finding named rank 2, its node and the right lane.
+  With root, each node's ranks run in a network namespace of their own (so link-down can cut one).
 - **torchelastic, the raw baseline beside it**: the same workload under `torchrun --standalone
   --nproc-per-node 4` (each worker in a memory cgroup for the oom kind), the same fault into local rank 2
   (the same function does it), timed to torchrun's exit; what its error summary names as root cause (rank,
@@ -35,6 +36,7 @@ from typing import Any
 from lanes_agent.cgroups import MemoryCgroups
 from lanes_agent.faults import inject
 from lanes_agent.launcher import LocalLauncher
+from lanes_agent.netns import NodeNetworks
 from lanes_cli.bootstrap import SERVICES, prepare_services
 from lanes_cli.drill_cli import DrillStep, run_drill
 from lanes_cli.stack import servers
@@ -53,7 +55,7 @@ from lanes_runtime.log import configure_logging
 from lanes_runtime.service import connected, run_consumers
 from lanes_runtime.settings import ServerUrls, Settings
 
-KINDS = (DrillKind.KILL, DrillKind.HANG, DrillKind.OOM, DrillKind.XID, DrillKind.EXCEPTION)
+KINDS = (DrillKind.KILL, DrillKind.HANG, DrillKind.OOM, DrillKind.XID, DrillKind.EXCEPTION, DrillKind.LINK_DOWN)
 NODES = [f"bench-{i}" for i in range(1, 6)]
 RANK = 2
 KMSG = Path("/dev/kmsg")
@@ -74,7 +76,20 @@ async def _until(check: Any, timeout_s: float, what: str) -> None:
 
 
 async def lanes_run(urls: ServerUrls, kind: DrillKind, scratch: Path) -> dict[str, Any]:
-    """One drill through Lanes on fresh servers; the drill's report."""
+    """One drill through Lanes on fresh servers, each node in a network namespace of its own; its report."""
+    networks = None if NodeNetworks.unavailable() else NodeNetworks(NODES)
+    if networks is not None:
+        networks.up()
+    try:
+        return await _lanes_drill(urls, kind, scratch, networks)
+    finally:
+        if networks is not None:
+            networks.down()
+
+
+async def _lanes_drill(
+    urls: ServerUrls, kind: DrillKind, scratch: Path, networks: NodeNetworks | None
+) -> dict[str, Any]:
     async with connected(urls, name="bench-drills") as conns:
         stop = asyncio.Event()
         consumers = await prepare_services(conns, [name for name in SERVICES if name != "router"])
@@ -85,6 +100,7 @@ async def lanes_run(urls: ServerUrls, kind: DrillKind, scratch: Path) -> dict[st
             kernel_log=KMSG if os.access(KMSG, os.R_OK) else None,
             kernel_log_position=scratch / "kmsg.position",
             state_dir=scratch / "ledger",
+            networks=networks,
         )
         tasks = [asyncio.create_task(run_consumers(consumers, stop)), asyncio.create_task(agent.run(stop))]
         try:
@@ -127,7 +143,12 @@ async def lanes_run(urls: ServerUrls, kind: DrillKind, scratch: Path) -> dict[st
 
 
 async def torchrun_run(kind: DrillKind, scratch: Path) -> dict[str, Any]:
-    """The same fault under torchrun alone: time to its exit, and the root cause its summary names."""
+    """The same fault under torchrun alone: time to its exit, and the root cause its summary names.
+
+    torchrun's workers share one network: a link cannot be cut under them alone, so link-down has no baseline.
+    """
+    if kind is DrillKind.LINK_DOWN:
+        return {"exit_s": None, "root_cause_rank": None, "root_cause_exitcode": None}
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     if torchrun is None:
         msg = "torchrun is not installed (the `drill` dependency group)"
