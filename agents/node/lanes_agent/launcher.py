@@ -106,8 +106,10 @@ DEFAULT_RANK_PROGRAM = (
 _STOP_RANKS = frozenset({JobState.CANCELLING, JobState.CANCELLED, JobState.PARTIALLY_FAILED, JobState.FAILED})
 """States in which the launcher terminates the attempt's ranks (and starts none of those not yet started):
 cancelled, or (like torchrun's elastic agent) a rank failed, so the rest of the gang is torn down."""
-_ATTEMPT_LIVE = frozenset({JobState.ADMITTED, JobState.STARTING, JobState.RUNNING})
-"""States in which an attempt's ranks may still be started; any other state of it (or a later attempt) ends it."""
+_ATTEMPT_OVER = _STOP_RANKS | {JobState.SUCCEEDED, JobState.RELEASED, JobState.AWAITING_MANUAL}
+"""States after which none of the attempt's ranks may start (nor may any of an earlier attempt). Only these:
+the lifecycle may not have folded the placement yet (the job still `queued`, or `retrying`, which carries the
+new attempt's number) when a restarted agent looks."""
 _HOLD_PAUSES_S = (0.5, 1.0, 2.0, 5.0)
 """Pauses between tries of a publish that must not be dropped while the bus is away (the last repeats)."""
 log = structlog.get_logger(__name__)
@@ -376,8 +378,7 @@ class LocalLauncher:
             self._resume_steps[(placed.job_key, requested.attempt or 1)] = requested.data.resume_step
         changed = await self._last_event(f"lanes.job.{job_id}.state_changed")
         if isinstance(changed, JobStateChanged) and (
-            (changed.attempt or 1) > attempt
-            or (changed.attempt == attempt and changed.data.to_state not in _ATTEMPT_LIVE)
+            (changed.attempt or 1) > attempt or (changed.attempt == attempt and changed.data.to_state in _ATTEMPT_OVER)
         ):
             self._stopping.add((job_id, attempt))
         self._specs[job_id] = submitted.data.spec
