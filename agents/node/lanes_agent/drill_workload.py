@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import mmap
 import os
 import signal
 import time
@@ -38,6 +39,20 @@ _VERSIONS = {
 _BATCH = (4096, 64)
 """1 MiB of float32 per step: above glibc's mmap threshold, so each batch is fresh memory from the kernel."""
 _faults: list[int] = []
+
+
+def _load_batch() -> torch.Tensor:
+    """This step's batch, read into memory mapped afresh, as a data loader hands one over.
+
+    A new mapping each step is new memory for the kernel to charge: under a squeezed limit the next step is
+    over it at once, where the allocator's reuse of freed memory would hide it for minutes.
+    """
+    with mmap.mmap(-1, _BATCH[0] * _BATCH[1] * 4) as buffer:
+        view = torch.frombuffer(buffer, dtype=torch.float32).view(*_BATCH)
+        view.copy_(torch.randn(*_BATCH))  # every page touched: charged to the rank's cgroup
+        batch = view.clone()
+        del view  # the mapping can close only once nothing points into it
+    return batch
 
 
 def _say(line: str) -> None:
@@ -88,7 +103,7 @@ def main() -> None:
         if signal.SIGUSR2 in _faults:
             msg = "CUDA error: uncorrectable ECC error encountered"
             raise RuntimeError(msg)
-        batch = torch.randn(*_BATCH)
+        batch = _load_batch()
         loss = model(batch).pow(2).mean()
         optimiser.zero_grad()
         loss.backward()

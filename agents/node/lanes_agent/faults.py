@@ -4,7 +4,7 @@ Each kind does what the fault does on a real node, so the evidence that follows 
 - `kill`: SIGKILL, as an operator's `kill -9` or a watchdog would;
 - `hang`: SIGSTOP (SIGCONT after `duration_s`, if given); the peers wait in their collective and time out;
 - `slow`: SIGSTOP and SIGCONT in turn for `duration_s`: a straggler that is not dead;
-- `oom`: the rank's memory cgroup limit lowered to what it uses; its next allocation is over it, and the
+- `oom`: the rank's memory cgroup limit lowered to what it uses; what it allocates next is over it, and the
   kernel's OOM killer kills it and logs its real line;
 - `xid`: an NVRM Xid 94 line (a contained ECC error, which names the process) written to the kernel log for
   the rank's pid, then the drill workload's fault hook (SIGUSR2) fails its next step as the CUDA call after
@@ -121,10 +121,10 @@ async def inject(
 
 
 def _squeeze(group: Path, tries: int = 20) -> Injected:
-    """Lower the cgroup's limit to what it uses now, so its next allocation is over it.
+    """Lower the cgroup's limit to what it uses now, so what it allocates next is over it.
 
-    Memory it cannot reclaim (no swap here) then ends in the kernel's OOM kill. The kernel refuses (EBUSY) a
-    limit below use, so the limit follows the use as it moves.
+    The kernel first reclaims the cgroup's page cache, then (no swap here) kills the rank: the kernel's own
+    OOM kill. It refuses (EBUSY) a limit below what it cannot reclaim, so the limit follows the use as it moves.
     """
     for _ in range(tries):
         used = int((group / "memory.usage_in_bytes").read_text())
