@@ -444,18 +444,10 @@ class LocalLauncher:
                 origin="agent",
                 pid=record.pid,
             )
-            now = utc_now()
-            found = Evidence(data=said, time=now, node=assignment.node)
-            evidence = evidence_event(found, source=f"agent/{assignment.node}", node=assignment.node, time=now)
-            evidence = evidence.model_copy(
-                update={
-                    "id": derived_event_id(placed.id, evidence.type, f"{rank_key}:agent_fault"),
-                    "jobid": placed.jobid,
-                    "attempt": placed.attempt or 1,
-                    "rank": assignment.rank,
-                }
+            found = Evidence(data=said, time=utc_now(), node=assignment.node)
+            await publish_encoded(
+                self._js, encode(_rank_evidence(placed, assignment, found, "agent_fault")), stream=TELEMETRY.name
             )
-            await publish_encoded(self._js, encode(evidence), stream=TELEMETRY.name)
         lane = {"lane": Lane.PLATFORM} if fault is not None else {}
         exited = derive(RankExited, placed, key=rank_key, data=data, **lane, **keys)
         await publish_encoded(self._js, encode(exited), stream=JOBS.name)
@@ -601,22 +593,10 @@ class LocalLauncher:
                 lines += 1
                 if evidence.category is EvidenceCategory.RAW:
                     continue  # plain output is not evidence; keep the telemetry stream for what is
-                event = evidence_event(evidence, source=keys["source"], node=assignment.node, time=utc_now())
-                data = (
-                    evidence.data
-                    if evidence.data.pid is not None
-                    else evidence.data.model_copy(update={"pid": proc.pid})
-                )
-                event = event.model_copy(
-                    update={
-                        "id": derived_event_id(placed.id, event.type, f"{rank_key}:{lines}"),
-                        "jobid": placed.jobid,
-                        "attempt": placed.attempt or 1,
-                        "rank": assignment.rank,
-                        "data": data,
-                    }
-                )
-                await self._publish_held(event, TELEMETRY.name)
+                # The rank's own output names its own process unless the line names another.
+                pid = evidence.data.pid or proc.pid
+                said = dataclasses.replace(evidence, data=evidence.data.model_copy(update={"pid": pid}))
+                await self._publish_held(_rank_evidence(placed, assignment, said, str(lines)), TELEMETRY.name)
                 published += 1
                 count(published)  # a restarted agent knows how much of this rank's evidence telemetry should have
 
@@ -783,6 +763,19 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _rank_evidence(placed: JobPlaced, assignment: RankAssignment, found: Evidence, key: str) -> Event:
+    """`found` as the rank's evidence event: its job, attempt and rank, and an id derived from the placement.
+
+    `key` tells the rank's pieces of evidence apart; a repeat after a redelivery is stored once.
+    """
+    node = assignment.node
+    event = evidence_event(found, source=f"agent/{node}", node=node, time=utc_now())
+    derived = derived_event_id(placed.id, event.type, f"{assignment.rank}:{key}")
+    return event.model_copy(
+        update={"id": derived, "jobid": placed.jobid, "attempt": placed.attempt or 1, "rank": assignment.rank}
+    )
 
 
 async def _holding(msg: Msg, run: asyncio.Task[RankRecord]) -> RankRecord:
