@@ -92,6 +92,26 @@ def test_torchelastic_summary_names_the_failed_rank_first_and_the_gang_was_stopp
     ]
 
 
+def test_each_exit_counts_the_evidence_its_rank_published_so_telemetry_waits_for_it() -> None:
+    report = RunReport(identity_from(["torchrun", "--nproc-per-node=3", "t.py"], {}, job="j", node="n1"))
+    output = [
+        "[rank1]: Traceback (most recent call last):",
+        '[rank1]:   File "t.py", line 3, in <module>',
+        "[rank1]: RuntimeError: CUDA error: an illegal memory access was encountered",
+        "[rank0]:[E1204 06:30:01.123456 4242 ProcessGroupNCCL.cpp:616] [Rank 0] Watchdog caught collective "
+        "operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) "
+        "ran for 600001 milliseconds before timing out.",
+        "[rank0]:[E1204 06:30:02.000001 4242 ProcessGroupNCCL.cpp:616] [Rank 0] Watchdog caught collective "
+        "operation timeout: WorkNCCL(SeqNum=8, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) "
+        "ran for 600001 milliseconds before timing out.",
+        "epoch 3 loss 0.25",
+    ]
+    published = [event for line in output for event in report.feed("stderr", line)] + report.finish()
+    assert sorted(event.rank for event in published) == [0, 0, 1]
+    exits = [e for e in report.rank_exits(1) if isinstance(e, RankExited)]
+    assert {e.rank: e.data.evidence for e in exits} == {0: 2, 1: 1, 2: 0}
+
+
 def test_a_plain_command_is_one_rank_with_the_command_status() -> None:
     report = RunReport(identity_from(["python", "x.py"], {}, job="j", node="n1"))
     (exit_event,) = report.rank_exits(-9)

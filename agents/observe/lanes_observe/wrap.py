@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC
@@ -176,6 +177,9 @@ class RunReport:
         self._parsers = {"stdout": LogParser(context), "stderr": LogParser(context)}
         self._lines = {"stdout": 0, "stderr": 0}
         self.exits: dict[int, RankExitedData] = {}
+        # Evidence published per rank: each exit carries its rank's count, so telemetry settles no finding
+        # before that rank's lines (on another stream, perhaps later) have arrived.
+        self.evidence_per_rank: Counter[int] = Counter()
 
     def feed(self, stream: str, line: str) -> list[Event]:
         """The events one line of output completes."""
@@ -208,6 +212,8 @@ class RunReport:
                 data = evidence.data
                 exited = RankExitedData(exit_code=data.exit_code, signal=data.signal)
                 self.exits.setdefault(evidence.rank, exited)
+            if evidence.rank is not None:
+                self.evidence_per_rank[evidence.rank] += 1
             event = evidence_event(evidence, source=identity.source, node=identity.node, time=utc_now())
             key = f"{identity.node}:{stream}:{self._lines[stream]}:{len(events)}"
             event = event.model_copy(
@@ -222,6 +228,8 @@ class RunReport:
 
     def rank_exits(self, status: int) -> list[Event]:
         """Every rank's exit: those the output named first (the first failure leads), then the rest.
+
+        Call it after `finish`: each exit counts the evidence its rank's output carried.
 
         A rank the output did not name exited 0 when the command did. Otherwise srun names every task that
         failed (the others exited 0); torchrun and mpirun stop the rest of the gang (SIGTERM); a single
@@ -242,7 +250,7 @@ class RunReport:
                 identity.attempt,
                 rank,
                 identity.node,
-                self.exits.get(rank, unnamed),
+                self.exits.get(rank, unnamed).model_copy(update={"evidence": self.evidence_per_rank[rank]}),
                 source=identity.source,
             )
             for rank in ordered
