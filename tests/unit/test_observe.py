@@ -92,18 +92,22 @@ def test_torchelastic_summary_names_the_failed_rank_first_and_the_gang_was_stopp
     ]
 
 
+def _watchdog_timeout(*, rank: int, seq: int) -> str:
+    """A ProcessGroupNCCL watchdog line as torchrun prefixes it with the rank."""
+    return (
+        f"[rank{rank}]:[E1204 06:30:0{seq % 10}.123456 4242 ProcessGroupNCCL.cpp:616] [Rank {rank}] Watchdog caught "
+        f"collective operation timeout: WorkNCCL(SeqNum={seq}, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, "
+        "Timeout(ms)=600000) ran for 600001 milliseconds before timing out."
+    )
+
+
 def test_each_exit_counts_the_evidence_its_rank_published_so_telemetry_waits_for_it() -> None:
     report = RunReport(identity_from(["torchrun", "--nproc-per-node=3", "t.py"], {}, job="j", node="n1"))
     output = [
         "[rank1]: Traceback (most recent call last):",
         '[rank1]:   File "t.py", line 3, in <module>',
         "[rank1]: RuntimeError: CUDA error: an illegal memory access was encountered",
-        "[rank0]:[E1204 06:30:01.123456 4242 ProcessGroupNCCL.cpp:616] [Rank 0] Watchdog caught collective "
-        "operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) "
-        "ran for 600001 milliseconds before timing out.",
-        "[rank0]:[E1204 06:30:02.000001 4242 ProcessGroupNCCL.cpp:616] [Rank 0] Watchdog caught collective "
-        "operation timeout: WorkNCCL(SeqNum=8, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) "
-        "ran for 600001 milliseconds before timing out.",
+        *(_watchdog_timeout(rank=0, seq=seq) for seq in (7, 8)),
         "epoch 3 loss 0.25",
     ]
     published = [event for line in output for event in report.feed("stderr", line)] + report.finish()
