@@ -42,7 +42,7 @@ def test_the_checked_in_document_is_current(name: str) -> None:
 
 
 def test_there_is_one_document_per_service_and_no_stale_one() -> None:
-    assert {path.name for path in DOCS.glob("*.yaml")} == {f"{name}.yaml" for name in SERVICES}, (
+    assert {path.name for path in DOCS.glob("*.yaml")} == {f"{name}.yaml" for name in [*SERVICES, "agent"]}, (
         f"docs/asyncapi has files no service generates: delete them and run `{REGENERATE}`"
     )
 
@@ -111,6 +111,11 @@ def test_operations_follow_identities_and_consumers() -> None:
     audit = _operations("audit")
     assert audit["send"] == set()
     assert audit["receive"] == {name for name, kind in EVENT_TYPES.items() if kind.family is Family.JOB}
+    agent = _operations("agent")  # the node agent's own contract: any node's evidence, its heartbeat, rank events
+    assert {"io.lanes.beat.agent.v1", "io.lanes.tel.host.v1", "io.lanes.job.rank_exited.v1"} <= agent["send"]
+    assert agent["receive"] == {
+        f"io.lanes.job.{name}.v1" for name in ("submitted", "attempt_requested", "placed", "state_changed")
+    }
     router = _operations("router")  # a runner, not a ConsumerSpec, reads the registry feed
     assert "io.lanes.job.replica_listening.v1" in router["receive"]
     assert "io.lanes.req.served.v1" in router["send"]

@@ -194,6 +194,34 @@ def _lifecycle_samples() -> list[Event]:
             data=ev.DrillInjectedData(kind=ev.DrillKind.HANG, node="node-1", rank=0, pid=4242, duration_s=5),
             **_JOB_KEYS,
         ),
+        ev.AgentHeartbeat(
+            source="agent/node-1",
+            node="node-1",
+            data=ev.AgentHeartbeatData(
+                agent="agent-node-1",
+                started_at=datetime(2026, 12, 4, 6, 0, tzinfo=UTC),
+                interval_s=10,
+                running_ranks=2,
+                kernel_log="following",
+                inventory=ev.NodeInventory(
+                    source="nvidia-smi",
+                    hostname="gpu-host-1",
+                    cpus=96,
+                    memory_gib=2015.6,
+                    driver_version="550.90.07",
+                    gpus=(
+                        ev.GpuDevice(
+                            index=0,
+                            name="NVIDIA H100 80GB HBM3",
+                            uuid="GPU-1",
+                            pci_bus_id="00000000:18:00.0",
+                            memory_mib=81559,
+                            ecc_uncorrected=0,
+                        ),
+                    ),
+                ),
+            ),
+        ),
         ev.RetryRequested(
             source="lanes/recovery",
             data=ev.RetryData(reason="r", resume_step=100, avoid_nodes=("node-1",)),

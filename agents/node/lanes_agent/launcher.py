@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -40,11 +41,14 @@ from nats.js.errors import NotFoundError
 
 from lanes_agent import kmsg, netns
 from lanes_agent.cgroups import MemoryCgroups
+from lanes_agent.inventory import node_inventory
 from lanes_agent.ledger import RankLedger, RankRecord, process_start, reclaim
 from lanes_contract.client import publish_encoded
 from lanes_contract.codec import decode, encode
 from lanes_contract.errors import DecodeError, PoisonEventError
 from lanes_contract.events import (
+    AgentHeartbeat,
+    AgentHeartbeatData,
     AttemptRequested,
     CheckpointSaved,
     CheckpointSavedData,
@@ -74,7 +78,7 @@ from lanes_contract.events import (
 )
 from lanes_contract.ids import derived_event_id
 from lanes_contract.jobs import JobSpec, JobState
-from lanes_contract.streams import JOBS, TELEMETRY
+from lanes_contract.streams import BEATS, JOBS, TELEMETRY
 from lanes_evidence.evidence import Evidence, evidence_event
 from lanes_evidence.parsers import LogParser, SourceContext
 from lanes_runtime import decision
@@ -86,6 +90,10 @@ _KERNEL_LOG_POLL_S = 0.2
 _LINK_POLL_S = 0.2
 STOP_GRACE_S = 10.0
 """How long a stopped rank has between SIGTERM and SIGKILL."""
+HEARTBEAT_S = 10.0
+"""How often an agent says it is alive (with what it runs and the node's inventory)."""
+_INVENTORY_EVERY = 6
+"""Beats between re-reads of the inventory (nvidia-smi takes a while; ECC counts and repairs change)."""
 READY_MARKER = "lanes: communicator ready"
 """A rank prints this line once its collective communicator is initialised; the launcher reports it."""
 _LISTENING = re.compile(r"Uvicorn running on (?P<scheme>https?)://(?P<host>[^\s:/]+):(?P<port>\d+)")
@@ -184,8 +192,17 @@ class LocalLauncher:
         memory_cgroups: MemoryCgroups | None = None,
         state_dir: Path | None = None,
         networks: netns.NodeNetworks | None = None,
+        heartbeat_s: float = HEARTBEAT_S,
+        nvidia_smi: str | None = None,
     ) -> None:
         self._nc = nc
+        self._heartbeat_s = heartbeat_s
+        self._nvidia_smi = nvidia_smi
+        """The nvidia-smi that inventories the GPUs (default: the one on PATH, if any)."""
+        self._started_at = utc_now()
+        self._running: Counter[str] = Counter()
+        """Ranks running now, per node (what the heartbeat reports)."""
+        self._kernel_log_state = "off" if kernel_log is None else "following"
         self._networks = networks
         """Each node's network namespace (made by the caller), or None: the nodes share the host's network."""
         self._state_dir = state_dir
@@ -276,6 +293,9 @@ class LocalLauncher:
             links = asyncio.create_task(self._watch_links(stop))
             running.add(links)
             links.add_done_callback(running.discard)
+        beats = asyncio.create_task(self._beat(stop))
+        running.add(beats)
+        beats.add_done_callback(running.discard)
         try:
             while not stop.is_set():
                 try:
@@ -506,6 +526,7 @@ class LocalLauncher:
             never_ran = RankExitedData(exit_code=None, start_error=f"{type(exc).__name__}: {exc}"[:1024], evidence=1)
             return ledger.put(dataclasses.replace(record, exit=never_ran.model_dump(mode="json")))
         record = ledger.put(dataclasses.replace(record, pid=proc.pid, pid_start=process_start(proc.pid)))
+        self._running[assignment.node] += 1
         self._procs.setdefault(attempt_key, set()).add(proc)
         self._remember_pid(record)
         if attempt_key in self._stopping:  # stopped while this process was being spawned
@@ -523,7 +544,10 @@ class LocalLauncher:
             counted = ledger.put(dataclasses.replace(counted, evidence=published))
 
         reader = asyncio.create_task(self._watch_output(proc, placed, assignment, keys, count))
-        code = await proc.wait()
+        try:
+            code = await proc.wait()
+        finally:
+            self._running[assignment.node] -= 1
         published = await reader  # its events come before the exit, as they happened
         self._procs[attempt_key].discard(proc)
         exit_data = RankExitedData(
@@ -724,8 +748,38 @@ class LocalLauncher:
                 )
             await asyncio.sleep(_LINK_POLL_S)
 
+    async def _beat(self, stop: asyncio.Event) -> None:
+        """Say each node's agent is alive, every `heartbeat_s`, with what it runs and the node's inventory.
+
+        A beat that cannot be sent is dropped, not held: the next one says the same, and newer.
+        """
+        inventory = None
+        beats = 0
+        while not stop.is_set():
+            if beats % _INVENTORY_EVERY == 0:
+                inventory = await asyncio.to_thread(node_inventory, self._nvidia_smi)
+            beats += 1
+            assert inventory is not None  # noqa: S101 - read on the first beat
+            for node in sorted(self._nodes):
+                data = AgentHeartbeatData(
+                    agent=self.name,
+                    started_at=self._started_at,
+                    interval_s=self._heartbeat_s,
+                    running_ranks=self._running[node],
+                    kernel_log=self._kernel_log_state[:512],
+                    inventory=inventory,
+                )
+                beat = AgentHeartbeat(source=f"agent/{node}", node=node, data=data)
+                try:
+                    await publish_encoded(self._js, encode(beat), stream=BEATS.name)
+                except Exception as exc:  # noqa: BLE001 - the agent runs its ranks without the bus too
+                    log.warning("heartbeat not sent", node=node, error=str(exc) or type(exc).__name__)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=self._heartbeat_s)
+
     async def _kernel_log_unreadable(self, path: Path, exc: OSError) -> None:
         reason = f"kernel log {path} unreadable: {exc.strerror or exc}"
+        self._kernel_log_state = reason
         log.warning("agent cannot read the kernel log; kernel evidence will be missing", reason=reason)
         for node in sorted(self._nodes):
             data = EvidenceData(category=EvidenceCategory.RAW, summary=reason, origin="agent")

@@ -1,8 +1,9 @@
 """`lanes agent`: the node agent as a process of its own, one per (real or simulated) node.
 
-It needs only NATS: it runs the ranks the scheduler places on its nodes and reports them, and follows the
-kernel log when asked. Its ledger (`--state-dir`) is what makes it safe to kill and restart: each rank runs
-at most once, and a restarted agent settles the ranks its earlier run left.
+It needs only NATS: it runs the ranks the scheduler places on its nodes and reports them, follows the
+kernel log when asked, and beats for each node with the node's inventory (GPUs from nvidia-smi where
+present). Its ledger (`--state-dir`) is what makes it safe to kill and restart: each rank runs at most once,
+and a restarted agent settles the ranks its earlier run left.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Annotated
 
 import typer
 
-from lanes_agent.launcher import STOP_GRACE_S, LocalLauncher
+from lanes_agent.launcher import HEARTBEAT_S, STOP_GRACE_S, LocalLauncher
 from lanes_agent.netns import NodeNetworks
 from lanes_cli.console import EXIT_BAD_INPUT, EXIT_FAILED, err, fail, load_settings, require, run_async
 from lanes_contract.client import connect_nats
@@ -57,7 +58,7 @@ def node_networks(nodes: list[str]) -> NodeNetworks | None:
     return networks
 
 
-def agent(
+def agent(  # noqa: PLR0917 - typer maps each parameter to an option
     node: Annotated[list[str], typer.Option("--node", help="A node this agent runs ranks for (repeatable).")],
     state_dir: Annotated[
         Path | None,
@@ -75,6 +76,12 @@ def agent(
     netns: Annotated[
         bool, typer.Option("--netns", help="Each node's ranks in a network namespace of its own (root).")
     ] = False,
+    heartbeat: Annotated[
+        float,
+        typer.Option(
+            help="Seconds between heartbeats (each with the node's inventory; see `lanes topology agents`).", min=0.1
+        ),
+    ] = HEARTBEAT_S,
 ) -> None:
     """Run the ranks placed on these nodes until SIGTERM or Ctrl-C (needs NATS_URL only)."""
     settings = load_settings()
@@ -99,6 +106,7 @@ def agent(
                 kernel_log_position=directory / "kmsg.position" if kernel_log else None,
                 state_dir=directory / "ranks",
                 networks=networks,
+                heartbeat_s=heartbeat,
             )
             err.print(f"agent for {', '.join(sorted(node))}: consumer {durable}, ledger {directory}")
             await launcher.run(stop_on_signals())

@@ -9,8 +9,10 @@ from typing import Annotated, Any
 import asyncpg
 import typer
 
-from lanes_cli.console import EXIT_BAD_INPUT, EXIT_NOT_FOUND, fail, load_settings, out, require, run_async
+from lanes_cli.console import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_NOT_FOUND, fail, load_settings, out, require, run_async
+from lanes_cli.node_health import node_health
 from lanes_cli.scheduling import leaked_allocations
+from lanes_cli.timeline import read_stream
 from lanes_cli.topology_formats import (
     FORMATS,
     TopologyFormatError,
@@ -21,9 +23,10 @@ from lanes_cli.topology_formats import (
     parse_nvidia_smi,
     parse_slurm,
 )
-from lanes_contract.client import LanesClient
+from lanes_contract.client import LanesClient, connect_nats
 from lanes_contract.events import (
     CLUSTER_POLICY_NODE,
+    AgentHeartbeat,
     ClusterPolicySet,
     ClusterPolicySetData,
     Lane,
@@ -31,9 +34,12 @@ from lanes_contract.events import (
     NodeRegisteredData,
     NodeStateChanged,
     NodeStateChangedData,
+    utc_now,
 )
 from lanes_contract.ids import derived_event_id, is_valid_token
+from lanes_contract.streams import BEATS, NODES
 from lanes_contract.topology import LEVELS, Cluster, Level, Node, NodeState
+from lanes_runtime.reader import Selection
 from lanes_runtime.store import create_pool
 from lanes_scheduler import views as scheduler
 from lanes_scheduler.views import CapacityView
@@ -244,3 +250,46 @@ def export(
 
         cluster = run_async(load)
     typer.echo(export_slurm(cluster, block=block), nl=False)
+
+
+async def agent_reports(nats_url: str) -> tuple[list[AgentHeartbeat], dict[str, int]]:
+    """The latest heartbeat of each node's agent, and the GPUs each node was last registered with."""
+    nc = await connect_nats(nats_url, name="lanes-topology-agents")
+    try:
+        js = nc.jetstream()
+        beats = [e.event for e in await read_stream(js, Selection(BEATS.name, "lanes.beat.>"))]
+        registrations = await read_stream(js, Selection(NODES.name, "lanes.node.*.registered"))
+    finally:
+        await nc.close()
+    registered = {e.event.node: e.event.data.gpus for e in registrations if isinstance(e.event, NodeRegistered)}
+    return [b for b in beats if isinstance(b, AgentHeartbeat)], {n: g for n, g in registered.items() if n}
+
+
+@app.command()
+def agents(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
+    """The node agents as their heartbeats say: alive or silent, what they run, each node's GPUs and faults.
+
+    Exits 1 when any node has a problem (a silent agent, an unreadable kernel log or nvidia-smi, GPUs
+    missing against the registration, uncorrectable ECC errors or a pending repair).
+    """
+    settings = load_settings(quiet=True)
+    nats_url = require(settings.nats_url, "NATS_URL")
+    beats, registered = run_async(lambda: agent_reports(nats_url))
+    rows = node_health(beats, registered, utc_now())
+    if as_json:
+        out.print_json(json.dumps([row.as_json() for row in rows]))
+    for row in [] if as_json else rows:
+        inventory = row.inventory
+        if inventory is None:
+            has = "-"
+        elif inventory.gpus:
+            has = f"{len(inventory.gpus)}x {inventory.gpus[0].name}"
+        else:
+            has = f"{inventory.cpus} CPUs {inventory.memory_gib:g} GiB"
+        heard = "never" if row.heard_s_ago is None else f"{row.heard_s_ago:.0f}s ago"
+        mark = "[red]problem[/red]" if row.problems else "[green]ok[/green]"
+        out.print(f"{row.node:<16} {mark:<22} heard {heard:<9} ranks={row.running_ranks:<3} {has}", highlight=False)
+        for problem in row.problems:
+            out.print(f"    {problem}", highlight=False, markup=False)
+    if any(row.problems for row in rows):
+        raise typer.Exit(EXIT_FAILED)

@@ -41,6 +41,7 @@ _PARAMETERS: dict[Family, tuple[tuple[str, str], ...]] = {
     Family.JOB: (("job", "$message.header#/ce-jobid"),),
     Family.NODE: (("node", "$message.header#/ce-node"),),
     Family.TELEMETRY: (("node", "$message.header#/ce-node"),),
+    Family.BEAT: (("node", "$message.header#/ce-node"),),
     # A request's join keys are its model and replica, not a job or node (`RequestServed.nats_subject`).
     Family.REQUEST: (("model", "$message.payload#/model"), ("replica", "$message.payload#/replica")),
 }
@@ -161,7 +162,7 @@ def envelope_headers() -> dict[str, Any]:
 def headers(event: type[Event]) -> dict[str, Any]:
     """The headers of one event type: the envelope's, with its `ce-type` fixed and its join keys required."""
     # The subject is built from these keys, so the envelope requires them (`Event._has_subject_keys`).
-    keys = {Family.JOB: ["ce-jobid"], Family.NODE: ["ce-node"], Family.TELEMETRY: ["ce-node"]}.get(event.family, [])
+    keys = ["ce-jobid"] if event.family is Family.JOB else [] if event.family is Family.REQUEST else ["ce-node"]
     narrowed: dict[str, Any] = {"type": "object", "properties": {"ce-type": {"const": _type_of(event)}}}
     if keys:
         narrowed["required"] = keys
@@ -210,9 +211,9 @@ def _identity(service: str) -> Identity:
     return identity
 
 
-def sends(service: str) -> list[type[Event]]:
+def sends(service: str | Identity) -> list[type[Event]]:
     """The event types a service's identity may publish, by type."""
-    identity = _identity(service)
+    identity = service if isinstance(service, Identity) else _identity(service)
     return [
         e for _, e in sorted(EVENT_TYPES.items()) if any(subject_matches(p, _wildcard(e)) for p in identity.publishes)
     ]
@@ -224,9 +225,10 @@ def receives(subjects: Iterable[str]) -> list[type[Event]]:
     return [e for _, e in sorted(EVENT_TYPES.items()) if any(subject_matches(f, _wildcard(e)) for f in filters)]
 
 
-def document(service: str, subscribed: Iterable[str], *, version: str) -> dict[str, Any]:
-    """The AsyncAPI 3.0 document of one service, given the subjects its consumers and runners read."""
-    sent, received = sends(service), receives(subscribed)
+def document(service: str | Identity, subscribed: Iterable[str], *, version: str) -> dict[str, Any]:
+    """The AsyncAPI 3.0 document of one service (or role), given the subjects its consumers and runners read."""
+    identity = service if isinstance(service, Identity) else _identity(service)
+    sent, received = sends(identity), receives(subscribed)
     events = sorted({*sent, *received}, key=_type_of)
     payload_refs, definitions = _data_schemas()
     operations = {f"send_{_channel_id(e)}": _operation("send", e) for e in sent}
@@ -234,9 +236,9 @@ def document(service: str, subscribed: Iterable[str], *, version: str) -> dict[s
     return {
         "asyncapi": ASYNCAPI_VERSION,
         "info": {
-            "title": f"Lanes {service}",
+            "title": f"Lanes {identity.name}",
             "version": version,
-            "description": f"The Lanes {service} service ({_identity(service).description}): the events it"
+            "description": f"The Lanes {identity.name} service ({identity.description}): the events it"
             " publishes (send) and consumes (receive) on NATS JetStream, as CloudEvents 1.0"
             " in binary mode (attributes in ce-* headers, the event's data as the JSON body)."
             " Generated from lanes_contract; do not edit by hand.",

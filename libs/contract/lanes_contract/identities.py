@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from lanes_contract.events import (
+    AgentHeartbeat,
     ArtifactProduced,
     AttemptRequested,
     CancelRequested,
@@ -190,19 +191,34 @@ PEOPLE_IDENTITIES = (
 SERVICE_NAMES = tuple(identity.name for identity in SERVICE_IDENTITIES)
 
 
-def agent_identity(node: str) -> Identity:
-    """The identity of the agent of one node: its node's evidence and the rank events it runs."""
-    validate_token(node)
+def _agent_role(name: str, node: str) -> Identity:
     return Identity(
-        f"{AGENT_PREFIX}{node}",
-        (f"lanes.{Family.TELEMETRY}.{node}.>", *subjects_of(*RANK_EVENTS)),
-        f"the node agent of {node}",
+        name,
+        (f"lanes.{Family.TELEMETRY}.{node}.>", *subjects_of(AgentHeartbeat, key=node), *subjects_of(*RANK_EVENTS)),
+        f"the node agent of {node}"
+        if node != "*"
+        else "a node agent: one identity per node (agent-<node>), each"
+        " limited to its own node's evidence and heartbeat",
     )
+
+
+def agent_identity(node: str) -> Identity:
+    """The identity of the agent of one node: its node's evidence and heartbeat, and the rank events it runs."""
+    validate_token(node)
+    return _agent_role(f"{AGENT_PREFIX}{node}", node)
+
+
+AGENT_ROLE = _agent_role("agent", "*")
+"""What every node agent may publish, with `*` for its node: the agent's contract (its AsyncAPI document).
+Not a bus identity: no server has a user of that name."""
 
 
 PLATFORM = Identity(
     "platform",
-    tuple(dict.fromkeys(s for i in (*SERVICE_IDENTITIES, *PEOPLE_IDENTITIES) for s in i.publishes)),
+    (
+        *dict.fromkeys(s for i in (*SERVICE_IDENTITIES, *PEOPLE_IDENTITIES) for s in i.publishes),
+        *subjects_of(AgentHeartbeat),
+    ),
     "every service, the CLI and in-process agents in one process (`lanes up`, `lanes demo`): one process is"
     " one trust boundary, so it gets the union of their roles, but never stream management",
 )

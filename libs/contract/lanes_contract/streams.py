@@ -113,8 +113,23 @@ AUDIT = StreamSpec(
     deny_delete=True,
     deny_purge=True,
 )
-ALL_STREAMS = (JOBS, NODES, TELEMETRY, REQUESTS, DEAD, AUDIT)
-STREAM_OF_FAMILY = {Family.JOB: JOBS, Family.NODE: NODES, Family.TELEMETRY: TELEMETRY, Family.REQUEST: REQUESTS}
+BEATS = StreamSpec(
+    name="LANES_BEATS",
+    subjects=("lanes.beat.>",),
+    description="The latest heartbeat of each node agent, with the node's inventory.",
+    # "Alive now" has no history worth keeping: one message per node, and a node silent for a day is gone.
+    max_age_s=_DAY,
+    duplicate_window_s=2 * _MINUTE,
+    max_msgs_per_subject=1,
+)
+ALL_STREAMS = (JOBS, NODES, TELEMETRY, REQUESTS, BEATS, DEAD, AUDIT)
+STREAM_OF_FAMILY = {
+    Family.JOB: JOBS,
+    Family.NODE: NODES,
+    Family.TELEMETRY: TELEMETRY,
+    Family.REQUEST: REQUESTS,
+    Family.BEAT: BEATS,
+}
 
 
 async def provision_streams(

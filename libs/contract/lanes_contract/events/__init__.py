@@ -10,6 +10,7 @@ from typing import Annotated, get_args
 
 from pydantic import Field
 
+from lanes_contract.events.agents import AgentHeartbeat, AgentHeartbeatData, GpuDevice, NodeInventory
 from lanes_contract.events.base import Data, Event, Family, HeaderText, Lane, derive, utc_now
 from lanes_contract.events.commands import (
     CancelRequested,
@@ -157,7 +158,8 @@ AnyEvent = Annotated[
     | RecoveryEscalated
     | RecoverySuperseded
     | ManualActionRequested
-    | DrillInjected,
+    | DrillInjected
+    | AgentHeartbeat,
     Field(discriminator="type"),
 ]
 """Every event type Lanes knows, discriminated by `type`."""
@@ -169,6 +171,8 @@ __all__ = [
     "CLUSTER_POLICY_NODE",
     "EVENT_TYPES",
     "UNROUTED",
+    "AgentHeartbeat",
+    "AgentHeartbeatData",
     "AnyEvent",
     "ArtifactProduced",
     "ArtifactProducedData",
@@ -198,6 +202,7 @@ __all__ = [
     "EvidenceData",
     "Family",
     "FindingCause",
+    "GpuDevice",
     "HeaderText",
     "Heartbeat",
     "HeartbeatData",
@@ -225,6 +230,7 @@ __all__ = [
     "ManualActionRequested",
     "MissingEvidence",
     "NetworkEvidence",
+    "NodeInventory",
     "NodeRegistered",
     "NodeRegisteredData",
     "NodeStateChanged",

@@ -32,6 +32,7 @@ class Family(StrEnum):
     NODE = "node"
     TELEMETRY = "tel"
     REQUEST = "req"
+    BEAT = "beat"
 
 
 def utc_now() -> datetime:
@@ -85,7 +86,7 @@ class Event(BaseModel):
         if self.family is Family.JOB and self.jobid is None:
             msg = f"{self.type} needs jobid: it is published on lanes.job.<jobid>.{self.name}"
             raise ValueError(msg)
-        if self.family in {Family.NODE, Family.TELEMETRY} and self.node is None:
+        if self.family in {Family.NODE, Family.TELEMETRY, Family.BEAT} and self.node is None:
             msg = f"{self.type} needs node: it is published on lanes.{self.family}.<node>.{self.name}"
             raise ValueError(msg)
         return self
