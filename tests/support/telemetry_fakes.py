@@ -11,7 +11,15 @@ from typing import Any
 from lanes_contract.events import JobFindingData, RankAssignment
 from lanes_evidence.evidence import Evidence
 from lanes_telemetry.domain.settlement import RankExit
-from lanes_telemetry.service_layer.ports import Placement, StoredEvidence, TelemetryStore
+from lanes_telemetry.service_layer.ports import (
+    NewEvidence,
+    Placement,
+    PlacementSpan,
+    Reporter,
+    StoredEvidence,
+    TelemetryStore,
+    placements_at,
+)
 
 
 @dataclass
@@ -55,18 +63,15 @@ class InMemoryTelemetryStore:
                 self.placements[job, number, rank] = (node, placed, released_at)
 
     async def placement_at(self, node: str, at: datetime, skew: timedelta) -> Placement | None:
-        found = await self.placements_at(node, at, skew)
+        found = placements_at(await self.placement_spans(node, at - skew, at + skew), at, skew)
         return found[0] if found else None
 
-    async def placements_at(self, node: str, at: datetime, skew: timedelta) -> list[Placement]:
-        ranks: dict[tuple[str, int], list[int]] = {}
-        latest: dict[tuple[str, int], datetime] = {}
-        for (job, number, rank), (where, placed, released) in self.placements.items():
-            if where == node and placed <= at + skew and (released is None or released >= at - skew):
-                ranks.setdefault((job, number), []).append(rank)
-                latest[job, number] = max(latest.get((job, number), placed), placed)
-        order = sorted(ranks, key=lambda key: latest[key], reverse=True)
-        return [Placement(job, number, tuple(sorted(ranks[job, number]))) for job, number in order]
+    async def placement_spans(self, node: str, since: datetime, until: datetime) -> list[PlacementSpan]:
+        return [
+            PlacementSpan(job, number, rank, placed, released)
+            for (job, number, rank), (where, placed, released) in self.placements.items()
+            if where == node and placed <= until and (released is None or released >= since)
+        ]
 
     async def process_of_pid(self, node: str, pid: int, candidates: Sequence[Placement]) -> tuple[str, int, int] | None:
         for placement in candidates:
@@ -85,26 +90,15 @@ class InMemoryTelemetryStore:
     async def world_size(self, job_id: str, attempt: int) -> int:
         return len(await self.world_of(job_id, attempt))
 
-    async def save_evidence(
-        self,
-        *,
-        event_id: str,
-        evidence: Evidence,
-        node: str,
-        lane: str,
-        stream_seq: int,
-        job_id: str | None,
-        attempt: int | None,
-    ) -> None:
-        del node, stream_seq
-        self.evidence.setdefault(event_id, _Row(StoredEvidence(event_id, lane, evidence), job_id, attempt))
+    async def save_evidence(self, items: Sequence[NewEvidence]) -> None:
+        for item in items:
+            stored = StoredEvidence(item.event_id, item.lane, item.evidence)
+            self.evidence.setdefault(item.event_id, _Row(stored, item.job_id, item.attempt))
 
-    async def add_reporter(self, job_id: str, attempt: int, node: str, rank: int | None) -> int | None:
-        key = (job_id, attempt, node, -1 if rank is None else rank)
-        if key in self.reporters:
-            return None
-        self.reporters.add(key)
-        return sum(1 for r in self.reporters if r[:2] == (job_id, attempt))
+    async def add_reporters(self, job_id: str, attempt: int, reporters: Sequence[Reporter]) -> tuple[int, int]:
+        before = sum(1 for r in self.reporters if r[:2] == (job_id, attempt))
+        self.reporters |= {(job_id, attempt, node, -1 if rank is None else rank) for node, rank in reporters}
+        return before, sum(1 for r in self.reporters if r[:2] == (job_id, attempt))
 
     async def correlate_late(
         self, job_id: str, attempt: int, ranks_by_node: dict[str, tuple[int, ...]], since: datetime

@@ -14,7 +14,7 @@ from lanes_contract.events import EvidenceData, JobFindingData, RankAssignment
 from lanes_evidence.evidence import Evidence
 from lanes_runtime.store import Db
 from lanes_telemetry.domain.settlement import RankExit
-from lanes_telemetry.service_layer.ports import Placement, StoredEvidence
+from lanes_telemetry.service_layer.ports import NewEvidence, Placement, PlacementSpan, Reporter, StoredEvidence
 
 NO_RANK = -1
 """The rank column of node-level evidence in `telemetry_reporters` (a primary key cannot hold NULL)."""
@@ -121,51 +121,48 @@ class PostgresTelemetryStore:
         )
         return int(count)
 
-    async def save_evidence(
-        self,
-        *,
-        event_id: str,
-        evidence: Evidence,
-        node: str,
-        lane: str,
-        stream_seq: int,
-        job_id: str | None,
-        attempt: int | None,
-    ) -> None:
-        """Store one piece of evidence (a redelivered one is already there and is left as it is)."""
-        await self._conn.execute(
+    async def save_evidence(self, items: Sequence[NewEvidence]) -> None:
+        """Store pieces of evidence in one pipelined statement (a redelivered one is left as it is)."""
+        await self._conn.executemany(
             """INSERT INTO telemetry_evidence
                    (event_id, node, kind, category, time, lane, job_id, attempt, rank, data, stream_seq)
                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10::jsonb, $11) ON CONFLICT (event_id) DO NOTHING""",
-            event_id,
-            node,
-            evidence.kind,
-            evidence.category.value,
-            evidence.time,
-            lane,
-            job_id,
-            attempt,
-            evidence.rank,
-            evidence.data.model_dump_json(exclude_defaults=True),
-            stream_seq,
+            [
+                (
+                    item.event_id,
+                    item.node,
+                    item.evidence.kind,
+                    item.evidence.category.value,
+                    item.evidence.time,
+                    item.lane,
+                    item.job_id,
+                    item.attempt,
+                    item.evidence.rank,
+                    item.evidence.data.model_dump_json(exclude_defaults=True),
+                    item.stream_seq,
+                )
+                for item in items
+            ],
         )
 
-    async def add_reporter(self, job_id: str, attempt: int, node: str, rank: int | None) -> int | None:
-        """Record that (node, rank) reported for the attempt; the number of reporters if it is new, else None."""
-        new = await self._conn.fetchval(
-            """INSERT INTO telemetry_reporters (job_id, attempt, node, rank) VALUES ($1, $2, $3, $4)
-               ON CONFLICT DO NOTHING RETURNING true""",
+    async def add_reporters(self, job_id: str, attempt: int, reporters: Sequence[Reporter]) -> tuple[int, int]:
+        """Record that these (node, rank) reported for the attempt; its number of reporters before and after."""
+        unique = list(dict.fromkeys((node, NO_RANK if rank is None else rank) for node, rank in reporters))
+        # The outer count reads the table as it was before the CTE's insert (one snapshot per statement).
+        row = await self._conn.fetchrow(
+            """WITH added AS (
+                   INSERT INTO telemetry_reporters (job_id, attempt, node, rank)
+                   SELECT $1, $2, node, rank FROM unnest($3::text[], $4::integer[]) AS r(node, rank)
+                   ON CONFLICT DO NOTHING RETURNING 1)
+               SELECT (SELECT count(*) FROM telemetry_reporters WHERE job_id = $1 AND attempt = $2) AS before,
+                      (SELECT count(*) FROM added) AS added""",
             job_id,
             attempt,
-            node,
-            NO_RANK if rank is None else rank,
+            [node for node, _ in unique],
+            [rank for _, rank in unique],
         )
-        if not new:
-            return None
-        count = await self._conn.fetchval(
-            "SELECT count(*) FROM telemetry_reporters WHERE job_id = $1 AND attempt = $2", job_id, attempt
-        )
-        return int(count)
+        assert row is not None  # noqa: S101 - a SELECT of two aggregates returns one row
+        return int(row["before"]), int(row["before"]) + int(row["added"])
 
     async def correlate_late(
         self, job_id: str, attempt: int, ranks_by_node: dict[str, tuple[int, ...]], since: datetime
@@ -241,19 +238,19 @@ class PostgresTelemetryStore:
         )
         return int(count)
 
-    async def placements_at(self, node: str, at: datetime, skew: timedelta) -> list[Placement]:
-        """Every attempt placed on `node` around `at` (+/- skew) and not released before it, latest first."""
+    async def placement_spans(self, node: str, since: datetime, until: datetime) -> list[PlacementSpan]:
+        """Every rank placed on `node` by `until` and not released before `since`."""
         rows = await self._conn.fetch(
-            """SELECT job_id, attempt, array_agg(rank ORDER BY rank) AS ranks, max(placed_at) AS placed_at
-               FROM telemetry_placements
-               WHERE node = $1 AND placed_at <= $2::timestamptz + $3::interval
-                 AND (released_at IS NULL OR released_at >= $2::timestamptz - $3::interval)
-               GROUP BY job_id, attempt ORDER BY max(placed_at) DESC""",
+            """SELECT job_id, attempt, rank, placed_at, released_at FROM telemetry_placements
+               WHERE node = $1 AND placed_at <= $3 AND (released_at IS NULL OR released_at >= $2)""",
             node,
-            at,
-            skew,
+            since,
+            until,
         )
-        return [Placement(row["job_id"], row["attempt"], tuple(row["ranks"])) for row in rows]
+        return [
+            PlacementSpan(row["job_id"], row["attempt"], row["rank"], row["placed_at"], row["released_at"])
+            for row in rows
+        ]
 
     async def process_of_pid(self, node: str, pid: int, candidates: Sequence[Placement]) -> tuple[str, int, int] | None:
         """The (job, attempt, rank) among `candidates` whose process on `node` had this pid."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from lanes_contract.events import (
     Event,
@@ -62,7 +62,15 @@ from lanes_telemetry.domain.settlement import (
     may_explain,
     settled_finding,
 )
-from lanes_telemetry.service_layer.ports import Placement, StoredEvidence, StoreFactory, TelemetryStore
+from lanes_telemetry.service_layer.ports import (
+    NewEvidence,
+    Placement,
+    PlacementSpan,
+    StoredEvidence,
+    StoreFactory,
+    TelemetryStore,
+    placements_at,
+)
 
 SOURCE = "lanes/telemetry"
 CORRELATION_SKEW = timedelta(seconds=2)
@@ -70,6 +78,13 @@ CORRELATION_SKEW = timedelta(seconds=2)
 NOT_ELECTED = tuple(sorted(category.value for category in NOT_ELECTED_CATEGORIES))
 _COPY_LINES = 3
 _COPY_LINE_CHARS = 512
+_SPANS_MARGIN = timedelta(minutes=10)
+"""How far around an event's time a batch reads a node's placements once, for the batch's later events."""
+# Keys of what one transaction (a batch) keeps in its scope. Values are replaced, never mutated in place, so
+# a scope restored after a failed event (a savepoint rolled back) holds exactly what was there before it.
+_LOCKED = "telemetry.locked_nodes"
+_SPANS = "telemetry.placement_spans"
+_UNSAVED = "telemetry.unsaved_evidence"
 
 
 async def handle_evidence(event: Event, ctx: HandlerContext) -> Sequence[Event]:
@@ -83,22 +98,18 @@ async def _evidence(event: Event, store: TelemetryStore, ctx: HandlerContext) ->
         return ()
     evidence = from_event(event)
     node = event.node
-    await store.lock_nodes([node])
+    await _lock_nodes(ctx, store, [node])
     job_id, attempt = event.jobid, event.attempt
     sharing: list[Placement] = []
     if job_id is None or attempt is None:
-        job_id, attempt, rank, sharing = await _owner_of(store, node, evidence)
+        job_id, attempt, rank, sharing = await _owner_of(ctx, store, node, evidence)
         if evidence.rank is None and rank is not None:
             evidence = Evidence(evidence.data, evidence.time, node, rank, evidence.id)
-    await store.save_evidence(
-        event_id=event.id,
-        evidence=evidence,
-        node=node,
-        lane=event.lane.value,
-        stream_seq=ctx.stream_seq,
-        job_id=job_id,
-        attempt=attempt,
-    )
+    new = NewEvidence(event.id, evidence, node, event.lane.value, ctx.stream_seq, job_id, attempt)
+    if sharing:
+        await store.save_evidence([new])  # the shared filings below refer to its row
+    else:
+        await _save_evidence(ctx, store, new)
     if evidence.category.value in NOT_ELECTED:
         # Unrecognised lines stay on LANES_TELEMETRY and in the evidence table, but do not flood the
         # job's year-long audit timeline: only evidence that means something to a lane is copied there.
@@ -111,8 +122,55 @@ async def _evidence(event: Event, store: TelemetryStore, ctx: HandlerContext) ->
     return [copy, *await _reelect(ctx, store, event, job_id, attempt, [evidence])]
 
 
+async def _lock_nodes(ctx: HandlerContext, store: TelemetryStore, nodes: Sequence[str]) -> None:
+    """Lock the nodes this transaction has not locked yet (a lock is held until it commits)."""
+    locked: frozenset[str] = ctx.scope.cache.get(_LOCKED, frozenset())
+    wanted = [node for node in nodes if node not in locked]
+    if wanted:
+        await store.lock_nodes(wanted)
+        ctx.scope.cache[_LOCKED] = locked | frozenset(wanted)
+
+
+async def _save_evidence(ctx: HandlerContext, store: TelemetryStore, new: NewEvidence) -> None:
+    """Store evidence now, or, in a batch, with the batch's other evidence in one statement before the commit.
+
+    The batch's elections run after that statement (they are registered after it), so they read it all.
+    """
+    if not ctx.scope.deferred:
+        await store.save_evidence([new])
+        return
+    unsaved: tuple[NewEvidence, ...] | None = ctx.scope.cache.get(_UNSAVED)
+    if unsaved is None:
+        scope = ctx.scope
+
+        async def save() -> list[tuple[Event, Event]]:
+            items = scope.cache.pop(_UNSAVED, ())
+            if items:
+                await store.save_evidence(items)
+            return []
+
+        scope.before_commit(save)
+    ctx.scope.cache[_UNSAVED] = (*(unsaved or ()), new)
+
+
+async def _placements_at(ctx: HandlerContext, store: TelemetryStore, node: str, at: datetime) -> list[Placement]:
+    """The attempts on `node` at `at`, from the node's placements this batch has read (under its node lock).
+
+    One read per node covers the batch's evidence within minutes of the first; evidence further away reads
+    again. The filter is the same either way (`placements_at`), so the answer is the one a query would give.
+    """
+    cached: dict[str, tuple[datetime, datetime, list[PlacementSpan]]] = ctx.scope.cache.get(_SPANS, {})
+    since, until = at - CORRELATION_SKEW, at + CORRELATION_SKEW
+    window = cached.get(node)
+    if window is None or since < window[0] or until > window[1]:
+        window = (since - _SPANS_MARGIN, until + _SPANS_MARGIN, [])
+        window = (*window[:2], await store.placement_spans(node, window[0], window[1]))
+        ctx.scope.cache[_SPANS] = cached | {node: window}
+    return placements_at(window[2], at, CORRELATION_SKEW)
+
+
 async def _owner_of(
-    store: TelemetryStore, node: str, evidence: Evidence
+    ctx: HandlerContext, store: TelemetryStore, node: str, evidence: Evidence
 ) -> tuple[str | None, int | None, int | None, list[Placement]]:
     """Whose node-level evidence this is: (job, attempt, rank), or the attempts that share it.
 
@@ -122,7 +180,7 @@ async def _owner_of(
     at = evidence.time
     if at is None:
         return None, None, None, []
-    candidates = await store.placements_at(node, at, CORRELATION_SKEW)
+    candidates = await _placements_at(ctx, store, node, at)
     if evidence.data.pid is not None:
         owner = await store.process_of_pid(node, evidence.data.pid, candidates)
         if owner is not None:
@@ -298,12 +356,11 @@ async def _maybe_reelect(
         return ()
     elect = any(may_be_cause(item) for item in considered)
     count = await store.count_evidence(job_id, attempt, ignored=NOT_ELECTED, up_to=ALWAYS_REELECT_UP_TO)
-    world_size: int | None = None
-    for item in considered:
-        reporters = await store.add_reporter(job_id, attempt, item.node or "", item.rank)
-        if not elect and reporters is not None and world_size is None:
-            world_size = await store.world_size(job_id, attempt)
-        elect = elect or worth_reelecting(evidence_count=count, new_reporters=reporters, world_size=world_size or 0)
+    before, after = await store.add_reporters(job_id, attempt, [(item.node or "", item.rank) for item in considered])
+    # As if the reporters had come one by one: any of the counts they passed through may warrant an election.
+    passed: list[int | None] = list(range(before + 1, after + 1)) or [None]
+    world_size = await store.world_size(job_id, attempt) if not elect and after > before else 0
+    elect = elect or any(worth_reelecting(evidence_count=count, new_reporters=n, world_size=world_size) for n in passed)
     if not elect:
         return ()
     return await _elect(store, cause, job_id, attempt)

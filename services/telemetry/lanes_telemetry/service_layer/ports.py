@@ -32,6 +32,47 @@ class Placement:
 
 
 @dataclass(frozen=True)
+class PlacementSpan:
+    """One rank placed on a node: when, and (once released) until when."""
+
+    job_id: str
+    attempt: int
+    rank: int
+    placed_at: datetime
+    released_at: datetime | None
+
+
+def placements_at(spans: Sequence[PlacementSpan], at: datetime, skew: timedelta) -> list[Placement]:
+    """The attempts among `spans` placed by `at` (+ skew) and not released before it (- skew), latest first."""
+    ranks: dict[tuple[str, int], list[int]] = {}
+    latest: dict[tuple[str, int], datetime] = {}
+    for span in spans:
+        if span.placed_at <= at + skew and (span.released_at is None or span.released_at >= at - skew):
+            key = (span.job_id, span.attempt)
+            ranks.setdefault(key, []).append(span.rank)
+            latest[key] = max(latest.get(key, span.placed_at), span.placed_at)
+    order = sorted(ranks, key=lambda key: latest[key], reverse=True)
+    return [Placement(job, attempt, tuple(sorted(ranks[job, attempt]))) for job, attempt in order]
+
+
+Reporter = tuple[str, int | None]
+"""A (node, rank) that reported evidence for an attempt (rank None: the node itself)."""
+
+
+@dataclass(frozen=True)
+class NewEvidence:
+    """A piece of evidence to store, with where it came from and whose it is (if known)."""
+
+    event_id: str
+    evidence: Evidence
+    node: str
+    lane: str
+    stream_seq: int
+    job_id: str | None
+    attempt: int | None
+
+
+@dataclass(frozen=True)
 class StoredEvidence:
     """A row of telemetry_evidence as the election and the correlated copies need it."""
 
@@ -73,22 +114,12 @@ class TelemetryStore(Protocol):
         """How many ranks the attempt has."""
         ...
 
-    async def save_evidence(
-        self,
-        *,
-        event_id: str,
-        evidence: Evidence,
-        node: str,
-        lane: str,
-        stream_seq: int,
-        job_id: str | None,
-        attempt: int | None,
-    ) -> None:
-        """Store one piece of evidence (a redelivered one is already there and is left as it is)."""
+    async def save_evidence(self, items: Sequence[NewEvidence]) -> None:
+        """Store pieces of evidence (a redelivered one is already there and is left as it is)."""
         ...
 
-    async def add_reporter(self, job_id: str, attempt: int, node: str, rank: int | None) -> int | None:
-        """Record that (node, rank) reported for the attempt; the number of reporters if it is new, else None."""
+    async def add_reporters(self, job_id: str, attempt: int, reporters: Sequence[Reporter]) -> tuple[int, int]:
+        """Record that these (node, rank) reported for the attempt; its number of reporters before and after."""
         ...
 
     async def correlate_late(
@@ -117,8 +148,8 @@ class TelemetryStore(Protocol):
         """How many other jobs elected a first error on this node (a repeat offender is a node to drain)."""
         ...
 
-    async def placements_at(self, node: str, at: datetime, skew: timedelta) -> list[Placement]:
-        """Every attempt placed on `node` around `at` (+/- skew) and not released before it, latest first."""
+    async def placement_spans(self, node: str, since: datetime, until: datetime) -> list[PlacementSpan]:
+        """Every rank placed on `node` by `until` and not released before `since`."""
         ...
 
     async def process_of_pid(self, node: str, pid: int, candidates: Sequence[Placement]) -> tuple[str, int, int] | None:
