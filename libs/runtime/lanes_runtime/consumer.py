@@ -128,6 +128,9 @@ class TransactionScope:
 
     deferred: bool = False
     """True when the consumer runs `flush` before commit; a scope a caller made itself writes at once."""
+    keys: frozenset[str] = frozenset()
+    """The subject keys (job or node ids) of the events the transaction applies: a handler may read all their
+    rows in its first query instead of one query per key."""
     cache: dict[object, Any] = field(default_factory=dict)
     _before_commit: list[BeforeCommit] = field(default_factory=list)
 
@@ -339,7 +342,7 @@ class EventConsumer:
         started = time.perf_counter()
         async with self._pool.acquire() as conn, conn.transaction():
             fresh = await self._record(conn, items)
-            scope = TransactionScope(deferred=True)
+            scope = TransactionScope(deferred=True, keys=frozenset(_key_of(item.msg.subject) for item in items))
             outcomes: list[decision.Outcome] = []
             outbox: list[Caused] = []
             for item in items:
@@ -559,7 +562,8 @@ class EventConsumer:
             if not rows:
                 return 0, False
             floor = await self._ack_floor()
-            scope = TransactionScope(deferred=True)
+            keys = frozenset(_key_of(row["subject"]) for row in rows if int(row["stream_seq"]) <= floor)
+            scope = TransactionScope(deferred=True, keys=keys)
             blocked: set[str] = set()
             finished: list[int] = []
             retried: list[int] = []

@@ -7,6 +7,7 @@ names are unqualified on purpose: a rebuild writes the same rows into a scratch 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from lanes_lifecycle.domain.job import JobView
@@ -30,24 +31,52 @@ async def load_with_seq(conn: Db, job_id: str, *, for_update: bool = False) -> t
     return JobView.model_validate_json(row["view"]), int(row["transition_seq"])
 
 
+async def load_many(conn: Db, job_ids: Sequence[str]) -> dict[str, tuple[JobView, int]]:
+    """The views (and last transition sequences) of these jobs that exist, locked for the transaction.
+
+    Rows are locked in job id order, as every batch locks them, so two transactions never deadlock.
+    """
+    rows = await conn.fetch(
+        """SELECT job_id, view, transition_seq FROM lifecycle_jobs WHERE job_id = ANY($1::text[])
+           ORDER BY job_id FOR UPDATE""",
+        sorted(set(job_ids)),
+    )
+    return {row["job_id"]: (JobView.model_validate_json(row["view"]), int(row["transition_seq"])) for row in rows}
+
+
 async def save(conn: Db, view: JobView, *, transition_seq: int | None = None) -> None:
     """Store a job's view and its query rows (insert or replace); keep `transition_seq` unless given."""
-    await conn.execute(
+    await save_many(conn, [(view, transition_seq)])
+
+
+async def save_many(conn: Db, views: Sequence[tuple[JobView, int | None]]) -> None:
+    """Store job views and their query rows, seven statements however many jobs (a batch's changes at once).
+
+    Each view's `transition_seq` is kept when None. The query rows are replaced: deleted, then inserted.
+    """
+    if not views:
+        return
+    job_ids = [view.job_id for view, _ in views]
+    await conn.executemany(
         """INSERT INTO lifecycle_jobs (job_id, state, attempt, view, transition_seq, flags)
            VALUES ($1, $2, $3, $4::jsonb, coalesce($5, 0), $6)
            ON CONFLICT (job_id) DO UPDATE SET state = EXCLUDED.state, attempt = EXCLUDED.attempt,
                view = EXCLUDED.view, transition_seq = coalesce($5, lifecycle_jobs.transition_seq),
                flags = EXCLUDED.flags, updated_at = now()""",
-        view.job_id,
-        view.state.value,
-        view.current.number,
-        view.model_dump_json(),
-        transition_seq,
-        [flag.value for flag in view.flags],
+        [
+            (
+                view.job_id,
+                view.state.value,
+                view.current.number,
+                view.model_dump_json(),
+                transition_seq,
+                [flag.value for flag in view.flags],
+            )
+            for view, transition_seq in views
+        ],
     )
-    await conn.execute("DELETE FROM lifecycle_ranks WHERE job_id = $1", view.job_id)
-    await conn.execute("DELETE FROM lifecycle_attempts WHERE job_id = $1", view.job_id)
-    await conn.execute("DELETE FROM lifecycle_state_spans WHERE job_id = $1", view.job_id)
+    for table in ("lifecycle_ranks", "lifecycle_attempts", "lifecycle_state_spans"):
+        await conn.execute(f"DELETE FROM {table} WHERE job_id = ANY($1::text[])", job_ids)  # noqa: S608 - constant names
     await conn.executemany(
         """INSERT INTO lifecycle_attempts (job_id, attempt, state, nodes, requested_at, started_at, ended_at, cause,
                cause_detail, last_checkpoint_step, lost_steps, released)
@@ -67,6 +96,7 @@ async def save(conn: Db, view: JobView, *, transition_seq: int | None = None) ->
                 a.lost_steps,
                 a.released,
             )
+            for view, _ in views
             for a in view.attempts
         ],
     )
@@ -75,11 +105,11 @@ async def save(conn: Db, view: JobView, *, transition_seq: int | None = None) ->
            VALUES ($1, $2, $3, $4, $5, $6, $7, $8)""",
         [
             (view.job_id, a.number, r.rank, r.node, r.state, r.pid, r.exit_code, r.signal)
+            for view, _ in views
             for a in view.attempts
             for r in a.ranks.values()
         ],
     )
-    spans = view.history
     await conn.executemany(
         """INSERT INTO lifecycle_state_spans (job_id, position, state, attempt, entered_at, left_at, cause_type,
                cause_id, reason) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)""",
@@ -90,12 +120,13 @@ async def save(conn: Db, view: JobView, *, transition_seq: int | None = None) ->
                 s.state.value,
                 s.attempt,
                 s.entered_at,
-                spans[i + 1].entered_at if i + 1 < len(spans) else None,
+                view.history[i + 1].entered_at if i + 1 < len(view.history) else None,
                 s.cause_type,
                 s.cause_id,
                 s.reason,
             )
-            for i, s in enumerate(spans)
+            for view, _ in views
+            for i, s in enumerate(view.history)
         ],
     )
 

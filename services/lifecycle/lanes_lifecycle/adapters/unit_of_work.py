@@ -18,8 +18,9 @@ from lanes_runtime.store import Db
 class PostgresJobs:
     """Job views in the lifecycle's tables, on the consumer's transaction.
 
-    A view is read (and locked) once per transaction and kept in the transaction's scope; the views changed
-    by a batch are written once, just before it commits, however many of the job's events it applied.
+    A view is read (and locked) once per transaction and kept in the transaction's scope: the first read
+    reads every job of the batch at once (the scope's keys). The views changed by a batch are written once,
+    together, just before it commits, however many of each job's events it applied.
     """
 
     conn: Db
@@ -29,8 +30,12 @@ class PostgresJobs:
         """The job's view, locked for the transaction, and its last state change's sequence."""
         key = (_CACHE, job_id)
         if key not in self.scope.cache:
-            view, seq = await repository.load_with_seq(self.conn, job_id, for_update=True)
-            self.scope.cache[key] = _Cached(view, seq)
+            read = {known[1] for known in self.scope.cache if isinstance(known, tuple) and known[0] == _CACHE}
+            wanted = sorted({job_id, *self.scope.keys} - read)
+            found = await repository.load_many(self.conn, wanted)
+            for wanted_id in wanted:
+                view, seq = found.get(wanted_id, (None, 0))
+                self.scope.cache[_CACHE, wanted_id] = _Cached(view, seq)
         cached: _Cached = self.scope.cache[key]
         return cached.view, cached.seq
 
@@ -43,14 +48,17 @@ class PostgresJobs:
         if not self.scope.deferred:
             await repository.save(self.conn, view, transition_seq=seq)
             return
-        if (_CACHE, None) not in self.scope.cache:
-            self.scope.cache[_CACHE, None] = True
+        if (_WRITE, None) not in self.scope.cache:
+            self.scope.cache[_WRITE, None] = True
             self.scope.before_commit(self._write)
 
     async def _write(self) -> None:
-        for cached in self.scope.cache.values():
-            if isinstance(cached, _Cached) and cached.dirty and cached.view is not None:
-                await repository.save(self.conn, cached.view, transition_seq=cached.seq)
+        dirty = [
+            (c.view, c.seq)
+            for c in self.scope.cache.values()
+            if isinstance(c, _Cached) and c.dirty and c.view is not None
+        ]
+        await repository.save_many(self.conn, sorted(dirty, key=lambda changed: changed[0].job_id))
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,7 @@ class _Cached:
 
 
 _CACHE = "lifecycle-jobs"
+_WRITE = "lifecycle-write"
 
 
 @dataclass(frozen=True)
