@@ -399,3 +399,35 @@ async def test_metrics_endpoint_shows_the_consumer_counters_and_histograms_witho
     assert f'lanes_consumer_pending{{consumer="{durable}"}}' in body
     assert "job=" not in body  # labelled by consumer, never by job
     assert "job_id=" not in body
+
+
+async def test_an_ordered_fold_settles_a_failing_event_alone_and_counts_each_event_once(
+    lanes: LanesClient, pool: asyncpg.Pool, unique: str
+) -> None:
+    # The fold's fast pass has no savepoint per event: the failure rolls the whole batch back, and the batch
+    # is folded again with savepoints. Nothing the rolled-back pass did may survive: effects or counts.
+    jobs = [f"fold-{name}-{unique}" for name in ("a", "b", "c")]
+    events = [submission(job) for _ in range(2) for job in jobs]
+    poison = events[4]  # job b's second event, with events of every job before and after it
+
+    async def apply(event: Event, ctx: HandlerContext) -> list[Event]:
+        await ctx.conn.execute("INSERT INTO effects (event_id) VALUES ($1)", event.id)
+        if event.id == poison.id:
+            raise PoisonEventError("this event may never be applied")
+        return []
+
+    spec = spec_for(jobs[0], subjects=tuple(f"lanes.job.{job}.submitted" for job in jobs), ordered=True)
+    consumer = EventConsumer(lanes._nc, pool, spec, apply)
+    await consumer.provision()
+    for event in events:
+        await lanes.publish(event)
+    stop, task = await _running(consumer)
+    await eventually(lambda: _processed(consumer, 5), what="the five good events folded")
+    await eventually(lambda: _dead(consumer), what="the failing event dead-lettered")
+    await _stop(stop, task)
+
+    assert consumer.outcomes[Outcome.PROCESSED] == 5
+    assert consumer.outcomes[Outcome.DEAD_LETTERED] == 1
+    assert [await effects(pool, event.id) for event in events] == [1, 1, 1, 1, 0, 1]
+    ((headers, _),) = await _dead_letters(lanes, spec.durable)
+    assert "may never be applied" in headers[DEAD_REASON]

@@ -538,16 +538,25 @@ class EventConsumer:
         One replica folds a consumer at a time (a transaction-scoped advisory lock; the others skip).
         A failing event holds back the later events of its key (job) until it succeeds or is dead-lettered
         after max_deliver attempts; other keys go on.
+
+        A batch is first folded without a savepoint per event (two round trips each, most of a fold's cost).
+        If a handler fails there, the whole batch is rolled back and folded again with savepoints, so the
+        failure is settled alone. Handlers' effects outside the transaction must therefore be idempotent, as
+        they already must be for redeliveries (the lifecycle's transitions adopt their own earlier append).
         """
         settled = 0
         while True:
-            done, more = await self._fold_once()
+            try:
+                done, more = await self._fold_once(careful=False)
+            except _HandlerFailedError:
+                done, more = await self._fold_once(careful=True)
             settled += done
             if not more:
                 return settled
 
-    async def _fold_once(self) -> tuple[int, bool]:
+    async def _fold_once(self, *, careful: bool) -> tuple[int, bool]:
         started = time.perf_counter()
+        counted: list[Outcome] = []
         async with self._pool.acquire() as conn, conn.transaction():
             if not await conn.fetchval(
                 "SELECT pg_try_advisory_xact_lock(hashtext('lanes_inbox'), hashtext($1))", self.spec.durable
@@ -574,14 +583,13 @@ class EventConsumer:
                 if seq > floor or key in blocked:
                     blocked.add(key)
                     continue
-                outcome, outputs, event = await self._fold_event(conn, row, scope)
+                outcome, outputs, event = await self._fold_event(conn, row, scope, careful=careful)
                 verdict = decision.decide(outcome, int(row["attempts"]) + 1, self.spec)
                 match verdict:
                     case decision.Ack():
                         finished.append(seq)
                         outbox += [(event, output) for output in outputs] if event is not None else []
-                        self.outcomes[Outcome.PROCESSED] += 1
-                        self._metrics.count(Outcome.PROCESSED)
+                        counted.append(Outcome.PROCESSED)
                     case decision.Term(reason):
                         headers = json.loads(row["headers"])
                         await self._dead_letter(
@@ -593,14 +601,17 @@ class EventConsumer:
                             deliveries=int(row["attempts"]) + 1,
                         )
                         finished.append(seq)
-                        self.outcomes[Outcome.DEAD_LETTERED] += 1
-                        self._metrics.count(Outcome.DEAD_LETTERED)
+                        counted.append(Outcome.DEAD_LETTERED)
                     case _:
                         retried.append(seq)
                         blocked.add(key)
-                        self.outcomes[Outcome.RETRY] += 1
-                        self._metrics.count(Outcome.RETRY)
-            outbox += await scope.flush()
+                        counted.append(Outcome.RETRY)
+            try:
+                outbox += await scope.flush()
+            except Exception as exc:
+                if careful or is_infrastructure(exc):
+                    raise
+                raise _HandlerFailedError from exc
             await conn.execute(
                 "DELETE FROM lanes_inbox WHERE consumer = $1 AND stream_seq = ANY($2::bigint[])",
                 self.spec.durable,
@@ -612,6 +623,9 @@ class EventConsumer:
                 retried,
             )
             await self._store_outbox(conn, outbox)
+        for settled in counted:  # counted once the fold committed (a rolled-back fast pass counts nothing)
+            self.outcomes[settled] += 1
+            self._metrics.count(settled)
         self._metrics.commit_seconds.observe(time.perf_counter() - started)
         await self._flush_outbox([event.id for event, _ in outbox])
         if retried:
@@ -619,17 +633,30 @@ class EventConsumer:
         return len(finished), len(rows) == self.spec.batch and bool(finished)
 
     async def _fold_event(
-        self, conn: Db, row: asyncpg.Record, scope: TransactionScope
+        self, conn: Db, row: asyncpg.Record, scope: TransactionScope, *, careful: bool
     ) -> tuple[decision.Outcome, Sequence[Event], Event | None]:
-        """Run the handler for one staged event in a savepoint; an infrastructure failure aborts the fold."""
+        """Run the handler for one staged event; `careful`, in a savepoint, so that a failure is its alone.
+
+        Outside a savepoint (the fast pass) a failing handler raises _HandlerFailedError: the batch is
+        rolled back and folded carefully. An infrastructure failure aborts the fold either way.
+        """
         try:
             event = decode(row["subject"], json.loads(row["headers"]), bytes(row["payload"]))
         except DecodeError as exc:
             return decision.Invalid(str(exc)), (), None
+        seq, deliveries = int(row["stream_seq"]), int(row["attempts"]) + 1
+        if not careful:
+            try:
+                outputs = await self._run_handler(conn, event, seq, deliveries, scope)
+            except Exception as exc:
+                if is_infrastructure(exc):
+                    raise
+                raise _HandlerFailedError from exc
+            return decision.Processed(), outputs, event
         before = dict(scope.cache)
         try:
             async with conn.transaction():
-                outputs = await self._run_handler(conn, event, int(row["stream_seq"]), int(row["attempts"]) + 1, scope)
+                outputs = await self._run_handler(conn, event, seq, deliveries, scope)
         except Exception as exc:
             scope.cache = before  # what the failed handler kept is rolled back with its savepoint
             if is_infrastructure(exc):
