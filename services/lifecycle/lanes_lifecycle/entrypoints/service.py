@@ -43,7 +43,9 @@ JOB_EVENTS = ConsumerSpec(
     subjects=tuple(f"lanes.job.*.{name}" for name in LIFECYCLE_INPUTS),
     # The fold depends on order (a rank cannot exit before its placement): each job's events are applied in
     # stream order across crashes and replicas, many jobs per transaction (docs/ordering.md).
-    batch=64,
+    # A fold reads and writes each job it touches once: the more events per fold, the fewer reads and writes
+    # per event when many jobs interleave (bench/pipeline.py, 100 jobs interleaved: 64 -> 1,316/s, 256 -> 2,100/s).
+    batch=256,
     ordered=True,
 )
 
