@@ -30,7 +30,7 @@ from lanes_contract.events import (
     SettleWindowEndedData,
 )
 from lanes_contract.jobs import JobState
-from lanes_runtime.consumer import HandlerContext
+from lanes_runtime.consumer import HandlerContext, TransactionScope
 from lanes_telemetry.service_layer.handlers import Telemetry
 
 C = EvidenceCategory
@@ -139,3 +139,31 @@ async def test_evidence_from_a_ranks_output_belongs_to_the_job_its_producer_name
     data = EvidenceData(category=C.PYTHON_EXCEPTION, summary="ValueError: bad batch", error_type="ValueError")
     out = await h.evidence(ProcessEvidence(data=data, **_keys("a", 5, rank=0, node="node-x")))
     assert {e.jobid for e in out} == {"a"}  # never the job placed on the node most recently
+
+
+async def test_a_batch_stores_its_evidence_before_its_elections_and_elects_what_one_by_one_would():
+    # In a batch, evidence is stored in one statement before the commit and each attempt elected once then.
+    # The final finding must be the one the events give one at a time.
+    storm = [_timeout("j", r, f"node-{r}") for r in range(1, 6)] + [_kernel("node-3", 103)]
+    nodes = tuple(f"node-{r}" for r in range(6))
+    facts = [_placed("j", nodes), *(_started("j", r, n, 100 + r) for r, n in enumerate(nodes))]
+
+    one_by_one = Harness()
+    await one_by_one.facts(*facts)
+    alone = _findings(await one_by_one.evidence(*storm))[-1]
+
+    batched = Harness()
+    await batched.facts(*facts)
+    scope = TransactionScope(deferred=True, keys=frozenset(nodes))
+    copies: list[Event] = []
+    for seq, event in enumerate(storm, start=1):
+        ctx = HandlerContext(conn=None, stream_seq=seq, deliveries=1, scope=scope)  # type: ignore[arg-type]
+        copies += await batched.telemetry.handle_evidence(event, ctx)
+        assert batched.store.evidence == {}  # nothing stored before the batch commits
+    produced = [output for _, output in await scope.flush()]
+    assert set(batched.store.evidence) == {event.id for event in storm}
+    assert len([c for c in copies if isinstance(c, JobEvidence)]) == len(storm)
+    (together,) = _findings(produced)  # one election for the attempt, over everything the batch stored
+    assert together.data.first_error == alone.data.first_error
+    assert together.data.first_error is not None
+    assert (together.data.first_error.category, together.data.first_error.rank) == ("oom_kill", 3)

@@ -163,8 +163,8 @@ async def _placements_at(ctx: HandlerContext, store: TelemetryStore, node: str, 
     since, until = at - CORRELATION_SKEW, at + CORRELATION_SKEW
     window = cached.get(node)
     if window is None or since < window[0] or until > window[1]:
-        window = (since - _SPANS_MARGIN, until + _SPANS_MARGIN, [])
-        window = (*window[:2], await store.placement_spans(node, window[0], window[1]))
+        low, high = since - _SPANS_MARGIN, until + _SPANS_MARGIN
+        window = (low, high, await store.placement_spans(node, low, high))
         ctx.scope.cache[_SPANS] = cached | {node: window}
     return placements_at(window[2], at, CORRELATION_SKEW)
 
