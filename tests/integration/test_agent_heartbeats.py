@@ -8,16 +8,15 @@ view must name what is wrong with each node, and notice an agent killed with kil
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import stat
-from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support.cli import LANES, run_lanes_async
+from support.cli import lanes_process, run_lanes_async
 from support.waiting import eventually
 
 from lanes_contract.client import LanesClient
@@ -48,21 +47,11 @@ def gpu_path(tmp_path: Path) -> str:
     return f"{bin_dir}:{os.environ['PATH']}"
 
 
-@contextlib.asynccontextmanager
-async def _agent(
+def _agent(
     nats: EmbeddedNats, node: str, state: Path, path: str, *extra: str
-) -> AsyncIterator[asyncio.subprocess.Process]:
-    proc = await asyncio.create_subprocess_exec(
-        LANES, "agent", "--node", node, "--state-dir", str(state / node), "--heartbeat", str(BEAT_S), *extra,
-        env=os.environ | {"NATS_URL": nats.url_for(f"agent-{node}"), "LANES_LOG_FORMAT": "json", "PATH": path},
-        stdout=asyncio.subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        yield proc
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-            await proc.wait()
+) -> AbstractAsyncContextManager[asyncio.subprocess.Process]:
+    args = ("agent", "--node", node, "--state-dir", str(state / node), "--heartbeat", str(BEAT_S), *extra)
+    return lanes_process(*args, env={"NATS_URL": nats.url_for(f"agent-{node}"), "PATH": path})
 
 
 async def _view(nats: EmbeddedNats) -> tuple[int, dict[str, dict[str, Any]]]:

@@ -17,10 +17,11 @@ import sys
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import pytest
-from support.cli import LANES, local_stack
+from support.cli import lanes_process, local_stack
 from support.waiting import eventually
 
 from lanes_agent.ledger import process_start
@@ -71,21 +72,11 @@ def _pids(starts: Path) -> list[int]:
     return [int(line.split()[3]) for line in starts.read_text().splitlines()]
 
 
-@contextlib.asynccontextmanager
-async def _agent(nats_url: str, state_dir: Path, *extra: str) -> AsyncIterator[asyncio.subprocess.Process]:
-    """`lanes agent` for the demo's four nodes, as its own process; SIGTERMed on leaving unless already gone."""
+def _agent(nats_url: str, state_dir: Path, *extra: str) -> AbstractAsyncContextManager[asyncio.subprocess.Process]:
+    """`lanes agent` for the demo's four nodes, as its own process."""
     nodes = [arg for node in DEMO_NODES for arg in ("--node", node)]
-    proc = await asyncio.create_subprocess_exec(
-        LANES, "agent", *nodes, "--state-dir", str(state_dir), "--stop-grace", "1", *extra,
-        env=os.environ | {"NATS_URL": nats_url, "LANES_LOG_FORMAT": "json"},
-        stdout=asyncio.subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        yield proc
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-            await proc.wait()
+    args = ("agent", *nodes, "--state-dir", str(state_dir), "--stop-grace", "1", *extra)
+    return lanes_process(*args, env={"NATS_URL": nats_url})
 
 
 async def _states(conns: Connections, job_ids: list[str]) -> dict[str, str]:

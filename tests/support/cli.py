@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sys
 from collections.abc import AsyncIterator, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -61,6 +62,20 @@ def run_lanes(urls: ServerUrls | None, *args: str, env: Mapping[str, str | None]
 async def run_lanes_async(urls: ServerUrls | None, *args: str, env: Mapping[str, str | None] | None = None) -> Ran:
     """`run_lanes` without blocking the event loop (services may be running in it)."""
     return await asyncio.to_thread(run_lanes, urls, *args, env=env)
+
+
+@contextlib.asynccontextmanager
+async def lanes_process(*args: str, env: Mapping[str, str]) -> AsyncIterator[asyncio.subprocess.Process]:
+    """`lanes ARGS` as a process of its own (JSON logs, stdout discarded); SIGTERMed on leaving unless gone."""
+    proc = await asyncio.create_subprocess_exec(
+        LANES, *args, env=os.environ | {"LANES_LOG_FORMAT": "json"} | dict(env), stdout=asyncio.subprocess.DEVNULL
+    )
+    try:
+        yield proc
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            await proc.wait()
 
 
 @contextlib.asynccontextmanager
