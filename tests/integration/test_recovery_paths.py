@@ -187,8 +187,8 @@ async def test_a_python_exception_waits_for_its_owner_escalates_once_past_the_de
         await run.steps([50, 100])
         await run.checkpoint(write_checkpoint(tmp_path, 100))
         await run.steps([150])
-        await _evidence(
-            client, ProcessEvidence, run.node_of(0), category=EvidenceCategory.PYTHON_EXCEPTION,
+        await run.output(
+            0, ProcessEvidence, category=EvidenceCategory.PYTHON_EXCEPTION,
             summary="KeyError: 'labels'", error_type="KeyError",
             lines=("Traceback (most recent call last):", "KeyError: 'labels'"),
         )  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from lanes_contract.events import (
     CommunicatorReady,
     CommunicatorReadyData,
     Event,
+    EvidenceData,
     Heartbeat,
     HeartbeatData,
     JobPlaced,
@@ -179,6 +181,8 @@ class ScriptedLauncher:
         self.placed = placed
         self.job_id = placed.job_key
         self.attempt = placed.attempt or 1
+        self._reported: Counter[int] = Counter()
+        """Evidence each rank's output produced: its exit says how much, as a real agent's does."""
 
     def _keys(self, rank: int) -> dict[str, Any]:
         node = next(a.node for a in self.placed.data.assignments if a.rank == rank)
@@ -214,8 +218,12 @@ class ScriptedLauncher:
         data = CheckpointSavedData(step=saved.step, path=str(saved.path), digest=saved.digest, **recorded | versions)
         await self.client.publish(CheckpointSaved(data=data, **self._keys(0)))
 
+    async def output(self, rank: int, cls: type[Event], **data: Any) -> None:
+        """Evidence read from one rank's output (a traceback, a watchdog line), attributed to that rank."""
+        await self.client.publish(cls(data=EvidenceData(**data), **self._keys(rank)))
+        self._reported[rank] += 1
+
     async def exit(self, rank: int, exit_code: int | None = 0, signal: int | None = None) -> None:
-        """One rank's process ends."""
-        await self.client.publish(
-            RankExited(data=RankExitedData(exit_code=exit_code, signal=signal), **self._keys(rank))
-        )
+        """One rank's process ends; its exit counts the evidence its output produced, so telemetry waits for it."""
+        data = RankExitedData(exit_code=exit_code, signal=signal, evidence=self._reported[rank])
+        await self.client.publish(RankExited(data=data, **self._keys(rank)))
