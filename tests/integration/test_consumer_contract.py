@@ -22,17 +22,8 @@ from lanes_contract.client import LanesClient, connect_nats
 from lanes_contract.errors import InvalidEventError, PoisonEventError
 from lanes_contract.events import Event, JobSubmitted
 from lanes_contract.streams import DEAD, JOBS, provision_streams
-from lanes_runtime.consumer import (
-    DEAD_CONSUMER,
-    DEAD_REASON,
-    DEAD_SEQUENCE,
-    DEAD_STREAM,
-    ORIGINAL_MSG_ID,
-    EventConsumer,
-    HandlerContext,
-    Outcome,
-    prune_processed,
-)
+from lanes_runtime.consumer import EventConsumer, HandlerContext, Outcome, prune_processed
+from lanes_runtime.delivery import DEAD_CONSUMER, DEAD_REASON, DEAD_SEQUENCE, DEAD_STREAM, ORIGINAL_MSG_ID
 from lanes_runtime.metrics import serve_metrics
 from lanes_runtime.settings import ServerUrls
 from lanes_runtime.store import apply_runtime_migrations, create_pool

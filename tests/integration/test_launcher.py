@@ -41,7 +41,7 @@ from lanes_contract.events import (
 )
 from lanes_contract.jobs import FailureCause, JobSpec, JobState, ServingSpec, WorkloadClass
 from lanes_contract.streams import DEAD, JOBS
-from lanes_runtime.consumer import DEAD_REASON, DEAD_SUBJECT
+from lanes_runtime.delivery import DEAD_REASON, DEAD_SUBJECT
 from lanes_runtime.service import Connections
 from lanes_runtime.settings import ServerUrls
 

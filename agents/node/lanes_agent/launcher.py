@@ -28,7 +28,7 @@ import sys
 import tempfile
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,6 @@ from typing import Any
 import structlog
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.errors import Error as NatsError
 from nats.js.errors import NotFoundError
 
 from lanes_agent import kmsg, netns
@@ -82,8 +81,9 @@ from lanes_contract.streams import BEATS, JOBS, TELEMETRY
 from lanes_evidence.evidence import Evidence, evidence_event
 from lanes_evidence.parsers import LogParser, SourceContext
 from lanes_runtime import decision
-from lanes_runtime.consumer import ConsumerSpec, DeadLetter, dead_letter
-from lanes_runtime.failures import classify, is_infrastructure
+from lanes_runtime.consumer import ConsumerSpec
+from lanes_runtime.delivery import StoppedError, carry_out, hold_through_outages, pull_batches, settle
+from lanes_runtime.failures import classify
 
 _PIDS_KEPT = 65_536
 _KERNEL_LOG_POLL_S = 0.2
@@ -94,6 +94,8 @@ HEARTBEAT_S = 10.0
 """How often an agent says it is alive (with what it runs and the node's inventory)."""
 _INVENTORY_EVERY = 6
 """Beats between re-reads of the inventory (nvidia-smi takes a while; ECC counts and repairs change)."""
+LOOPBACK = "127.0.0.1"
+"""The address of a simulated node that shares the host's network."""
 READY_MARKER = "lanes: communicator ready"
 """A rank prints this line once its collective communicator is initialised; the launcher reports it."""
 _LISTENING = re.compile(r"Uvicorn running on (?P<scheme>https?)://(?P<host>[^\s:/]+):(?P<port>\d+)")
@@ -118,8 +120,6 @@ _ATTEMPT_OVER = _STOP_RANKS | {JobState.SUCCEEDED, JobState.RELEASED, JobState.A
 """States after which none of the attempt's ranks may start (nor may any of an earlier attempt). Only these:
 the lifecycle may not have folded the placement yet (the job still `queued`, or `retrying`, which carries the
 new attempt's number) when a restarted agent looks."""
-_HOLD_PAUSES_S = (0.5, 1.0, 2.0, 5.0)
-"""Pauses between tries of a publish that must not be dropped while the bus is away (the last repeats)."""
 log = structlog.get_logger(__name__)
 
 LAUNCHER_INPUTS = ConsumerSpec(
@@ -150,12 +150,12 @@ def communicator_ready(line: str) -> str | None:
     return "nccl" if _NCCL_READY.search(line) else None
 
 
-def listening_endpoint(line: str) -> str | None:
-    """The endpoint a server's "running on" line announces; a wildcard host becomes loopback (local nodes)."""
+def listening_endpoint(line: str, node_address: str = LOOPBACK) -> str | None:
+    """The endpoint a server's "running on" line announces; a wildcard host becomes the node's address."""
     found = _LISTENING.search(line)
     if found is None:
         return None
-    host = "127.0.0.1" if found["host"] in {"0.0.0.0", "::", "[::]"} else found["host"]  # noqa: S104 - parsed, not bound
+    host = node_address if found["host"] in {"0.0.0.0", "::", "[::]"} else found["host"]  # noqa: S104 - parsed, not bound
     return f"{found['scheme']}://{host}:{found['port']}"
 
 
@@ -297,19 +297,11 @@ class LocalLauncher:
         running.add(beats)
         beats.add_done_callback(running.discard)
         try:
-            while not stop.is_set():
-                try:
-                    msgs = await sub.fetch(16, timeout=0.5)
-                except TimeoutError:  # nats-py raises its own subclass or the builtin, depending on the path
-                    continue
-                except NatsError as exc:  # disconnected: nothing was taken, try again shortly
-                    log.warning("launcher fetch failed; retrying", error=str(exc) or type(exc).__name__)
-                    await asyncio.sleep(1.0)
-                    continue
+            async for msgs in pull_batches(sub, 16, stop):
                 # Each message runs on its own (a placement's ranks live for as long as the job does); each
                 # ends with an explicit decision from the runtime's `decide`, never a silent drop.
                 for msg in msgs:
-                    task = asyncio.create_task(self._handle(msg))
+                    task = asyncio.create_task(self._handle(msg, stop))
                     running.add(task)
                     task.add_done_callback(running.discard)
         finally:
@@ -324,41 +316,19 @@ class LocalLauncher:
                 unfinished.cancel()
             await asyncio.gather(*running, *runs, return_exceptions=True)
 
-    async def _handle(self, msg: Msg) -> None:
-        """Apply one message and carry out `decide`'s verdict: ack, nak, dead letter, or hold through an outage."""
-        outages = 0
-        while True:
-            try:
-                await self._apply(msg)
-                outcome: decision.Outcome = decision.Processed()
-            except Exception as exc:  # noqa: BLE001 - every failure becomes an explicit decision
-                outcome = classify(exc)
-            if isinstance(outcome, decision.Unavailable):
-                outages += 1
-                outcome = dataclasses.replace(outcome, outages=outages)
-            deliveries = msg.metadata.num_delivered
-            match decision.decide(outcome, deliveries, self._spec):
-                case decision.Hold(delay_s):
-                    log.warning("launcher: server unavailable; holding", reason=outcome, pause_s=delay_s)
-                    with contextlib.suppress(Exception):
-                        await msg.in_progress()
-                    await asyncio.sleep(delay_s)
-                    continue
-                case decision.Ack():
-                    await _best_effort(msg.ack())
-                case decision.Nak(delay_s):
-                    await _best_effort(msg.nak(delay=delay_s))
-                case decision.Term(reason):
-                    log.error("launcher dead-letters a message", reason=reason, subject=msg.subject)
-                    letter = DeadLetter(JOBS.name, self._spec.durable, msg.subject, _seq(msg), deliveries, reason)
-                    try:
-                        await dead_letter(self._js, letter, msg.headers, msg.data)
-                    except Exception as exc:  # noqa: BLE001 - no dead letter, no term: it comes back instead
-                        log.warning("launcher cannot dead-letter; redelivering", error=str(exc))
-                        await _best_effort(msg.nak(delay=self._spec.delay_after(deliveries)))
-                        return
-                    await _best_effort(msg.term())
-            return
+    async def _handle(self, msg: Msg, stop: asyncio.Event) -> None:
+        """Apply one message, holding it through outages, and carry out `decide`'s verdict on what happened.
+
+        Applying a placement again after an outage is safe: the ledger runs each rank at most once.
+        """
+        try:
+            await hold_through_outages(lambda: self._apply(msg), self._spec, held=[msg], stop=stop)
+            outcome: decision.Outcome = decision.Processed()
+        except StoppedError:
+            return  # stopping: the message comes back after ack_wait, to the next run of the agent
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an explicit decision
+            outcome = classify(exc)
+        await carry_out(self._js, msg, decision.decide(outcome, msg.metadata.num_delivered, self._spec), self._spec)
 
     async def _apply(self, msg: Msg) -> None:
         try:
@@ -496,13 +466,14 @@ class LocalLauncher:
         # torch.distributed's env:// rendezvous: every rank of the attempt meets rank 0 at one endpoint. The
         # simulated nodes share this host, so it is a free local port, the same for the attempt's ranks.
         port = self._rendezvous_ports.setdefault(attempt_key, _free_port())
-        env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         first = next(a.node for a in placed.data.assignments if a.rank == 0)
+        # LANES_NODE_ADDRESS: where the node's servers listen, so others reach them (a replica, the router).
+        env |= {"MASTER_ADDR": self._address(first), "MASTER_PORT": str(port)}
+        env |= {"LANES_NODE_ADDRESS": self._address(assignment.node)}
         if self._networks is not None and first in self._networks.links:
             # Each node in its own namespace: rank 0 listens on its node's address, and every rank's traffic
             # leaves through its node's own interface, across the bridge.
-            ifname = {"GLOO_SOCKET_IFNAME": netns.INTERFACE, "NCCL_SOCKET_IFNAME": netns.INTERFACE}
-            env |= {"MASTER_ADDR": self._networks.address(first)} | ifname
+            env |= {"GLOO_SOCKET_IFNAME": netns.INTERFACE, "NCCL_SOCKET_IFNAME": netns.INTERFACE}
             command = self._networks.command(assignment.node, command)
         env |= _spec_environment(spec, self._resume_steps.get((placed.job_key, placed.attempt or 1)))
         keys = {"source": f"agent/{assignment.node}", "node": assignment.node, "rank": assignment.rank}
@@ -569,19 +540,7 @@ class LocalLauncher:
         outage (a permission, a bad event) is raised.
         """
         encoded = encode(event)
-        tries = 0
-        while True:
-            try:
-                await publish_encoded(self._js, encoded, stream=stream)
-            except Exception as exc:
-                if not is_infrastructure(exc):
-                    raise
-                pause = _HOLD_PAUSES_S[min(tries, len(_HOLD_PAUSES_S) - 1)]
-                log.warning("agent cannot publish; holding", subject=encoded.subject, error=str(exc), pause_s=pause)
-                await asyncio.sleep(pause)
-                tries += 1
-            else:
-                return
+        await hold_through_outages(lambda: publish_encoded(self._js, encoded, stream=stream), self._spec)
 
     async def _watch_output(
         self,
@@ -634,7 +593,7 @@ class LocalLauncher:
             nonlocal reported
             async for raw in stream:
                 line = raw.decode(errors="replace")
-                endpoint = listening_endpoint(line) if hooks else None
+                endpoint = listening_endpoint(line, self._address(assignment.node)) if hooks else None
                 backend = communicator_ready(line)
                 if not reported and (backend is not None or endpoint):
                     # A serving replica is ready when its server listens; a training rank when it says so.
@@ -789,6 +748,12 @@ class LocalLauncher:
             except Exception as failed:  # noqa: BLE001 - the agent keeps running its ranks without the bus too
                 log.warning("cannot report the unreadable kernel log", node=node, error=str(failed))
 
+    def _address(self, node: str) -> str:
+        """The node's address: its namespace's, or the host's loopback when the nodes share its network."""
+        if self._networks is not None and node in self._networks.links:
+            return self._networks.address(node)
+        return LOOPBACK
+
     def _stop_attempt(self, attempt_key: tuple[str, int]) -> None:
         """Terminate the ranks of a stopped attempt; their exits (signal 15) end the cancellation.
 
@@ -838,19 +803,7 @@ async def _holding(msg: Msg, run: asyncio.Task[RankRecord]) -> RankRecord:
         done, _ = await asyncio.wait({run}, timeout=10)
         if done:
             return run.result()
-        await _best_effort(msg.in_progress())  # a long rank must not make JetStream redeliver its placement
-
-
-def _seq(msg: Msg) -> int:
-    return int(msg.metadata.sequence.stream)
-
-
-async def _best_effort(action: Awaitable[None]) -> None:
-    """An ack that is lost means a redelivery; the placement's event ids make that a no-op."""
-    try:
-        await action
-    except Exception as exc:  # noqa: BLE001 - recovered by redelivery
-        log.warning("acknowledgement not delivered", error=str(exc))
+        await settle(msg.in_progress())  # a long rank must not make JetStream redeliver its placement
 
 
 def _spec_environment(spec: JobSpec, resume_step: int | None) -> dict[str, str]:

@@ -13,7 +13,7 @@ from lanes_cli.console import fail, load_settings, out, require, run_async
 from lanes_contract.client import connect_nats
 from lanes_contract.codec import MSG_ID_HEADER
 from lanes_contract.streams import DEAD
-from lanes_runtime.consumer import (
+from lanes_runtime.delivery import (
     DEAD_CONSUMER,
     DEAD_DELIVERIES,
     DEAD_REASON,

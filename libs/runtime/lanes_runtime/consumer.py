@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 from collections import Counter
@@ -41,16 +42,23 @@ import asyncpg
 import structlog
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.errors import Error as NatsError
-from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from lanes_contract.client import publish_encoded
-from lanes_contract.codec import MSG_ID_HEADER, EncodedEvent, decode, encode
+from lanes_contract.codec import EncodedEvent, decode, encode
 from lanes_contract.errors import DecodeError
 from lanes_contract.events import Event
-from lanes_contract.streams import DEAD, STREAM_OF_FAMILY, StreamSpec
+from lanes_contract.streams import STREAM_OF_FAMILY, StreamSpec
 from lanes_runtime import decision
+from lanes_runtime.delivery import (
+    DeadLetter,
+    Settled,
+    StoppedError,
+    carry_out,
+    dead_letter,
+    hold_through_outages,
+    pull_batches,
+)
 from lanes_runtime.failures import classify, is_infrastructure
 from lanes_runtime.metrics import ConsumerMetrics
 from lanes_runtime.store import Db
@@ -58,14 +66,6 @@ from lanes_runtime.tracing import event_span, traced
 
 log = structlog.get_logger(__name__)
 _T = TypeVar("_T")
-
-DEAD_REASON = "Lanes-Dead-Reason"
-DEAD_STREAM = "Lanes-Dead-Stream"
-DEAD_SEQUENCE = "Lanes-Dead-Sequence"
-DEAD_SUBJECT = "Lanes-Dead-Subject"
-DEAD_CONSUMER = "Lanes-Dead-Consumer"
-DEAD_DELIVERIES = "Lanes-Dead-Deliveries"
-ORIGINAL_MSG_ID = "Lanes-Original-Msg-Id"
 
 
 @dataclass(frozen=True)
@@ -244,17 +244,8 @@ class EventConsumer:
         self._log.info("consumer started", stream=self.spec.stream.name, subjects=self.spec.subjects)
         next_prune = time.monotonic() + _PRUNE_EVERY_S
         try:
-            while not stop.is_set():
-                try:
-                    msgs = await sub.fetch(self.spec.batch, timeout=0.5)
-                except TimeoutError:  # nats-py raises its own subclass or the builtin, depending on the path
-                    msgs = []
-                except NatsError as exc:
-                    # Disconnected or reconnecting: nothing was taken, so nothing is lost; try again shortly.
-                    self._log.warning("fetch failed; retrying", error=str(exc) or type(exc).__name__)
-                    self._set_ready(ready=False)
-                    await asyncio.sleep(1.0)
-                    continue
+            not_ready = functools.partial(self._set_ready, ready=False)
+            async for msgs in pull_batches(sub, self.spec.batch, stop, on_unavailable=not_ready):
                 if msgs:
                     await self.process_batch(msgs, stop)
                 if time.monotonic() >= next_prune:
@@ -264,7 +255,7 @@ class EventConsumer:
                 if self.spec.ordered:
                     try:
                         await self._hold_through_outages(self.fold, stop)
-                    except _StoppedError:
+                    except StoppedError:
                         pass
                     except Exception:  # noqa: BLE001 - the staged events stay; the next turn folds them again
                         self._log.exception("fold failed; trying again")
@@ -280,7 +271,7 @@ class EventConsumer:
         items = [_decoded(msg) for msg in msgs]
         self._metrics.batch_size.observe(len(items))
         self._metrics.pending.set(msgs[-1].metadata.num_pending or 0)
-        with contextlib.suppress(_StoppedError):
+        with contextlib.suppress(StoppedError):
             outcomes = await self._hold_through_outages(lambda: self._settle_batch(items), stop, items)
             for item, outcome in zip(items, outcomes, strict=True):
                 await self._carry_out(item, outcome)
@@ -301,37 +292,17 @@ class EventConsumer:
     async def _hold_through_outages(
         self, attempt: Callable[[], Awaitable[_T]], stop: asyncio.Event | None, items: Sequence[_Item] = ()
     ) -> _T:
-        """Run `attempt` until no server is unavailable, pausing with backoff and keeping `items` in progress."""
-        outages = 0
-        while True:
-            try:
-                result = await attempt()
-            except Exception as exc:
-                if not is_infrastructure(exc):
-                    raise
-                outages += 1
-                hold = decision.decide(decision.Unavailable(str(exc), outages), 0, self.spec)
-                assert isinstance(hold, decision.Hold)  # noqa: S101 - decide's rule for Unavailable
-                self._set_ready(ready=False)
-                self.outcomes[Outcome.HELD] += len(items)
-                self._metrics.held.inc(len(items))
-                self._log.warning(
-                    "server unavailable; holding", error=f"{type(exc).__name__}: {exc}", pause_s=hold.delay_s
-                )
-                await self._pause(hold.delay_s, items, stop)
-                continue
-            self._set_ready(ready=True)
-            return result
+        """Run `attempt` until no server is unavailable, keeping `items` in progress; not ready meanwhile."""
 
-    async def _pause(self, delay_s: float, items: Sequence[_Item], stop: asyncio.Event | None) -> None:
-        """Wait `delay_s`, telling JetStream every so often that the held messages are still being worked on."""
-        deadline = time.monotonic() + delay_s
-        while (left := deadline - time.monotonic()) > 0:
-            for item in items:
-                await _settle(item.msg.in_progress())
-            if stop is not None and stop.is_set():
-                raise _StoppedError  # the held messages come back after ack_wait, to this or another replica
-            await asyncio.sleep(min(left, self.spec.ack_wait_s / 3))
+        def on_hold(_: Exception, __: float) -> None:
+            self._set_ready(ready=False)
+            self.outcomes[Outcome.HELD] += len(items)
+            self._metrics.held.inc(len(items))
+
+        held = [item.msg for item in items]
+        result = await hold_through_outages(attempt, self.spec, held=held, stop=stop, on_hold=on_hold)
+        self._set_ready(ready=True)
+        return result
 
     def _set_ready(self, *, ready: bool) -> None:
         self.ready = ready
@@ -473,46 +444,21 @@ class EventConsumer:
         await self._pool.execute("DELETE FROM lanes_outbox WHERE id = ANY($1::bigint[])", [row["id"] for row in rows])
 
     async def _carry_out(self, item: _Item, outcome: decision.Outcome) -> None:
-        """Carry out `decide`'s verdict for one message."""
+        """Carry out `decide`'s verdict for one message, and count what became of it."""
         verdict = decision.decide(outcome, item.deliveries, self.spec)
-        match verdict:
-            case decision.Ack():
-                await _settle(item.msg.ack())
-                if isinstance(outcome, decision.Duplicate):
-                    tally = Outcome.DUPLICATE
-                else:
-                    tally = Outcome.STAGED if self.spec.ordered else Outcome.PROCESSED
-            case decision.Nak(delay_s):
-                self._log.warning("redelivering", reason=_reason(outcome), delay_s=delay_s, seq=item.seq)
-                await _settle(item.msg.nak(delay=delay_s))
+        if isinstance(verdict, decision.Nak):
+            self._log.warning("redelivering", reason=_reason(outcome), delay_s=verdict.delay_s, seq=item.seq)
+        match await carry_out(self._js, item.msg, verdict, self.spec):
+            case Settled.ACKED if isinstance(outcome, decision.Duplicate):
+                tally = Outcome.DUPLICATE
+            case Settled.ACKED:
+                tally = Outcome.STAGED if self.spec.ordered else Outcome.PROCESSED
+            case Settled.SENT_BACK:
                 tally = Outcome.RETRY
-            case decision.Term(reason):
-                tally = await self._give_up(item, reason)
-            case decision.Hold():  # pragma: no cover - holds are handled around the whole batch
-                return
+            case Settled.DEAD_LETTERED:
+                tally = Outcome.DEAD_LETTERED
         self.outcomes[tally] += 1
         self._metrics.count(tally)
-
-    async def _give_up(self, item: _Item, reason: str) -> Outcome:
-        msg = item.msg
-        self._log.error("dead-lettering", reason=reason, seq=item.seq)
-        try:
-            await self._dead_letter(
-                subject=msg.subject,
-                headers=msg.headers,
-                payload=msg.data,
-                stream_seq=item.seq,
-                reason=reason,
-                deliveries=item.deliveries,
-            )
-        except Exception as exc:  # noqa: BLE001 - without a dead letter the message must not be terminated
-            # Send it back instead. Past max_deliver, the max-deliveries advisory dead-letters it once NATS
-            # answers again.
-            self._log.warning("cannot dead-letter; redelivering", error=str(exc))
-            await _settle(msg.nak(delay=self.spec.delay_after(item.deliveries)))
-            return Outcome.RETRY
-        await _settle(msg.term())
-        return Outcome.DEAD_LETTERED
 
     # --- per-key ordered consumers -------------------------------------------------------------------
 
@@ -707,42 +653,6 @@ class EventConsumer:
             self._log.exception("could not dead-letter from a max-deliveries advisory", advisory=advisory.data[:512])
 
 
-@dataclass(frozen=True)
-class DeadLetter:
-    """Where a dead message came from, and why it died."""
-
-    stream: str
-    consumer: str
-    subject: str
-    stream_seq: int
-    deliveries: int
-    reason: str
-
-
-async def dead_letter(
-    js: JetStreamContext, letter: DeadLetter, headers: Mapping[str, str] | None, payload: bytes
-) -> None:
-    """Publish a message to LANES_DEAD with its original headers and payload and where and why it died.
-
-    Its id is one per (stream, sequence, consumer), so dead-lettering twice keeps one letter, and
-    `lanes dead replay` can re-drive it under its original id.
-    """
-    original = dict(headers or {})
-    dead_headers = {k: v for k, v in original.items() if not k.startswith("Nats-")}
-    if MSG_ID_HEADER in original:
-        dead_headers[ORIGINAL_MSG_ID] = original[MSG_ID_HEADER]
-    dead_headers |= {
-        DEAD_REASON: " ".join(letter.reason.split())[:1024],  # header values are single-line
-        DEAD_STREAM: letter.stream,
-        DEAD_SEQUENCE: str(letter.stream_seq),
-        DEAD_SUBJECT: letter.subject,
-        DEAD_CONSUMER: letter.consumer,
-        DEAD_DELIVERIES: str(letter.deliveries),
-        MSG_ID_HEADER: f"dead-{letter.stream}-{letter.stream_seq}-{letter.consumer}",
-    }
-    await js.publish(f"lanes.dead.{letter.stream}.{letter.consumer}", payload, headers=dead_headers, stream=DEAD.name)
-
-
 _PRUNE_EVERY_S = 60.0
 _PRUNE_CHUNK = 10_000
 
@@ -768,10 +678,6 @@ async def prune_processed(pool: asyncpg.Pool, consumer: str, retention_s: float)
             return deleted
 
 
-class _StoppedError(Exception):
-    """The consumer was stopped while holding a batch through an outage."""
-
-
 def _decoded(msg: Msg) -> _Item:
     try:
         return _Item(msg, decode(msg.subject, msg.headers, msg.data))
@@ -787,14 +693,6 @@ def _key_of(subject: str) -> str:
 
 def _reason(outcome: decision.Outcome) -> str:
     return str(getattr(outcome, "reason", type(outcome).__name__))
-
-
-async def _settle(action: Awaitable[None]) -> None:
-    """Ack/nak/term are best effort: if they are lost, JetStream redelivers and the record makes it a no-op."""
-    try:
-        await action
-    except Exception as exc:  # noqa: BLE001 - a lost acknowledgement is recovered by redelivery
-        log.warning("acknowledgement not delivered", error=str(exc))
 
 
 async def record_only(event: Event, ctx: HandlerContext) -> Sequence[Event]:

@@ -1,8 +1,9 @@
 """The audit recorder: copies every message of the jobs stream, in order, into the hash-chained table.
 
-It does not use the event consumer contract on purpose: an audit copy must hold every stored message,
-including those no service could decode (which the contract dead-letters), byte for byte. It keeps the
-contract's guarantees its own way: a durable pull consumer with explicit acks; a fetched batch is appended
+It does not use the services' event consumer on purpose: an audit copy must hold every stored message,
+including those no service could decode (which the contract dead-letters), byte for byte. It shares the
+runtime's fetch loop and outage hold (`lanes_runtime.delivery`) and keeps the contract's guarantees its own
+way: a durable pull consumer with explicit acks; a fetched batch is appended
 in one transaction and acknowledged only after commit; a redelivered message at or below the chain head is
 already recorded and is acknowledged without a second link.
 
@@ -23,21 +24,19 @@ import asyncpg
 import structlog
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.errors import Error as NatsError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from lanes_audit.adapters import repository
 from lanes_audit.adapters.signing import Signer
 from lanes_audit.domain.chain import Link, canonical_bytes, link_hash
 from lanes_contract.streams import AUDIT, JOBS
-from lanes_runtime import decision
 from lanes_runtime.consumer import ConsumerSpec
-from lanes_runtime.failures import is_infrastructure
+from lanes_runtime.delivery import hold_through_outages, pull_batches, settle
 
 log = structlog.get_logger(__name__)
 RETRY_DELAY_S = 1.0
-_HOLD_SPEC = ConsumerSpec(durable="audit", stream=JOBS, subjects=JOBS.subjects)
-"""Only for `decide`'s outage backoff: the recorder keeps its own consumer config."""
+_HOLD_SPEC = ConsumerSpec(durable="audit", stream=JOBS, subjects=JOBS.subjects, ack_wait_s=60.0)
+"""For the runtime's outage hold (its backoff and ack wait): the recorder keeps its own consumer config."""
 
 
 class AuditRecorder:
@@ -66,7 +65,7 @@ class AuditRecorder:
             durable_name=self.name,
             deliver_policy=DeliverPolicy.ALL,
             ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=60.0,
+            ack_wait=_HOLD_SPEC.ack_wait_s,
             max_deliver=-1,
             filter_subject=f"{JOBS.subjects[0]}",
             max_ack_pending=2000,
@@ -81,16 +80,9 @@ class AuditRecorder:
         await self.provision()
         sub = await self._js.pull_subscribe_bind(self.name, stream=JOBS.name)
         try:
-            while not stop.is_set():
-                try:
-                    msgs = await sub.fetch(500, timeout=0.5)
-                except TimeoutError:
-                    continue
-                except NatsError as exc:
-                    log.warning("audit fetch failed; retrying", error=str(exc) or type(exc).__name__)
-                    await asyncio.sleep(RETRY_DELAY_S)
-                    continue
-                await self.record(msgs)
+            async for msgs in pull_batches(sub, 500, stop):
+                if msgs:
+                    await self.record(msgs)
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -98,32 +90,15 @@ class AuditRecorder:
     async def record(self, msgs: list[Msg]) -> None:
         """Append a batch's contiguous run in one transaction, then acknowledge it; send back what waits."""
         ordered = sorted(msgs, key=lambda m: m.metadata.sequence.stream)
-        outages = 0
-        while True:
-            try:
-                head_seq, checkpoints = await self._append(ordered)
-                for checkpoint in checkpoints:
-                    await self._publish_checkpoint(*checkpoint)
-                break
-            except Exception as exc:  # noqa: BLE001 - nothing was committed: hold through an outage, else send back
-                if not is_infrastructure(exc):
-                    log.warning(
-                        "audit batch failed; redelivering", error=f"{type(exc).__name__}: {exc}", size=len(msgs)
-                    )
-                    await self._send_back(ordered)
-                    return
-                outages += 1
-                hold = decision.decide(decision.Unavailable(str(exc), outages), 0, _HOLD_SPEC)
-                delay = hold.delay_s if isinstance(hold, decision.Hold) else RETRY_DELAY_S
-                log.warning("audit: server unavailable; holding the batch", error=str(exc), pause_s=delay)
-                for msg in ordered:
-                    with contextlib.suppress(Exception):
-                        await msg.in_progress()
-                await asyncio.sleep(delay)
+        try:
+            head_seq = await hold_through_outages(lambda: self._append_signed(ordered), _HOLD_SPEC, held=ordered)
+        except Exception as exc:  # noqa: BLE001 - nothing was committed: send the batch back
+            log.warning("audit batch failed; redelivering", error=f"{type(exc).__name__}: {exc}", size=len(msgs))
+            await self._send_back(ordered)
+            return
         recorded = [m for m in ordered if m.metadata.sequence.stream <= head_seq]
         for msg in recorded:
-            with contextlib.suppress(Exception):  # a lost ack means a redelivery, which is recognised
-                await msg.ack()
+            await settle(msg.ack())  # a lost ack means a redelivery, which is recognised
         waiting = ordered[len(recorded) :]
         if waiting:
             log.info("audit: waiting for a gap to fill", head=head_seq, next=waiting[0].metadata.sequence.stream)
@@ -131,8 +106,14 @@ class AuditRecorder:
 
     async def _send_back(self, msgs: list[Msg]) -> None:
         for msg in msgs:
-            with contextlib.suppress(Exception):
-                await msg.nak(delay=RETRY_DELAY_S)
+            await settle(msg.nak(delay=RETRY_DELAY_S))
+
+    async def _append_signed(self, msgs: list[Msg]) -> int:
+        """Append what follows the chain head and publish the checkpoints signed on the way; the new head."""
+        head_seq, checkpoints = await self._append(msgs)
+        for checkpoint in checkpoints:
+            await self._publish_checkpoint(*checkpoint)
+        return head_seq
 
     async def _append(self, msgs: list[Msg]) -> tuple[int, list[tuple[int, bytes, bytes]]]:
         """Append the messages that follow the chain head without a gap.

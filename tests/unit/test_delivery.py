@@ -1,0 +1,70 @@
+"""The runtime's shared outage hold: only an unavailable server is waited out, and a stop ends the wait."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+
+from lanes_contract.errors import PoisonEventError
+from lanes_contract.streams import JOBS
+from lanes_runtime.consumer import ConsumerSpec
+from lanes_runtime.delivery import StoppedError, hold_through_outages
+
+SPEC = ConsumerSpec(durable="unit", stream=JOBS, subjects=JOBS.subjects, ack_wait_s=0.3)
+
+
+@dataclass
+class HeldMessage:
+    """Stands in for a fetched message: counts the in-progress signals it is given."""
+
+    in_progress_calls: int = 0
+
+    async def in_progress(self) -> None:
+        self.in_progress_calls += 1
+
+
+async def test_an_outage_is_waited_out_with_the_messages_kept_in_progress() -> None:
+    failures = [ConnectionRefusedError("database down"), OSError("bus away")]
+    held = HeldMessage()
+    holds: list[float] = []
+
+    async def attempt() -> str:
+        if failures:
+            raise failures.pop(0)
+        return "done"
+
+    result = await hold_through_outages(
+        attempt,
+        SPEC,
+        held=[held],
+        on_hold=lambda _, delay: holds.append(delay),
+    )
+    assert result == "done"
+    assert holds == [0.2, 0.5]  # decide's backoff: the first two pauses of the outage schedule
+    assert held.in_progress_calls >= 2  # told JetStream at least once per pause
+
+
+async def test_a_failure_that_is_about_the_event_is_not_held() -> None:
+    tries = 0
+
+    async def attempt() -> None:
+        nonlocal tries
+        tries += 1
+        raise PoisonEventError("the placement names a binary that does not exist")
+
+    with pytest.raises(PoisonEventError):
+        await hold_through_outages(attempt, SPEC)
+    assert tries == 1
+
+
+async def test_stopping_during_an_outage_ends_the_hold() -> None:
+    stop = asyncio.Event()
+    stop.set()
+
+    async def attempt() -> None:
+        raise ConnectionResetError("still down")
+
+    with pytest.raises(StoppedError):
+        await hold_through_outages(attempt, SPEC, held=[HeldMessage()], stop=stop)
