@@ -237,7 +237,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m lanes_sandbox.toy_replica", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--version", required=True)
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument(
+        "--host",
+        default=os.environ.get("LANES_NODE_ADDRESS", "127.0.0.1"),
+        help="default: the node's address when a Lanes agent runs it (LANES_NODE_ADDRESS), else loopback",
+    )
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     parser.add_argument("--tokens", type=int, default=8, help="tokens per answer (max_tokens can lower it)")
     parser.add_argument("--token-delay-ms", type=float, default=0.0)

@@ -18,6 +18,9 @@ import pytest
 from support.cli import LANES
 from support.servers import server_announcing
 
+from lanes_agent.faults import kernel_faults_unavailable
+from lanes_agent.netns import NodeNetworks
+from lanes_cli.demo import local_nodes
 from lanes_runtime.settings import ServerUrls
 
 pytestmark = pytest.mark.real_servers
@@ -126,6 +129,33 @@ def test_demo_prints_the_timeline_grouped_by_lane() -> None:
         assert "attempt=" in line  # a user command names no attempt: "attempt=-"
         assert "node=" in line
         assert "job." in line  # the event type
+
+
+_NO_REAL_NODES = NodeNetworks.unavailable() or kernel_faults_unavailable()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_NO_REAL_NODES is not None, reason=f"--netns --kernel: {_NO_REAL_NODES}")
+def test_demo_on_nodes_in_namespaces_with_faults_through_the_kernel_tells_the_same_stories(private_tmp: Path) -> None:
+    result = _lanes("demo", "--json", "--netns", "--kernel", env=_env(TMPDIR=str(private_tmp)))
+    assert result.returncode == 0, result.stderr[-3000:]  # every story ended as written, every decision agreed
+    run = json.loads(result.stdout)
+    assert "network namespace" in run["fault_paths"]["links"]
+    assert "/dev/kmsg" in run["fault_paths"]["oom_kill"]
+    # The OOM-killed rank is named from the kernel's own line, from its memory cgroup.
+    error = run["incident"]["summary"]["first_error"]
+    assert (error["category"], error["lane"], error["rank"]) == ("oom_kill", "host", 2)
+    assert any(line.startswith("Memory cgroup out of memory: Killed process") for line in error["evidence"])
+    # The router reached the replicas at their nodes' addresses, across the bridge; the Xid came from kmsg.
+    replica_a = next(job for job in run["jobs"] if job["job_id"] == run["inference"]["replicas"][0])
+    endpoints = [e["data"]["endpoint"] for e in replica_a["timeline"] if e["type"].endswith(".replica_listening.v1")]
+    assert endpoints
+    assert all(endpoint.startswith("http://10.77.") for endpoint in endpoints)
+    assert run["inference"]["incident"]["summary"]["first_error"]["category"] == "gpu_xid"
+    assert run["inference"]["clients"].get("ok", 0) > 0
+    bridge = NodeNetworks(list(local_nodes(4, 4))).bridge
+    assert bridge in run["fault_paths"]["links"]
+    assert not Path(f"/sys/class/net/{bridge}").exists()  # the namespaces and the bridge are gone afterwards
 
 
 @pytest.mark.slow

@@ -20,6 +20,16 @@ def test_the_listening_line_of_an_openai_compatible_server_gives_its_endpoint() 
     assert listening_endpoint("INFO: Started server process [77]") is None
 
 
+def test_a_server_on_every_interface_of_a_node_in_its_own_namespace_is_announced_at_the_node_address() -> None:
+    # The router, in the host's namespace, reaches it across the bridge; loopback would be the node's own.
+    line = "INFO:     Uvicorn running on http://0.0.0.0:8000 (Press CTRL+C to quit)"
+    assert listening_endpoint(line, "10.77.0.3") == "http://10.77.0.3:8000"
+    # A server that names its address is announced as it says.
+    assert listening_endpoint("INFO:     Uvicorn running on http://10.77.0.4:9000", "10.77.0.3") == (
+        "http://10.77.0.4:9000"
+    )
+
+
 def test_step_and_checkpoint_lines_become_heartbeat_and_checkpoint_data() -> None:
     assert progress_report("lanes: step 120\n") == HeartbeatData(step=120)
     saved = progress_report(f"lanes: checkpoint saved step=100 path=/ckpt/100.pt digest={DIGEST} image=trainer:3\n")

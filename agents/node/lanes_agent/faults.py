@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lanes_agent import netns
+from lanes_agent.cgroups import MemoryCgroups
 from lanes_contract.events import DrillKind
 
 KMSG = Path("/dev/kmsg")
@@ -46,6 +47,19 @@ class Injected:
     """How a fault was injected, for the drill's event."""
 
     detail: str
+
+
+def kernel_faults_unavailable(kmsg: Path = KMSG) -> str | None:
+    """Why an OOM kill and a kernel line cannot go through this host's kernel, or None when they can.
+
+    Needs memory cgroups (the kernel's OOM killer acts on a rank's limit) and a kernel log that the agent
+    reads and a drill writes.
+    """
+    if why := MemoryCgroups().unavailable():
+        return why
+    if not os.access(kmsg, os.R_OK | os.W_OK):
+        return f"{kmsg} cannot be read and written (root)"
+    return None
 
 
 def _signal(pid: int, sig: signal.Signals) -> None:

@@ -5,7 +5,9 @@ other end of that veth pair sits on a bridge in the host's namespace. A node's r
 namespace, so torch.distributed's traffic between nodes crosses real (virtual) links, and cutting a node's
 link (`ip link set <its veth> down`, as `lanes drill --kind link-down` does) really cuts it.
 
-The agent itself stays in the host's namespace, where NATS is: it publishes for every node it runs.
+The agent itself stays in the host's namespace, where NATS is: it publishes for every node it runs. The bridge
+has an address of its own (`HOST_ADDRESS`), so the host reaches every node at the node's address: the router
+sends a request to a replica listening there, as it would to a replica on another machine.
 Names derive from the node's name, so a drill on the same host finds a node's link without asking the agent.
 Needs root and iproute2; without them ranks share the host's network and the agent says why.
 """
@@ -25,6 +27,8 @@ INTERFACE = "eth0"
 SUBNET = "10.77"
 """Nodes get 10.77.<i / 250>.<i % 250 + 2>/16 (up to 12,500 nodes on one bridge)."""
 _MAX_NODES = 12_500
+HOST_ADDRESS = f"{SUBNET}.255.254"
+"""The host's address on the bridge (beyond every node's: nodes stop at 10.77.49.251)."""
 
 
 def namespace_of(node: str) -> str:
@@ -79,6 +83,7 @@ class NodeNetworks:
         """Make the bridge and every node's namespace, veth pair and address (what an earlier run left goes first)."""
         self.down()
         _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("addr", "add", f"{HOST_ADDRESS}/16", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
         for link in self.links.values():
             _ip("netns", "add", link.namespace)

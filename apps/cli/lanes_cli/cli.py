@@ -15,6 +15,7 @@ import typer
 import uvloop
 from pydantic import ValidationError
 
+from lanes_agent.faults import kernel_faults_unavailable
 from lanes_agent.launcher import LocalLauncher
 from lanes_cli import (
     agent_cli,
@@ -47,7 +48,7 @@ from lanes_cli.console import (
     require,
     run_async,
 )
-from lanes_cli.demo import local_nodes, register_nodes, run_demo
+from lanes_cli.demo import DEMO_NODES, FaultPaths, local_nodes, register_nodes, run_demo
 from lanes_cli.html import render_page
 from lanes_cli.input_files import load_yaml, validation_problems
 from lanes_cli.render import render_demo, render_job
@@ -89,16 +90,42 @@ router_cli.register(app)
 def demo(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the swimlanes.")] = False,
     kernel_delay: Annotated[
-        float, typer.Option(help="Hold the OOM kill's kernel line back this many seconds (a slow agent).", min=0)
+        float,
+        typer.Option(help="Hold the played OOM kill's kernel line back this many seconds (a slow agent).", min=0),
     ] = 0.0,
+    netns: Annotated[
+        bool,
+        typer.Option("--netns", help="Each node's ranks in a network namespace of its own, joined by a bridge (root)."),
+    ] = False,
+    kernel: Annotated[
+        bool,
+        typer.Option(
+            "--kernel",
+            help="Faults through this host's kernel (root): the OOM killer acts on a rank's memory cgroup, and the "
+            "Xid line is written to /dev/kmsg, where the node agent reads it.",
+        ),
+    ] = False,
 ) -> None:
     """Start embedded servers and every service, run the scripted multi-node scenario, print what happened."""
+    if kernel and kernel_delay:
+        fail("--kernel-delay holds back a played kernel line; the kernel's own cannot be held back", EXIT_BAD_INPUT)
     settings = load_settings(quiet=True)
+    through_kernel = False
+    if kernel:
+        why = kernel_faults_unavailable()
+        if why:
+            err.print(f"--kernel: {why}; the OOM kill and the Xid line are played")
+        through_kernel = why is None
+    networks = node_networks(list(DEMO_NODES)) if netns else None
+    paths = FaultPaths(networks, through_kernel)
     try:
         with servers(settings) as urls:
-            run = run_async(lambda: run_demo(urls, kernel_delay_s=kernel_delay))
+            run = run_async(lambda: run_demo(urls, kernel_delay_s=kernel_delay, paths=paths))
     except KeyboardInterrupt:
         fail("interrupted; embedded servers stopped", 130)
+    finally:
+        if networks is not None:
+            networks.down()
     if as_json:
         out.print_json(json.dumps(run.as_json()))
     else:

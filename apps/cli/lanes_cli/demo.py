@@ -6,6 +6,12 @@ failed, then failed); a 4-node job whose last rank is OOM-killed while the other
 all-reduce (telemetry elects the first error); and a gang that waits for topology until another job
 releases its leaf. Every job's timeline is read back from JetStream, followed by the finding, the wait
 history and the POC scorecard computed from those timelines.
+
+Two options make the nodes more real, and the demo says which paths its faults took (`FaultPaths`):
+`--netns` puts each node's ranks in a network namespace of its own (the router reaches the replicas across
+the bridge), and `--kernel` lets the kernel do the OOM kill in a rank's memory cgroup and carries the Xid
+line through /dev/kmsg. Both need root, and neither is the default: a demo must not touch the host's
+network or write GPU errors into its kernel log unasked.
 """
 
 from __future__ import annotations
@@ -18,13 +24,15 @@ from typing import Any, TypeVar
 
 from nats.aio.msg import Msg
 
+from lanes_agent.faults import KMSG
 from lanes_agent.launcher import LocalLauncher
+from lanes_agent.netns import NodeNetworks
 from lanes_cli.bootstrap import SERVICES, prepare_services
 from lanes_cli.incident import bundle
 from lanes_cli.poc import CapabilityResult, scorecard
 from lanes_cli.scenarios.inference import InferenceDemo, replica_node_fails
 from lanes_cli.scenarios.lifecycle import cancelled_while_starting, one_rank_fails
-from lanes_cli.scenarios.telemetry import oom_killed_rank
+from lanes_cli.scenarios.telemetry import OOM_LIMIT_GIB, oom_killed_rank
 from lanes_cli.scenarios.topology import topology_wait_then_placed
 from lanes_cli.scheduling import scheduling_view
 from lanes_cli.timeline import TimelineEntry, job_timeline, read_stream
@@ -98,6 +106,30 @@ async def job_report(conns: Connections, job_id: str, entries: list[TimelineEntr
 
 
 @dataclass(frozen=True)
+class FaultPaths:
+    """Which paths the demo's nodes and faults took: real links and the kernel's, or played ones."""
+
+    networks: NodeNetworks | None = None
+    through_kernel: bool = False
+
+    def described(self) -> dict[str, str]:
+        """One line each for the links, the OOM kill and the Xid."""
+        if self.networks is None:
+            links = "the nodes share this host's network"
+        else:
+            addresses = ", ".join(f"{link.node}={link.address}" for link in self.networks.links.values())
+            links = f"each node in its own network namespace on bridge {self.networks.bridge} ({addresses})"
+        if self.through_kernel:
+            limit = f"{OOM_LIMIT_GIB * 1024:.0f} MiB"
+            oom = f"the kernel's OOM killer, in the rank's {limit} memory cgroup; its line read from /dev/kmsg"
+            xid = "written to /dev/kmsg and read back by the node agent"
+        else:
+            oom = "played: the rank kills itself with SIGKILL and the scenario publishes the kernel's line"
+            xid = "played: the scenario publishes the line the node agent would have read"
+        return {"links": links, "oom_kill": oom, "xid": xid}
+
+
+@dataclass(frozen=True)
 class DemoRun:
     """What the demo shows: each job with its timeline, the OOM job's finding, the scorecard."""
 
@@ -110,6 +142,7 @@ class DemoRun:
     inference: InferenceDemo
     requests: list[dict[str, Any]]
     """Every inference request's provenance row (`lanes.req.>`)."""
+    paths: FaultPaths = FaultPaths()
 
     def job(self, job_id: str) -> dict[str, Any]:
         """One job's report."""
@@ -154,6 +187,7 @@ class DemoRun:
                 "incident": self.replica_incident(),
             },
             "poc": [result.as_json() for result in self.scorecard],
+            "fault_paths": self.paths.described(),
         }
 
 
@@ -179,15 +213,25 @@ async def _guarded(work: Coroutine[Any, Any, _T], workers: list[asyncio.Task[Non
     raise TimeoutError(msg)
 
 
-async def run_demo(urls: ServerUrls, *, timeout_s: float = 120.0, kernel_delay_s: float = 0.0) -> DemoRun:
-    """Run the scripted scenario and return every job's report and timeline, read back from JetStream."""
+async def run_demo(
+    urls: ServerUrls, *, timeout_s: float = 120.0, kernel_delay_s: float = 0.0, paths: FaultPaths | None = None
+) -> DemoRun:
+    """Run the scripted scenario and return every job's report and timeline, read back from JetStream.
+
+    `paths`: each node's namespace (made by the caller) and whether faults go through the kernel.
+    """
+    paths = paths or FaultPaths()
+    kernel = paths.through_kernel
     async with connected(urls, name="lanes-demo") as conns:
         stop = asyncio.Event()
         consumers = await prepare_services(conns, SERVICES)
         router = next(consumer for consumer in consumers if isinstance(consumer, RouterRunner))
+        launcher = LocalLauncher(
+            conns.nc, frozenset(DEMO_NODES), kernel_log=KMSG if kernel else None, networks=paths.networks
+        )
         workers = [
             asyncio.create_task(run_consumers(consumers, stop), name="services"),
-            asyncio.create_task(LocalLauncher(conns.nc, frozenset(DEMO_NODES)).run(stop), name="launcher"),
+            asyncio.create_task(launcher.run(stop), name="launcher"),
         ]
         try:
             client = LanesClient(conns.nc, SOURCE)
@@ -201,13 +245,17 @@ async def run_demo(urls: ServerUrls, *, timeout_s: float = 120.0, kernel_delay_s
                 await _guarded(cancelled_while_starting(conns, timeout_s=timeout_s), workers, timeout_s),
                 await _guarded(one_rank_fails(conns, timeout_s=timeout_s), workers, timeout_s),
                 await _guarded(
-                    oom_killed_rank(conns, timeout_s=timeout_s, kernel_delay_s=kernel_delay_s), workers, timeout_s
+                    oom_killed_rank(conns, timeout_s=timeout_s, kernel_delay_s=kernel_delay_s, through_kernel=kernel),
+                    workers,
+                    timeout_s,
                 ),
             ]
             topology = await _guarded(topology_wait_then_placed(conns, timeout_s=timeout_s), workers, timeout_s)
             job_ids += [topology.blocker_job_id, topology.job_id]
             router_url = await _guarded(router.url(), workers, timeout_s)
-            inference = await _guarded(replica_node_fails(conns, router_url, timeout_s=timeout_s), workers, timeout_s)
+            inference = await _guarded(
+                replica_node_fails(conns, router_url, timeout_s=timeout_s, through_kernel=kernel), workers, timeout_s
+            )
             job_ids += list(inference.replica_job_ids)
         finally:
             stop.set()
@@ -218,5 +266,13 @@ async def run_demo(urls: ServerUrls, *, timeout_s: float = 120.0, kernel_delay_s
         requests = [entry.as_json() for entry in await read_stream(js, Selection(REQUESTS.name, "lanes.req.>"))]
         rows = [row for job in jobs for row in job["timeline"]]
         return DemoRun(
-            jobs, entries, job_ids[3], topology.job_id, scorecard(rows, requests), job_ids[2], inference, requests
+            jobs,
+            entries,
+            job_ids[3],
+            topology.job_id,
+            scorecard(rows, requests),
+            job_ids[2],
+            inference,
+            requests,
+            paths,
         )

@@ -155,6 +155,9 @@ def render_demo(console: Console, run: DemoRun) -> None:
             highlight=False,
             soft_wrap=True,
         )
+    console.print("\n[bold]how the faults were made[/bold]")
+    for what, how in run.paths.described().items():
+        _line(console, f"  {what.replace('_', ' ')}: {how}")
 
 
 def _line(console: Console, text: str) -> None:

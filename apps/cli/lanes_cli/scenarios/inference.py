@@ -3,7 +3,9 @@
 Two inference jobs serve `tiny-chat` version v1, each a real OpenAI-compatible server process (the toy
 replica) on its own node, behind the router. A few clients stream chat completions through the router
 the whole time. Then the node of replica A fails: its server process is killed with SIGKILL and the node's
-kernel log reports the GPU falling off the bus (Xid 79). Requests that had not received a byte move to
+kernel log reports the GPU falling off the bus (Xid 79). With `through_kernel` that line is written to
+/dev/kmsg and the node agent reads it there, as on a GPU node; otherwise the scenario publishes what the
+agent would have read. Requests that had not received a byte move to
 replica B without the client noticing; the ones streaming from A at that instant end with a clear error
 event. Telemetry elects the Xid as the first error, recovery marks the replica unhealthy, cordons the node
 and asks for a replacement attempt with the same model version once A's GPUs are released; the router
@@ -26,6 +28,7 @@ from typing import Any
 import aiohttp
 from nats.aio.msg import Msg
 
+from lanes_agent.faults import write_kernel_line
 from lanes_contract.client import LanesClient, publish_encoded
 from lanes_contract.codec import decode, encode
 from lanes_contract.errors import DecodeError
@@ -137,15 +140,16 @@ async def _client(session: aiohttp.ClientSession, url: str, tally: ClientTally, 
             tally.outcomes[outcome] += 1
 
 
-async def _node_fails(conns: Connections, node: str, pid: int) -> None:
-    """Kill the replica's server and publish the node's kernel line for the GPU that fell off the bus."""
+async def _node_fails(conns: Connections, node: str, pid: int, *, through_kernel: bool) -> None:
+    """Kill the replica's server, and the node's kernel log says the GPU fell off the bus."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
+    xid = f"NVRM: Xid (PCI:0000:3b:00): 79, pid={pid}, name=python3, GPU has fallen off the bus."
+    if through_kernel:
+        write_kernel_line(xid)  # the launcher follows /dev/kmsg and names the replica by its pid
+        return
     at = datetime.now(UTC)
-    line = (
-        f"{at:%b} {at.day:2d} {at:%H:%M:%S} {node} kernel: [{at.timestamp() % 1e6:.6f}] NVRM: Xid (PCI:0000:3b:00):"
-        f" 79, pid={pid}, name=python3, GPU has fallen off the bus."
-    )
+    line = f"{at:%b} {at.day:2d} {at:%H:%M:%S} {node} kernel: [{at.timestamp() % 1e6:.6f}] {xid}"
     context = SourceContext(origin=f"{node}/kern.log", node=node, year=at.year, tz=UTC)
     for number, evidence in enumerate(parse_lines([line], context)):
         event = evidence_event(evidence, source=f"agent/{node}", node=node, time=at)
@@ -153,7 +157,9 @@ async def _node_fails(conns: Connections, node: str, pid: int) -> None:
         await publish_encoded(conns.nc.jetstream(), encode(event), stream=TELEMETRY.name)
 
 
-async def replica_node_fails(conns: Connections, router_url: str, *, timeout_s: float = 90.0) -> InferenceDemo:
+async def replica_node_fails(
+    conns: Connections, router_url: str, *, timeout_s: float = 90.0, through_kernel: bool = False
+) -> InferenceDemo:
     """Run the scenario against a stack with every service, a launcher and a router at `router_url`."""
     suffix = new_event_id()[-12:]
     chat_a, chat_b = f"demo-chat-a-{suffix}", f"demo-chat-b-{suffix}"
@@ -171,7 +177,7 @@ async def replica_node_fails(conns: Connections, router_url: str, *, timeout_s: 
             try:
                 await asyncio.sleep(1.5)  # steady state under load before the fault
                 node, pid = replicas.pids[(chat_a, 1)]
-                await _node_fails(conns, node, pid)
+                await _node_fails(conns, node, pid, through_kernel=through_kernel)
                 await replicas.wait("replica A's attempt released", lambda: (chat_a, 1) in replicas.released, timeout_s)
                 await replicas.wait(
                     "a replacement of replica A ready", lambda: (chat_a, 2) in replicas.ready, timeout_s

@@ -1,11 +1,17 @@
 """Telemetry scenario for `lanes demo`: one rank is OOM-killed, the others time out in an all-reduce.
 
-Every rank is a real process. The last rank allocates and is then killed with SIGKILL, standing in for the
-kernel's OOM killer (which the demo cannot trigger safely on a shared machine); the scenario then plays
-that node's kernel log, publishing the `Out of memory: Killed process <pid>` line a node agent would read
-from dmesg. The other ranks notice their peer is gone and print PyTorch's NCCL watchdog timeout for the
-all-reduce they were in, exactly as a real job would minutes later, and exit 1. The launcher parses their
-output into evidence; telemetry correlates it and elects the first error.
+Every rank is a real process. The OOM kill takes one of two paths:
+
+- through the kernel (`lanes demo --kernel`, as root with a cgroup v1 memory controller): each rank runs in
+  a memory cgroup of 128 MiB (the spec's `host_memory_gib`), the last rank allocates past it, the kernel's
+  OOM killer kills it and logs `Memory cgroup out of memory: Killed process <pid> ...`, and the node agent
+  reads that line from /dev/kmsg;
+- played (everywhere else): the last rank kills itself with SIGKILL, standing in for the OOM killer, and
+  the scenario publishes the `Out of memory: Killed process <pid>` line an agent would have read.
+
+The other ranks notice their peer is gone and print PyTorch's NCCL watchdog timeout for the all-reduce they
+were in, exactly as a real job would minutes later, and exit 1. The launcher parses their output into
+evidence; telemetry correlates it and elects the first error.
 
 Rank 0 checkpoints as it trains (real files with their sha256 and the versions they were trained with),
 so the story goes on with recovery: the OOM-killed node is cordoned, the attempt's GPUs are released, and
@@ -45,6 +51,8 @@ from lanes_evidence.parsers import SourceContext, parse_lines
 from lanes_runtime.service import Connections
 
 SOURCE = "lanes/demo"
+OOM_LIMIT_GIB = 0.125
+"""Each rank's memory cgroup when the kernel does the OOM kill: well above a resting rank, far below 1 GiB."""
 RENDEZVOUS_DIR = "lanes-demo-rendezvous-"
 
 # Each rank writes its pid where its peers can see it. Rank 0 trains, printing its step and checkpointing
@@ -91,11 +99,13 @@ if attempt > 1:
     sys.exit(0)
 victim = world - 1
 if rank == victim:
-    ballast = bytearray(256 * 1024 * 1024)  # the allocation that tips the node over
     while not os.path.exists(os.path.join(checkpoints, "step-40.pt")):
         time.sleep(0.005)
     time.sleep(0.25)  # half-way to the next checkpoint: the steps since step 40 are lost
-    os.kill(os.getpid(), signal.SIGKILL)
+    ballast = []  # the allocations that tip the rank over its memory (each page written, so it counts)
+    for _ in range(32):
+        ballast.append(b"x" * (16 * 1024 * 1024))
+    os.kill(os.getpid(), signal.SIGKILL)  # no memory limit (the played path): the OOM killer's signal
 pid_file = os.path.join(where, f"rank{victim}.pid")
 step = 0
 while True:
@@ -163,11 +173,14 @@ async def oom_killed_rank(
     timeout_s: float = 90.0,
     wait_for_recovery: bool = True,
     kernel_delay_s: float = 0.0,
+    through_kernel: bool = False,
 ) -> str:
     """A `workers`-rank training job, one rank per node, whose last rank is OOM-killed; returns its job id.
 
-    `kernel_delay_s` holds the kernel's OOM line back that long after the kill, as a slow node agent or a
-    busy dmesg would: recovery must still blame the killed rank's node, never a node that merely waited.
+    `through_kernel`: the kernel kills the rank in its memory cgroup and the launcher (following /dev/kmsg)
+    reports the line; otherwise the kill and its line are played. `kernel_delay_s` holds the played line
+    back that long after the kill, as a slow node agent or a busy dmesg would: recovery must still blame the
+    killed rank's node, never a node that merely waited.
 
     With `wait_for_recovery`, it returns once the recovery service has resumed the job in a later attempt
     (from its verified checkpoint, on the nodes left) and that attempt succeeded and released its GPUs.
@@ -189,13 +202,15 @@ async def oom_killed_rank(
             config_version=_digest("lr=3e-4 batch=512"),
             checkpoint_location=str(scratch / "checkpoints" / job_id),
             owners=Owners(algorithm="ml-oncall", host="node-oncall"),
+            host_memory_gib=OOM_LIMIT_GIB if through_kernel else None,
         )
         client = LanesClient(conns.nc, SOURCE)
         await client.publish(JobSubmitted(source=SOURCE, jobid=job_id, attempt=1, data=JobSubmittedData(spec=spec)))
         async with asyncio.timeout(timeout_s):
             killed = await watch.killed
-            await asyncio.sleep(kernel_delay_s)  # the kernel line is late; everything else goes on meanwhile
-            await _kernel_reports_the_oom_kill(conns, watch, killed)
+            if not through_kernel:
+                await asyncio.sleep(kernel_delay_s)  # the kernel line is late; everything else goes on meanwhile
+                await _kernel_reports_the_oom_kill(conns, watch, killed)
             await watch.released.wait()
             await watch.oom_elected.wait()  # findings are re-elected as late evidence arrives
             if wait_for_recovery:
