@@ -36,6 +36,7 @@ from lanes_contract.jobs import JobState
 from lanes_contract.streams import DEAD, JOBS, provision_streams
 from lanes_lifecycle.adapters import repository
 from lanes_lifecycle.adapters.transitions import TransitionConflictError
+from lanes_lifecycle.domain.job import IllegalTransitionError, evolve
 from lanes_lifecycle.entrypoints.service import SERVICE, job_event_handler
 from lanes_runtime.consumer import EventConsumer, HandlerContext
 from lanes_runtime.reader import Selection
@@ -362,3 +363,61 @@ async def test_two_replicas_killed_at_random_during_50_interleaved_jobs_leave_a_
 async def _publish_all(lanes: LanesClient, events: list[Event]) -> None:
     for event in events:
         await lanes.publish(event)
+
+
+# --- the projection's writes ---------------------------------------------------------------------
+
+
+async def _rows(pool: asyncpg.Pool, job_id: str) -> dict[str, list[tuple[Any, ...]]]:
+    rows = {}
+    for table in repository.PROJECTION_TABLES:
+        fetched = await pool.fetch(f"SELECT * FROM {table} WHERE job_id = $1", job_id)  # noqa: S608 - constant names
+        rows[table] = sorted(
+            tuple(v for k, v in r.items() if k not in {"updated_at", "revision", "view"}) for r in fetched
+        )
+    return rows
+
+
+async def test_views_saved_as_changes_hold_the_same_rows_as_views_saved_whole_and_a_foreign_write_is_reread(
+    pool: asyncpg.Pool,
+) -> None:
+    events = long_story(f"diff-{uuid.uuid4().hex[:8]}", total=300)
+    job_id = str(events[0].jobid)
+    whole_id = f"{job_id}-whole"
+    parsed = repository.ParsedViews()
+    view = None
+    for event in events:  # one transaction per event, each writing only what changed since its read
+        async with pool.acquire() as conn, conn.transaction():
+            loaded = await repository.load_many(conn, [job_id], parsed)
+            before = loaded[job_id][0] if loaded else None
+            assert before == view  # from the cache or parsed again: the view last written either way
+            try:
+                view, _ = evolve(before, event)
+            except IllegalTransitionError:
+                continue  # the story's strays: rejected, nothing written
+            saved = repository.SavedView(view, before=before, known_before=True)
+            await repository.save_many(conn, [saved], parsed)
+            whole = view.model_copy(update={"job_id": whole_id})
+            await repository.save(conn, whole)  # every row replaced
+    assert view is not None
+    assert len(view.attempts) > 1  # the story retries: attempts, ranks and spans were all rewritten over time
+    diffed, replaced = await _rows(pool, job_id), await _rows(pool, whole_id)
+    for table in repository.PROJECTION_TABLES:
+        assert [row[1:] for row in diffed[table]] == [row[1:] for row in replaced[table]], table
+
+    # Another writer (a replica, a rebuild) stores a different view: the held one is not taken for it.
+    foreign = view.model_copy(update={"wait_reason": "written elsewhere"})
+    async with pool.acquire() as conn:
+        await repository.save(conn, foreign)
+    async with pool.acquire() as conn, conn.transaction():
+        assert (await repository.load_many(conn, [job_id], parsed))[job_id][0] == foreign
+
+    # A write that rolls back leaves the stored view as it was, whatever this process held for it.
+    async with pool.acquire() as conn:
+        transaction = conn.transaction()
+        await transaction.start()
+        rolled_back = foreign.model_copy(update={"wait_reason": "never committed"})
+        await repository.save_many(conn, [repository.SavedView(rolled_back)], parsed)
+        await transaction.rollback()
+    async with pool.acquire() as conn, conn.transaction():
+        assert (await repository.load_many(conn, [job_id], parsed))[job_id][0] == foreign

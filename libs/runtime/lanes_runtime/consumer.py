@@ -218,6 +218,8 @@ class EventConsumer:
         self.ready = True
         """False while a server it depends on is unavailable (the service reports not ready)."""
         self._metrics = metrics or ConsumerMetrics.for_consumer(spec.durable)
+        self._decoded: dict[int, Event] = {}
+        """Events this process staged, decoded, by stream sequence, until it folds them."""
         self._log = log.bind(consumer=spec.durable)
 
     @property
@@ -477,6 +479,13 @@ class EventConsumer:
             [json.dumps(dict(item.msg.headers or {})) for item in items],
             [item.msg.data for item in items],
         )
+        # The fold will want these events decoded; a stream sequence always names the same message, so what
+        # is kept here is right whoever commits (or rolls back) the staging, and whichever replica folds.
+        for item in items:
+            if item.event is not None:
+                self._decoded[item.seq] = item.event
+        while len(self._decoded) > _DECODED_KEPT:
+            del self._decoded[next(iter(self._decoded))]  # the oldest first: another replica folded them
 
     async def fold(self) -> int:
         """Apply staged events at or below the ack floor, in stream order; return how many were settled.
@@ -586,11 +595,13 @@ class EventConsumer:
         Outside a savepoint (the fast pass) a failing handler raises _HandlerFailedError: the batch is
         rolled back and folded carefully. An infrastructure failure aborts the fold either way.
         """
-        try:
-            event = decode(row["subject"], json.loads(row["headers"]), bytes(row["payload"]))
-        except DecodeError as exc:
-            return decision.Invalid(str(exc)), (), None
         seq, deliveries = int(row["stream_seq"]), int(row["attempts"]) + 1
+        event = self._decoded.pop(seq, None)
+        if event is None:  # staged by another replica, or before a restart
+            try:
+                event = decode(row["subject"], json.loads(row["headers"]), bytes(row["payload"]))
+            except DecodeError as exc:
+                return decision.Invalid(str(exc)), (), None
         if not careful:
             try:
                 outputs = await self._run_handler(conn, event, seq, deliveries, scope)
@@ -653,6 +664,8 @@ class EventConsumer:
             self._log.exception("could not dead-letter from a max-deliveries advisory", advisory=advisory.data[:512])
 
 
+_DECODED_KEPT = 65_536
+"""Staged events kept decoded for the fold (events another replica folded age out, oldest first)."""
 _PRUNE_EVERY_S = 60.0
 _PRUNE_CHUNK = 10_000
 

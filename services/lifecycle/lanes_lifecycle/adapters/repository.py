@@ -7,8 +7,11 @@ names are unqualified on purpose: a rebuild writes the same rows into a scratch 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
+from uuid import UUID, uuid4
 
 from lanes_lifecycle.domain.job import JobView
 from lanes_runtime.store import Db
@@ -31,104 +34,234 @@ async def load_with_seq(conn: Db, job_id: str, *, for_update: bool = False) -> t
     return JobView.model_validate_json(row["view"]), int(row["transition_seq"])
 
 
-async def load_many(conn: Db, job_ids: Sequence[str]) -> dict[str, tuple[JobView, int]]:
+class ParsedViews:
+    """Views this process parsed or wrote, by job and revision, so a fold does not parse them again.
+
+    A view is taken from here only when the row's revision is the one it was stored under. Revisions are
+    random per write, so one written by another replica or by a rolled-back transaction never matches.
+    Bounded: the least recently used go first.
+    """
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self._capacity = capacity
+        self._views: OrderedDict[str, tuple[UUID, JobView]] = OrderedDict()
+
+    def revision(self, job_id: str) -> UUID | None:
+        """The revision held for the job, if any."""
+        held = self._views.get(job_id)
+        return held[0] if held else None
+
+    def get(self, job_id: str, revision: UUID | None) -> JobView | None:
+        """The job's view at `revision`, if held."""
+        held = self._views.get(job_id)
+        if held is None or revision is None or held[0] != revision:
+            return None
+        self._views.move_to_end(job_id)
+        return held[1]
+
+    def put(self, job_id: str, revision: UUID, view: JobView) -> None:
+        """Hold the job's view at `revision`."""
+        self._views[job_id] = (revision, view)
+        self._views.move_to_end(job_id)
+        while len(self._views) > self._capacity:
+            self._views.popitem(last=False)
+
+
+async def load_many(
+    conn: Db, job_ids: Sequence[str], parsed: ParsedViews | None = None
+) -> dict[str, tuple[JobView, int]]:
     """The views (and last transition sequences) of these jobs that exist, locked for the transaction.
 
-    Rows are locked in job id order, as every batch locks them, so two transactions never deadlock.
+    Rows are locked in job id order, as every batch locks them, so two transactions never deadlock. A view
+    `parsed` holds at the row's revision is neither sent nor parsed again.
     """
+    wanted = sorted(set(job_ids))
+    held = [(parsed.revision(job_id) if parsed else None) for job_id in wanted]
     rows = await conn.fetch(
-        """SELECT job_id, view, transition_seq FROM lifecycle_jobs WHERE job_id = ANY($1::text[])
-           ORDER BY job_id FOR UPDATE""",
-        sorted(set(job_ids)),
+        """SELECT j.job_id, j.transition_seq, j.revision,
+                  CASE WHEN j.revision IS NOT DISTINCT FROM h.revision THEN NULL ELSE j.view END AS view
+           FROM lifecycle_jobs j JOIN unnest($1::text[], $2::uuid[]) AS h(job_id, revision) USING (job_id)
+           ORDER BY j.job_id FOR UPDATE OF j""",
+        wanted,
+        held,
     )
-    return {row["job_id"]: (JobView.model_validate_json(row["view"]), int(row["transition_seq"])) for row in rows}
+    found = {}
+    for row in rows:
+        job_id, revision = row["job_id"], row["revision"]
+        view = parsed.get(job_id, revision) if parsed and row["view"] is None else None
+        if view is None:
+            view = JobView.model_validate_json(row["view"])
+            if parsed is not None and revision is not None:
+                parsed.put(job_id, revision, view)
+        found[job_id] = (view, int(row["transition_seq"]))
+    return found
 
 
 async def save(conn: Db, view: JobView, *, transition_seq: int | None = None) -> None:
     """Store a job's view and its query rows (insert or replace); keep `transition_seq` unless given."""
-    await save_many(conn, [(view, transition_seq)])
+    await save_many(conn, [SavedView(view, transition_seq)])
 
 
-async def save_many(conn: Db, views: Sequence[tuple[JobView, int | None]]) -> None:
-    """Store job views and their query rows, seven statements however many jobs (a batch's changes at once).
+@dataclass(frozen=True)
+class SavedView:
+    """A job's view to store, with the view its rows were last written from when that is known.
 
-    Each view's `transition_seq` is kept when None. The query rows are replaced: deleted, then inserted.
+    `before` is the view as the transaction read it (None: the job had no rows); only the rows that differ
+    from it are written. When it is not known (`known_before` False) the job's rows are all replaced.
+    """
+
+    view: JobView
+    transition_seq: int | None = None
+    """The sequence of the job's last state change; None keeps the stored one."""
+    before: JobView | None = None
+    known_before: bool = False
+
+
+async def save_many(conn: Db, views: Sequence[SavedView], parsed: ParsedViews | None = None) -> None:
+    """Store job views and their query rows, a few statements however many jobs (a batch's changes at once).
+
+    The query rows (attempts, ranks, state spans) are derived from the view: a row is written only where it
+    differs from what the earlier view gave, and removed where that view had it and this one has not. A fold
+    that moves four of a 1,024-rank job's ranks writes four rank rows, not 1,024.
     """
     if not views:
         return
-    job_ids = [view.job_id for view, _ in views]
+    revisions = [uuid4() for _ in views]
     await conn.executemany(
-        """INSERT INTO lifecycle_jobs (job_id, state, attempt, view, transition_seq, flags)
-           VALUES ($1, $2, $3, $4::jsonb, coalesce($5, 0), $6)
+        """INSERT INTO lifecycle_jobs (job_id, state, attempt, view, transition_seq, flags, revision)
+           VALUES ($1, $2, $3, $4::jsonb, coalesce($5, 0), $6, $7)
            ON CONFLICT (job_id) DO UPDATE SET state = EXCLUDED.state, attempt = EXCLUDED.attempt,
                view = EXCLUDED.view, transition_seq = coalesce($5, lifecycle_jobs.transition_seq),
-               flags = EXCLUDED.flags, updated_at = now()""",
+               flags = EXCLUDED.flags, revision = EXCLUDED.revision, updated_at = now()""",
         [
             (
-                view.job_id,
-                view.state.value,
-                view.current.number,
-                view.model_dump_json(),
-                transition_seq,
-                [flag.value for flag in view.flags],
+                saved.view.job_id,
+                saved.view.state.value,
+                saved.view.current.number,
+                saved.view.model_dump_json(),
+                saved.transition_seq,
+                [flag.value for flag in saved.view.flags],
+                revision,
             )
-            for view, transition_seq in views
+            for saved, revision in zip(views, revisions, strict=True)
         ],
     )
-    for table in ("lifecycle_ranks", "lifecycle_attempts", "lifecycle_state_spans"):
-        await conn.execute(f"DELETE FROM {table} WHERE job_id = ANY($1::text[])", job_ids)  # noqa: S608 - constant names
-    await conn.executemany(
+    if parsed is not None:  # a rollback leaves these revisions on no row: they are then never matched
+        for saved, revision in zip(views, revisions, strict=True):
+            parsed.put(saved.view.job_id, revision, saved.view)
+    replaced = [saved.view.job_id for saved in views if not saved.known_before]
+    afters = [_query_rows(saved.view) for saved in views]
+    befores = [_query_rows(saved.before) if saved.known_before and saved.before else _NO_ROWS for saved in views]
+    written: list[list[tuple[Any, ...]]] = [[] for _ in _ROW_TABLES]
+    removed: list[list[tuple[Any, ...]]] = [[] for _ in _ROW_TABLES]
+    for after_rows, before_rows in zip(afters, befores, strict=True):
+        for index, (after, before) in enumerate(zip(after_rows, before_rows, strict=True)):
+            written[index] += [row for key, row in after.items() if before.get(key) != row]
+            removed[index] += [key for key in before if key not in after]
+    # Ranks reference attempts: delete ranks first, insert attempts first.
+    for index in reversed(range(len(_ROW_TABLES))):
+        table = _ROW_TABLES[index]
+        if replaced:
+            await conn.execute(f"DELETE FROM {table.name} WHERE job_id = ANY($1::text[])", replaced)  # noqa: S608 - constant names
+        if removed[index]:
+            await conn.execute(table.delete, *map(list, zip(*removed[index], strict=True)))
+    for table, rows in zip(_ROW_TABLES, written, strict=True):
+        if rows:
+            await conn.executemany(table.upsert, rows)
+
+
+@dataclass(frozen=True)
+class _RowTable:
+    name: str
+    upsert: str
+    delete: str
+    """Deletes the rows whose keys are given as one array per key column."""
+
+
+_ROW_TABLES = (
+    _RowTable(
+        "lifecycle_attempts",
         """INSERT INTO lifecycle_attempts (job_id, attempt, state, nodes, requested_at, started_at, ended_at, cause,
                cause_detail, last_checkpoint_step, lost_steps, released)
-           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)""",
-        [
-            (
+           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
+           ON CONFLICT (job_id, attempt) DO UPDATE SET state = EXCLUDED.state, nodes = EXCLUDED.nodes,
+               requested_at = EXCLUDED.requested_at, started_at = EXCLUDED.started_at, ended_at = EXCLUDED.ended_at,
+               cause = EXCLUDED.cause, cause_detail = EXCLUDED.cause_detail,
+               last_checkpoint_step = EXCLUDED.last_checkpoint_step, lost_steps = EXCLUDED.lost_steps,
+               released = EXCLUDED.released""",
+        """DELETE FROM lifecycle_attempts WHERE (job_id, attempt) IN
+               (SELECT * FROM unnest($1::text[], $2::int[]))""",
+    ),
+    _RowTable(
+        "lifecycle_ranks",
+        """INSERT INTO lifecycle_ranks (job_id, attempt, rank, node, state, pid, exit_code, signal)
+           VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+           ON CONFLICT (job_id, attempt, rank) DO UPDATE SET node = EXCLUDED.node, state = EXCLUDED.state,
+               pid = EXCLUDED.pid, exit_code = EXCLUDED.exit_code, signal = EXCLUDED.signal""",
+        """DELETE FROM lifecycle_ranks WHERE (job_id, attempt, rank) IN
+               (SELECT * FROM unnest($1::text[], $2::int[], $3::int[]))""",
+    ),
+    _RowTable(
+        "lifecycle_state_spans",
+        """INSERT INTO lifecycle_state_spans (job_id, position, state, attempt, entered_at, left_at, cause_type,
+               cause_id, reason) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+           ON CONFLICT (job_id, position) DO UPDATE SET state = EXCLUDED.state, attempt = EXCLUDED.attempt,
+               entered_at = EXCLUDED.entered_at, left_at = EXCLUDED.left_at, cause_type = EXCLUDED.cause_type,
+               cause_id = EXCLUDED.cause_id, reason = EXCLUDED.reason""",
+        """DELETE FROM lifecycle_state_spans WHERE (job_id, position) IN
+               (SELECT * FROM unnest($1::text[], $2::int[]))""",
+    ),
+)
+
+_Rows = dict[tuple[Any, ...], tuple[Any, ...]]
+_NO_ROWS: tuple[_Rows, _Rows, _Rows] = ({}, {}, {})
+
+
+def _query_rows(view: JobView) -> tuple[_Rows, _Rows, _Rows]:
+    """The view's attempt, rank and state-span rows, each by its primary key."""
+    attempts: _Rows = {}
+    ranks: _Rows = {}
+    for a in view.attempts:
+        attempts[view.job_id, a.number] = (
+            view.job_id,
+            a.number,
+            a.state.value,
+            list(dict.fromkeys(p.node for p in a.placement)),
+            a.requested_at,
+            a.started_at,
+            a.ended_at,
+            a.cause.value if a.cause else None,
+            a.cause_detail,
+            a.last_checkpoint.step if a.last_checkpoint else None,
+            a.lost_steps,
+            a.released,
+        )
+        for r in a.ranks.values():
+            ranks[view.job_id, a.number, r.rank] = (
                 view.job_id,
                 a.number,
-                a.state.value,
-                list(dict.fromkeys(p.node for p in a.placement)),
-                a.requested_at,
-                a.started_at,
-                a.ended_at,
-                a.cause.value if a.cause else None,
-                a.cause_detail,
-                a.last_checkpoint.step if a.last_checkpoint else None,
-                a.lost_steps,
-                a.released,
+                r.rank,
+                r.node,
+                r.state,
+                r.pid,
+                r.exit_code,
+                r.signal,
             )
-            for view, _ in views
-            for a in view.attempts
-        ],
-    )
-    await conn.executemany(
-        """INSERT INTO lifecycle_ranks (job_id, attempt, rank, node, state, pid, exit_code, signal)
-           VALUES ($1, $2, $3, $4, $5, $6, $7, $8)""",
-        [
-            (view.job_id, a.number, r.rank, r.node, r.state, r.pid, r.exit_code, r.signal)
-            for view, _ in views
-            for a in view.attempts
-            for r in a.ranks.values()
-        ],
-    )
-    await conn.executemany(
-        """INSERT INTO lifecycle_state_spans (job_id, position, state, attempt, entered_at, left_at, cause_type,
-               cause_id, reason) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)""",
-        [
-            (
-                view.job_id,
-                i,
-                s.state.value,
-                s.attempt,
-                s.entered_at,
-                view.history[i + 1].entered_at if i + 1 < len(view.history) else None,
-                s.cause_type,
-                s.cause_id,
-                s.reason,
-            )
-            for view, _ in views
-            for i, s in enumerate(view.history)
-        ],
-    )
+    spans: _Rows = {
+        (view.job_id, i): (
+            view.job_id,
+            i,
+            s.state.value,
+            s.attempt,
+            s.entered_at,
+            view.history[i + 1].entered_at if i + 1 < len(view.history) else None,
+            s.cause_type,
+            s.cause_id,
+            s.reason,
+        )
+        for i, s in enumerate(view.history)
+    }
+    return attempts, ranks, spans
 
 
 async def list_jobs(conn: Db, *, states: tuple[str, ...] = ()) -> list[dict[str, Any]]:

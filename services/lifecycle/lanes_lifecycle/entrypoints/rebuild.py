@@ -24,7 +24,8 @@ from lanes_lifecycle.entrypoints.service import LIFECYCLE_INPUTS, SERVICE
 from lanes_runtime.reader import Selection, iter_stream
 from lanes_runtime.store import Db
 
-NOT_STATE = ("updated_at", "transition_seq")
+NOT_STATE = ("updated_at", "transition_seq", "revision")
+"""Bookkeeping columns: when and under which token a row was written, where its chain stood on the log."""
 _KEYS = {
     "lifecycle_jobs": ("job_id",),
     "lifecycle_attempts": ("job_id", "attempt"),

@@ -8,6 +8,7 @@ from nats.js import JetStreamContext
 
 from lanes_contract.events import Event
 from lanes_contract.streams import JOBS
+from lanes_lifecycle.adapters.repository import ParsedViews
 from lanes_lifecycle.adapters.unit_of_work import JetStreamTransitions, LifecycleUnitOfWork
 from lanes_lifecycle.entrypoints.job_api import JobApi
 from lanes_lifecycle.service_layer.handlers import apply_job_event
@@ -53,9 +54,10 @@ JOB_EVENTS = ConsumerSpec(
 def job_event_handler(js: JetStreamContext) -> Handler:
     """The lifecycle's handler, with its transition log on `js` and its repository on the consumer's transaction."""
     transitions = JetStreamTransitions(js)
+    parsed = ParsedViews()
 
     async def handle(event: Event, ctx: HandlerContext) -> Sequence[Event]:
-        return await apply_job_event(event, LifecycleUnitOfWork(ctx.conn, transitions, ctx.scope))
+        return await apply_job_event(event, LifecycleUnitOfWork(ctx.conn, transitions, ctx.scope, parsed))
 
     return handle
 
