@@ -664,8 +664,9 @@ class EventConsumer:
             self._log.exception("could not dead-letter from a max-deliveries advisory", advisory=advisory.data[:512])
 
 
-_DECODED_KEPT = 65_536
-"""Staged events kept decoded for the fold (events another replica folded age out, oldest first)."""
+_DECODED_KEPT = 8192
+"""Staged events kept decoded for the fold: 32 lifecycle folds' worth. Those another replica folded age out,
+oldest first, so a replica that stages but does not fold holds a few MiB, not a growing map."""
 _PRUNE_EVERY_S = 60.0
 _PRUNE_CHUNK = 10_000
 

@@ -42,7 +42,8 @@ class ParsedViews:
     Bounded: the least recently used go first.
     """
 
-    def __init__(self, capacity: int = 4096) -> None:
+    def __init__(self, capacity: int = 1024) -> None:
+        # Four folds' worth of jobs (a fold reads at most `batch`, 256); a 1,024-rank job's view is large.
         self._capacity = capacity
         self._views: OrderedDict[str, tuple[UUID, JobView]] = OrderedDict()
 
