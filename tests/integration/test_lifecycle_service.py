@@ -421,3 +421,16 @@ async def test_views_saved_as_changes_hold_the_same_rows_as_views_saved_whole_an
         await transaction.rollback()
     async with pool.acquire() as conn, conn.transaction():
         assert (await repository.load_many(conn, [job_id], parsed))[job_id][0] == foreign
+
+    # A row written before revisions existed has none: it is sent and parsed, never taken for a held one.
+    await pool.execute("UPDATE lifecycle_jobs SET revision = NULL WHERE job_id = $1", job_id)
+    async with pool.acquire() as conn, conn.transaction():
+        assert (await repository.load_many(conn, [job_id], parsed))[job_id][0] == foreign
+
+    # Views held when a read begins are used even if parsing the others evicts them meanwhile.
+    small = repository.ParsedViews(capacity=1)
+    async with pool.acquire() as conn, conn.transaction():
+        await repository.load_many(conn, [whole_id], small)  # held: the whole job's view
+        both = await repository.load_many(conn, [job_id, whole_id], small)  # parsing job_id evicts it
+    assert both[job_id][0] == foreign
+    assert both[whole_id][0].job_id == whole_id

@@ -47,18 +47,12 @@ class ParsedViews:
         self._capacity = capacity
         self._views: OrderedDict[str, tuple[UUID, JobView]] = OrderedDict()
 
-    def revision(self, job_id: str) -> UUID | None:
-        """The revision held for the job, if any."""
+    def held(self, job_id: str) -> tuple[UUID, JobView] | None:
+        """The revision held for the job and its view at that revision, if any."""
         held = self._views.get(job_id)
-        return held[0] if held else None
-
-    def get(self, job_id: str, revision: UUID | None) -> JobView | None:
-        """The job's view at `revision`, if held."""
-        held = self._views.get(job_id)
-        if held is None or revision is None or held[0] != revision:
-            return None
-        self._views.move_to_end(job_id)
-        return held[1]
+        if held is not None:
+            self._views.move_to_end(job_id)
+        return held
 
     def put(self, job_id: str, revision: UUID, view: JobView) -> None:
         """Hold the job's view at `revision`."""
@@ -77,20 +71,23 @@ async def load_many(
     `parsed` holds at the row's revision is neither sent nor parsed again.
     """
     wanted = sorted(set(job_ids))
-    held = [(parsed.revision(job_id) if parsed else None) for job_id in wanted]
+    # Taken before the query: what the query leaves out is then at hand whatever is evicted meanwhile.
+    held = {job_id: parsed.held(job_id) for job_id in wanted} if parsed else {}
     rows = await conn.fetch(
         """SELECT j.job_id, j.transition_seq, j.revision,
-                  CASE WHEN j.revision IS NOT DISTINCT FROM h.revision THEN NULL ELSE j.view END AS view
+                  CASE WHEN j.revision = h.revision THEN NULL ELSE j.view END AS view
            FROM lifecycle_jobs j JOIN unnest($1::text[], $2::uuid[]) AS h(job_id, revision) USING (job_id)
            ORDER BY j.job_id FOR UPDATE OF j""",
         wanted,
-        held,
+        [kept[0] if (kept := held.get(job_id)) else None for job_id in wanted],
     )
     found = {}
     for row in rows:
         job_id, revision = row["job_id"], row["revision"]
-        view = parsed.get(job_id, revision) if parsed and row["view"] is None else None
-        if view is None:
+        kept = held.get(job_id)
+        if row["view"] is None and kept is not None:  # the row is at the revision held: its view is at hand
+            view = kept[1]
+        else:
             view = JobView.model_validate_json(row["view"])
             if parsed is not None and revision is not None:
                 parsed.put(job_id, revision, view)
