@@ -297,7 +297,7 @@ class LocalLauncher:
         running.add(beats)
         beats.add_done_callback(running.discard)
         try:
-            async for msgs in pull_batches(sub, 16, stop):
+            async for msgs in pull_batches(sub, 16, stop, consumer=self.name):
                 # Each message runs on its own (a placement's ranks live for as long as the job does); each
                 # ends with an explicit decision from the runtime's `decide`, never a silent drop.
                 for msg in msgs:

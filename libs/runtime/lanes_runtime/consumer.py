@@ -247,7 +247,7 @@ class EventConsumer:
         next_prune = time.monotonic() + _PRUNE_EVERY_S
         try:
             not_ready = functools.partial(self._set_ready, ready=False)
-            async for msgs in pull_batches(sub, self.spec.batch, stop, on_unavailable=not_ready):
+            async for msgs in pull_batches(sub, self.spec.batch, stop, consumer=self.name, on_unavailable=not_ready):
                 if msgs:
                     await self.process_batch(msgs, stop)
                 if time.monotonic() >= next_prune:

@@ -118,6 +118,7 @@ async def pull_batches(
     size: int,
     stop: asyncio.Event,
     *,
+    consumer: str,
     on_unavailable: Callable[[], None] | None = None,
 ) -> AsyncIterator[list[Msg]]:
     """Yield fetched batches until `stop` is set; an empty list when a fetch waited and found nothing."""
@@ -128,7 +129,7 @@ async def pull_batches(
             msgs = []
         except NatsError as exc:
             # Disconnected or reconnecting: nothing was taken, so nothing is lost; try again shortly.
-            log.warning("fetch failed; retrying", error=str(exc) or type(exc).__name__)
+            log.warning("fetch failed; retrying", consumer=consumer, error=str(exc) or type(exc).__name__)
             if on_unavailable is not None:
                 on_unavailable()
             await asyncio.sleep(REFETCH_AFTER_S)
@@ -159,7 +160,12 @@ async def hold_through_outages(
             outages += 1
             hold = decision.decide(decision.Unavailable(str(exc), outages), 0, spec)
             assert isinstance(hold, decision.Hold)  # noqa: S101 - decide's rule for Unavailable
-            log.warning("server unavailable; holding", error=f"{type(exc).__name__}: {exc}", pause_s=hold.delay_s)
+            log.warning(
+                "server unavailable; holding",
+                consumer=spec.durable,
+                error=f"{type(exc).__name__}: {exc}",
+                pause_s=hold.delay_s,
+            )
             if on_hold is not None:
                 on_hold(exc, hold.delay_s)
             await keep_in_progress(held, hold.delay_s, spec.ack_wait_s, stop)
@@ -195,7 +201,7 @@ async def carry_out(js: JetStreamContext, msg: Msg, verdict: decision.Decision, 
             except Exception as exc:  # noqa: BLE001 - without a dead letter the message must not be terminated
                 # Send it back instead. Past max_deliver, the max-deliveries advisory dead-letters it once
                 # NATS answers again.
-                log.warning("cannot dead-letter; redelivering", error=str(exc))
+                log.warning("cannot dead-letter; redelivering", consumer=spec.durable, error=str(exc))
                 await settle(msg.nak(delay=spec.delay_after(letter.deliveries)))
                 return Settled.SENT_BACK
             await settle(msg.term())

@@ -80,7 +80,7 @@ class AuditRecorder:
         await self.provision()
         sub = await self._js.pull_subscribe_bind(self.name, stream=JOBS.name)
         try:
-            async for msgs in pull_batches(sub, 500, stop):
+            async for msgs in pull_batches(sub, 500, stop, consumer=self.name):
                 if msgs:
                     await self.record(msgs)
         finally:
