@@ -7,6 +7,8 @@ DATABASE_URL / REDIS_URL when set) of
 - `lifecycle_events_per_s` / `lifecycle_ratio`: interleaved job stories through the lifecycle's ordered
   consumer (staged, then folded below the ack floor), against raw fetch+ack of the same messages;
 - `admissions_per_s` / `admissions_ratio`: submissions placed by the scheduler (bench/scheduler.py);
+- `backlog_decisions_per_s` / `backlog_ratio`: the same number of submissions on half the GPUs they ask for,
+  so that half of them wait and every later decision is made with that queue (`backlog_waiting` of them);
 - `job_1024_start_s` / `storm_1024_settle_s` and their ratios: one 1,024-rank job's start and failure storm
   through every service (bench/storm.py);
 - `rss_mib_after`: the bench process's peak RSS after each phase (every service runs in this process).
@@ -165,6 +167,12 @@ def one_run(quick: bool) -> dict[str, float]:
             "admissions_per_s": scheduled["admissions_per_s"],
             "raw_publish_consume_per_s": scheduled["raw_publish_consume_per_s"],
         }
+        backlog = asyncio.run(end_to_end(urls, admissions, nodes=admissions // 16))
+        result |= {
+            "backlog_decisions_per_s": backlog["admissions_per_s"],
+            "backlog_raw_publish_consume_per_s": backlog["raw_publish_consume_per_s"],
+            "backlog_waiting": admissions - backlog["placed"],
+        }
         rss["scheduler"] = _rss_mib()
     # Fresh servers: the services start their consumers at the beginning of the streams, and the phases
     # above left thousands of events there that are not part of this job's story.
@@ -174,6 +182,7 @@ def one_run(quick: bool) -> dict[str, float]:
     result["ingest_ratio"] = result["telemetry_ingest_per_s"] / result["raw_fetch_ack_per_s"]
     result["lifecycle_ratio"] = result["lifecycle_events_per_s"] / result["lifecycle_raw_fetch_ack_per_s"]
     result["admissions_ratio"] = result["admissions_per_s"] / result["raw_publish_consume_per_s"]
+    result["backlog_ratio"] = result["backlog_decisions_per_s"] / result["backlog_raw_publish_consume_per_s"]
     return result | {f"rss_mib_after_{name}": value for name, value in rss.items()}
 
 

@@ -216,15 +216,19 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def end_to_end(urls: ServerUrls, jobs: int) -> dict[str, float]:
-    """Admissions/s through the scheduler service on real servers, beside raw publish + consume."""
+async def end_to_end(urls: ServerUrls, jobs: int, nodes: int = 64) -> dict[str, float]:
+    """Decisions/s through the scheduler service on real servers, beside raw publish + consume.
+
+    `jobs` one-GPU submissions on `nodes` nodes of 8 GPUs: with fewer GPUs than jobs, the rest wait, and
+    each later decision is made with that backlog in the queue.
+    """
     tag = uuid.uuid4().hex[:8]
     async with connected(urls, name="bench-scheduler") as conns:
         if SCHEDULER.migrations is not None:
             await apply_migrations(conns.pool, "scheduler", SCHEDULER.migrations)
         js = conns.nc.jetstream()
         client = LanesClient(conns.nc, "bench")
-        node_ids = [f"b{tag}-n{i:03d}" for i in range(64)]
+        node_ids = [f"b{tag}-n{i:03d}" for i in range(nodes)]
         for i, node in enumerate(node_ids):
             data = NodeRegisteredData(gpu_model="H100", gpus=8, gpu_memory_gib=80, leaf=f"b{tag}-leaf{i // 32}")
             await client.publish(NodeRegistered(source="bench", node=node, data=data))
@@ -252,7 +256,9 @@ async def end_to_end(urls: ServerUrls, jobs: int) -> dict[str, float]:
         while consumer.outcomes[Outcome.PROCESSED] < jobs:  # noqa: ASYNC110
             await asyncio.sleep(0.01)
         elapsed = time.perf_counter() - began
-        placed = await conns.pool.fetchval("SELECT count(*) FROM scheduler_jobs WHERE status = 'placed'")
+        placed = await conns.pool.fetchval(
+            "SELECT count(*) FROM scheduler_jobs WHERE status = 'placed' AND job_id LIKE $1", f"b{tag}-%"
+        )
         stop.set()
         await asyncio.gather(task, node_task, return_exceptions=True)
 

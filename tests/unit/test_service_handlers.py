@@ -24,6 +24,7 @@ from lanes_contract.jobs import JobSpec, JobState
 from lanes_contract.topology import ClusterPolicy, Node, NodeStatus
 from lanes_lifecycle.domain.job import JobView
 from lanes_lifecycle.service_layer.handlers import apply_job_event
+from lanes_runtime.consumer import TransactionScope
 from lanes_scheduler.domain.admission import Gang, Holding, Waiting
 from lanes_scheduler.domain.queue import PendingJob, Release, gang_of
 from lanes_scheduler.service_layer.handlers import Scheduler
@@ -133,13 +134,14 @@ class FakeScheduling:
 class FakeSchedulerUnit:
     repo: FakeScheduling
     stream_seq: int = 0
+    batch: TransactionScope | None = None
 
 
 H100_NODE = NodeRegisteredData(gpu_model="H100", gpus=8, gpu_memory_gib=80)
 
 
-def _submitted(job_id: str, gpus: int = 8) -> JobSubmitted:
-    spec = JobSpec(name=job_id, workers=1, gpus_per_worker=gpus)
+def _submitted(job_id: str, gpus: int = 8, priority: int = 0) -> JobSubmitted:
+    spec = JobSpec(name=job_id, workers=1, gpus_per_worker=gpus, priority=priority)
     return JobSubmitted(source="tests", jobid=job_id, attempt=1, data=JobSubmittedData(spec=spec))
 
 
@@ -183,6 +185,55 @@ async def test_a_scheduler_does_not_reuse_its_cache_after_another_writer_changed
     await other.apply_job_event(_submitted("b", gpus=4), FakeSchedulerUnit(repo, 3))  # takes the other half
     (waiting,) = await mine.apply_job_event(_submitted("c", gpus=4), FakeSchedulerUnit(repo, 4))
     assert isinstance(waiting, JobWaiting)  # `mine` reloaded: its cached view still showed 4 GPUs free
+
+
+async def test_in_a_batch_the_queue_is_decided_once_after_the_last_event_in_priority_order() -> None:
+    repo = FakeScheduling()
+    scheduler = Scheduler()
+    await scheduler.apply_node_event(
+        NodeRegistered(source="tests", node="n1", data=H100_NODE), FakeSchedulerUnit(repo, 1)
+    )
+    batch = TransactionScope(deferred=True)
+    arrivals = [
+        _submitted("low", gpus=4),
+        _submitted("mid", gpus=4, priority=5),
+        _submitted("high", gpus=4, priority=9),
+    ]
+    for seq, event in enumerate(arrivals, start=2):
+        assert await scheduler.apply_job_event(event, FakeSchedulerUnit(repo, seq, batch)) == []  # decided later
+    decided = await batch.flush()
+
+    outputs = {output.jobid: (cause, output) for cause, output in decided}
+    assert {job: type(output) for job, (_, output) in outputs.items()} == {
+        "high": JobPlaced,
+        "mid": JobPlaced,
+        "low": JobWaiting,  # it arrived first, but the batch's higher priorities took the node's 8 GPUs
+    }
+    for cause, output in outputs.values():
+        assert cause.jobid == output.jobid  # each decision derives from its own submission (one trace)
+        assert output.causationid == cause.id
+    assert len(repo.waits) == 1
+
+    release = TransactionScope(deferred=True)
+    (freed,) = await scheduler.apply_job_event(_finished("high"), FakeSchedulerUnit(repo, 5, release))
+    assert isinstance(freed, ResourcesReleased)
+    ((cause, placed),) = await release.flush()
+    assert (placed.jobid, type(placed), cause.jobid) == ("low", JobPlaced, "high")  # the release let it run
+
+
+async def test_a_batch_that_changed_nothing_keeps_the_state_for_the_next() -> None:
+    repo = FakeScheduling()
+    scheduler = Scheduler()
+    await scheduler.apply_node_event(
+        NodeRegistered(source="tests", node="n1", data=H100_NODE), FakeSchedulerUnit(repo, 1)
+    )
+    await scheduler.apply_job_event(_submitted("a"), FakeSchedulerUnit(repo, 2))
+    token = await repo.state_token()
+    batch = TransactionScope(deferred=True)
+    assert await scheduler.apply_job_event(_submitted("a"), FakeSchedulerUnit(repo, 3, batch)) == []  # a duplicate
+    assert await batch.flush() == []
+    assert await repo.state_token() == token  # no decision, no new token
+    assert scheduler._states.keys() == {token}
 
 
 # --- lifecycle -------------------------------------------------------------------------------------

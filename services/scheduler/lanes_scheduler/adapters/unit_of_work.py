@@ -13,6 +13,7 @@ from lanes_runtime.store import Db
 from lanes_scheduler.adapters import repository
 from lanes_scheduler.domain.admission import Gang, Holding, Waiting
 from lanes_scheduler.domain.queue import PendingJob, Release
+from lanes_scheduler.service_layer.ports import Batch
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ class SchedulerUnitOfWork:
 
     conn: Db
     stream_seq: int
+    batch: Batch | None = None
 
     @property
     def repo(self) -> PostgresScheduling:

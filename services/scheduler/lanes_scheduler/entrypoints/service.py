@@ -28,11 +28,14 @@ def handlers(scheduler: Scheduler | None = None) -> tuple[Handler, Handler]:
     """The job-event and node-event handlers of one scheduler (one decision cache), on PostgreSQL."""
     scheduler = scheduler or Scheduler()
 
+    def unit(ctx: HandlerContext) -> SchedulerUnitOfWork:
+        return SchedulerUnitOfWork(ctx.conn, ctx.stream_seq, ctx.scope if ctx.scope.deferred else None)
+
     async def handle_job_event(event: Event, ctx: HandlerContext) -> Sequence[Event]:
-        return await scheduler.apply_job_event(event, SchedulerUnitOfWork(ctx.conn, ctx.stream_seq))
+        return await scheduler.apply_job_event(event, unit(ctx))
 
     async def handle_node_event(event: Event, ctx: HandlerContext) -> Sequence[Event]:
-        return await scheduler.apply_node_event(event, SchedulerUnitOfWork(ctx.conn, ctx.stream_seq))
+        return await scheduler.apply_node_event(event, unit(ctx))
 
     return handle_job_event, handle_node_event
 

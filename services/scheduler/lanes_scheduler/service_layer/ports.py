@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from datetime import datetime
-from typing import Protocol
+from typing import Any, Protocol
 
-from lanes_contract.events import NodeRegisteredData, RankAssignment
+from lanes_contract.events import Event, NodeRegisteredData, RankAssignment
 from lanes_contract.jobs import JobSpec
 from lanes_contract.topology import ClusterPolicy, Node, NodeStatus
 from lanes_scheduler.domain.admission import Gang, Holding, Waiting
@@ -87,6 +87,23 @@ class SchedulingRepository(Protocol):
         ...
 
 
+class Batch(Protocol):
+    """The transaction's other events: what they share, and work to do after the last of them.
+
+    A fetched batch of events is applied in one transaction; the scheduler decides the queue once, after
+    the batch's last event, instead of once per event.
+    """
+
+    @property
+    def cache(self) -> dict[object, Any]:
+        """State shared by the handlers of this transaction."""
+        ...
+
+    def before_commit(self, action: Callable[[], Awaitable[Sequence[tuple[Event, Event]] | None]]) -> None:
+        """Run `action` after the last event and before the commit; it returns (cause, output) pairs."""
+        ...
+
+
 class UnitOfWork(Protocol):
     """One transaction of the scheduler: its repository, and the stream position of the event it applies."""
 
@@ -98,4 +115,9 @@ class UnitOfWork(Protocol):
     @property
     def stream_seq(self) -> int:
         """The stream sequence of the event being applied (it orders the queue)."""
+        ...
+
+    @property
+    def batch(self) -> Batch | None:
+        """The batch this event is applied in, or None: decide at once, as if each event were alone."""
         ...
