@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 import shutil
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -35,13 +35,15 @@ from lanes_contract.events import (
     ResourcesReleasedData,
 )
 from lanes_contract.streams import JOBS
-from lanes_evidence.evidence import evidence_event
+from lanes_evidence.evidence import evidence_event, from_event
 from lanes_runtime.consumer import ConsumerSpec, EventConsumer
 from lanes_runtime.service import Connections, connected
 from lanes_runtime.settings import ServerUrls
 from lanes_runtime.store import apply_migrations
+from lanes_telemetry.adapters.repository import PostgresTelemetryStore
+from lanes_telemetry.domain.election import may_be_cause
 from lanes_telemetry.entrypoints.service import SERVICE
-from lanes_telemetry.service_layer.handlers import handle_evidence, handle_job_event
+from lanes_telemetry.service_layer.handlers import CONSEQUENCE_COPIES, handle_evidence, handle_job_event
 from lanes_telemetry.views import elect_first_error
 
 pytestmark = pytest.mark.real_servers
@@ -135,6 +137,37 @@ async def _live_finding_equals(js: JetStreamContext, job_id: str, offline: dict[
     await eventually(finding_matches, what=what)
 
 
+async def _copies_within_cap(js: JetStreamContext, job_id: str, events: Sequence[Event]) -> list[JobEvidence]:
+    """The job's evidence copies, once all are published, checked against what telemetry copies.
+
+    Raw lines get no copy on the job's subject; every possible cause gets one; consequences of one category
+    get one each up to CONSEQUENCE_COPIES (with two replicas, whichever were stored first).
+    """
+    meaningful = [e for e in events if from_event(e).category is not EvidenceCategory.RAW]
+    assert len(meaningful) < len(events)
+    causes = [e for e in meaningful if may_be_cause(from_event(e))]
+    consequences: dict[EvidenceCategory, set[str]] = {}
+    for e in meaningful:
+        if e not in causes:
+            consequences.setdefault(from_event(e).category, set()).add(e.id)
+    assert max(len(ids) for ids in consequences.values()) > CONSEQUENCE_COPIES  # the cap is exercised
+    expected = len(causes) + sum(min(len(ids), CONSEQUENCE_COPIES) for ids in consequences.values())
+
+    async def all_copied() -> bool:  # the replica that stored the last evidence may still be publishing
+        return sum(isinstance(e, JobEvidence) for e in await _job_events(js, job_id)) >= expected
+
+    await eventually(all_copied, what="the copies on the job's timeline")
+    copies = [e for e in await _job_events(js, job_id) if isinstance(e, JobEvidence)]
+    copied_ids = [c.data.evidence_id for c in copies]
+    assert len(copied_ids) == len(set(copied_ids))  # each copied once
+    assert {e.id for e in causes} <= set(copied_ids)
+    for category, ids in consequences.items():
+        of_category = [c for c in copies if c.data.evidence_id in ids]
+        assert len(of_category) == min(len(ids), CONSEQUENCE_COPIES), category
+        assert sum(c.data.last_copy_of_category for c in of_category) == (len(ids) >= CONSEQUENCE_COPIES)
+    return copies
+
+
 async def test_live_finding_equals_lanes_analyze_on_the_same_per_rank_logs(
     urls: ServerUrls, unique: str, tmp_path: Path
 ) -> None:
@@ -175,13 +208,8 @@ async def test_live_finding_equals_lanes_analyze_on_the_same_per_rank_logs(
 
         js = conns.nc.jetstream()
         await _live_finding_equals(js, job_id, offline_finding, "the live finding to equal the offline one")
-        timeline = await _job_events(js, job_id)
-        copies = [e for e in timeline if isinstance(e, JobEvidence)]
-        findings = [e for e in timeline if isinstance(e, JobFinding)]
-        # Every piece of evidence but raw lines got exactly one compact copy on the job's subject.
-        meaningful = [e for e in events if e.data.category is not EvidenceCategory.RAW]
-        assert len(meaningful) < len(events)
-        assert sorted(c.data.evidence_id for c in copies) == sorted(e.id for e in meaningful)
+        copies = await _copies_within_cap(js, job_id, events)
+        findings = [e for e in await _job_events(js, job_id) if isinstance(e, JobFinding)]
         assert all(c.attempt == 1 and c.node in nodes for c in copies)
         by_id = {e.id: e for e in events}
         assert all(
@@ -340,3 +368,34 @@ async def test_a_node_that_is_first_error_in_several_jobs_is_flagged_as_a_repeat
         assert second.data.first_error is not None
         assert "repeat offender" not in first.data.first_error.summary
         assert f"repeat offender: {node} was the first error of 1 other job(s)" in second.data.first_error.summary
+
+
+async def test_two_transactions_counting_copies_of_one_category_never_both_take_the_same_numbers(
+    urls: ServerUrls, unique: str
+) -> None:
+    # Two replicas copying consequences of one attempt: the second waits for the first's row lock and counts
+    # on from its committed number, so together they copy no more than the cap. A rolled-back count is undone.
+    key = (f"{unique}-job", 1, "collective_timeout")
+    async with connected(urls, name=f"test-copies-{unique}") as conns:
+        assert SERVICE.migrations is not None
+        await apply_migrations(conns.pool, SERVICE.name, SERVICE.migrations)
+        async with conns.pool.acquire() as first, conns.pool.acquire() as second:
+            async with first.transaction():
+                assert await PostgresTelemetryStore(first).count_copies({key: 5}) == {key: 0}
+
+                async def count_in_second() -> dict[tuple[str, int, str], int]:
+                    async with second.transaction():
+                        return await PostgresTelemetryStore(second).count_copies({key: 5})
+
+                waiting = asyncio.create_task(count_in_second())
+                await asyncio.sleep(0.3)
+                assert not waiting.done()  # held by the first transaction's row lock
+            assert await waiting == {key: 5}
+            with contextlib.suppress(RuntimeError):
+                async with first.transaction():
+                    assert await PostgresTelemetryStore(first).count_copies({key: 1}) == {key: 10}
+                    raise RuntimeError  # roll back
+        assert (
+            await conns.pool.fetchval("SELECT copied FROM telemetry_copied WHERE job_id = $1 AND attempt = 1", key[0])
+            == 10
+        )

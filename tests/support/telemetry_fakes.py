@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -36,6 +36,7 @@ class InMemoryTelemetryStore:
     placements: dict[tuple[str, int, int], tuple[str, datetime, datetime | None]] = field(default_factory=dict)
     evidence: dict[str, _Row] = field(default_factory=dict)
     reporters: set[tuple[str, int, str, int]] = field(default_factory=set)
+    copied: dict[tuple[str, int, str], int] = field(default_factory=dict)
     findings: dict[tuple[str, int], tuple[int, dict[str, Any], str | None]] = field(default_factory=dict)
     pids: dict[tuple[str, int, int], tuple[str | None, int]] = field(default_factory=dict)
     exits: dict[tuple[str, int, int], RankExit] = field(default_factory=dict)
@@ -99,6 +100,11 @@ class InMemoryTelemetryStore:
         before = sum(1 for r in self.reporters if r[:2] == (job_id, attempt))
         self.reporters |= {(job_id, attempt, node, -1 if rank is None else rank) for node, rank in reporters}
         return before, sum(1 for r in self.reporters if r[:2] == (job_id, attempt))
+
+    async def count_copies(self, copies: Mapping[tuple[str, int, str], int]) -> dict[tuple[str, int, str], int]:
+        before = {key: self.copied.get(key, 0) for key in copies}
+        self.copied |= {key: before[key] + added for key, added in copies.items()}
+        return before
 
     async def correlate_late(
         self, job_id: str, attempt: int, ranks_by_node: dict[str, tuple[int, ...]], since: datetime

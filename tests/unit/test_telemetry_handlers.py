@@ -31,7 +31,7 @@ from lanes_contract.events import (
 )
 from lanes_contract.jobs import JobState
 from lanes_runtime.consumer import HandlerContext, TransactionScope
-from lanes_telemetry.service_layer.handlers import Telemetry
+from lanes_telemetry.service_layer.handlers import CONSEQUENCE_COPIES, Telemetry
 
 C = EvidenceCategory
 
@@ -141,6 +141,37 @@ async def test_evidence_from_a_ranks_output_belongs_to_the_job_its_producer_name
     assert {e.jobid for e in out} == {"a"}  # never the job placed on the node most recently
 
 
+async def test_the_timeline_gets_every_possible_cause_but_only_the_first_consequences_of_a_category():
+    # 20 ranks time out in one all-reduce and one rank is OOM-killed: the timeline shows the kill and the first
+    # CONSEQUENCE_COPIES timeouts (the last of them says so); the finding counts all 20. One by one, or in
+    # batches of any size, the same evidence is copied.
+    nodes = tuple(f"node-{r}" for r in range(21))
+    facts = [_placed("j", nodes), *(_started("j", r, n, 100 + r) for r, n in enumerate(nodes))]
+    timeouts: list[Event] = [_timeout("j", r, f"node-{r}") for r in range(1, 21)]
+    storm = [*timeouts[:12], _kernel("node-0", 100), *timeouts[12:]]
+    copied: dict[str, list[JobEvidence]] = {}
+    for batch in (1, 5, len(storm)):
+        h = Harness()
+        await h.facts(*facts)
+        outputs: list[Event] = []
+        for start in range(0, len(storm), batch):
+            scope = TransactionScope(deferred=batch > 1)
+            for event in storm[start : start + batch]:
+                ctx = HandlerContext(conn=None, stream_seq=h.seq, deliveries=1, scope=scope)  # type: ignore[arg-type]
+                outputs += await h.telemetry.handle_evidence(event, ctx)
+            outputs += [output for _, output in await scope.flush()]
+        copied[f"batch of {batch}"] = [e for e in outputs if isinstance(e, JobEvidence)]
+        finding = _findings(outputs)[-1].data
+        assert [(g.category, g.count) for g in finding.consequences] == [("collective_timeout", 20)]
+
+    for copies in copied.values():
+        timeouts = [c for c in copies if c.data.evidence.category is C.COLLECTIVE_TIMEOUT]
+        assert [c.rank for c in timeouts] == list(range(1, CONSEQUENCE_COPIES + 1))
+        assert [c.data.last_copy_of_category for c in timeouts] == [False] * (CONSEQUENCE_COPIES - 1) + [True]
+        assert [c.rank for c in copies if c.data.evidence.category is C.OOM_KILL] == [0]  # a cause, past the cap
+    assert len({tuple(c.id for c in copies) for copies in copied.values()}) == 1
+
+
 async def test_a_batch_stores_its_evidence_before_its_elections_and_elects_what_one_by_one_would():
     # In a batch, evidence is stored in one statement before the commit and each attempt elected once then.
     # The final finding must be the one the events give one at a time.
@@ -160,9 +191,10 @@ async def test_a_batch_stores_its_evidence_before_its_elections_and_elects_what_
         ctx = HandlerContext(conn=None, stream_seq=seq, deliveries=1, scope=scope)  # type: ignore[arg-type]
         copies += await batched.telemetry.handle_evidence(event, ctx)
         assert batched.store.evidence == {}  # nothing stored before the batch commits
+    assert copies == []  # the copies, too, wait for the batch's last event
     produced = [output for _, output in await scope.flush()]
     assert set(batched.store.evidence) == {event.id for event in storm}
-    assert len([c for c in copies if isinstance(c, JobEvidence)]) == len(storm)
+    assert [c.data.evidence_id for c in produced if isinstance(c, JobEvidence)] == [e.id for e in storm]
     (together,) = _findings(produced)  # one election for the attempt, over everything the batch stored
     assert together.data.first_error == alone.data.first_error
     assert together.data.first_error is not None

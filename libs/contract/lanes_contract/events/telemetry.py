@@ -137,6 +137,12 @@ class JobEvidenceData(Data):
         description="Node-level evidence that names no pid, on a node several jobs shared: filed under each of "
         "them, and never a first error on its own.",
     )
+    last_copy_of_category: bool = Field(
+        default=False,
+        description="The last consequence of its category copied to this attempt's timeline: telemetry copies "
+        "every possible cause, but only the first few consequences (timeouts, aborts) of each category per "
+        "attempt. The finding's consequence groups count all of them; each stays on the telemetry stream.",
+    )
 
 
 class JobEvidence(Event):

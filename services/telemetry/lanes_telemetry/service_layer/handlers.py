@@ -23,6 +23,7 @@ is settled, so recovery acts on settled findings only.
 from __future__ import annotations
 
 import signal
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -85,6 +86,10 @@ _SPANS_MARGIN = timedelta(minutes=10)
 _LOCKED = "telemetry.locked_nodes"
 _SPANS = "telemetry.placement_spans"
 _UNSAVED = "telemetry.unsaved_evidence"
+_UNSENT = "telemetry.unsent_copies"
+CONSEQUENCE_COPIES = 8
+"""Consequences of one category (collective timeouts, aborts) copied to an attempt's timeline; the rest are
+counted in the finding's consequence groups and stay on the telemetry stream."""
 
 
 async def handle_evidence(event: Event, ctx: HandlerContext) -> Sequence[Event]:
@@ -118,8 +123,10 @@ async def _evidence(event: Event, store: TelemetryStore, ctx: HandlerContext) ->
         return await _shared(store, event, evidence, sharing)
     if job_id is None or attempt is None:
         return ()
-    copy = _copy(event, job_id, attempt, StoredEvidence(event.id, event.lane.value, evidence))
-    return [copy, *await _reelect(ctx, store, event, job_id, attempt, [evidence])]
+    copies = await _copy_to_timeline(
+        ctx, store, [_Copy(event, job_id, attempt, StoredEvidence(event.id, event.lane.value, evidence))]
+    )
+    return [*copies, *await _reelect(ctx, store, event, job_id, attempt, [evidence])]
 
 
 async def _lock_nodes(ctx: HandlerContext, store: TelemetryStore, nodes: Sequence[str]) -> None:
@@ -196,7 +203,7 @@ async def _shared(store: TelemetryStore, event: Event, evidence: Evidence, shari
     copies: list[Event] = []
     for placement in sharing:
         await store.share_evidence(event.id, placement.job_id, placement.attempt)
-        copy = _copy(event, placement.job_id, placement.attempt, stored, key=f"shared:{placement.job_id}")
+        copy = _copy(_Copy(event, placement.job_id, placement.attempt, stored, key=f"shared:{placement.job_id}"))
         copies.append(copy.model_copy(update={"data": copy.data.model_copy(update={"shared": True})}))
     return copies
 
@@ -263,15 +270,73 @@ async def _placements(event: Event, store: TelemetryStore, ctx: HandlerContext) 
     late = await store.correlate_late(job_id, attempt, ranks_by_node, event.time - CORRELATION_SKEW)
     if not late:
         return ()
-    copies = [
-        _copy(event, job_id, attempt, stored, key=stored.event_id)
-        for stored in late
-        if stored.evidence.category.value not in NOT_ELECTED
-    ]
+    recognised = [stored for stored in late if stored.evidence.category.value not in NOT_ELECTED]
+    copies = await _copy_to_timeline(
+        ctx, store, [_Copy(event, job_id, attempt, stored, key=stored.event_id) for stored in recognised]
+    )
     return [*copies, *await _reelect(ctx, store, event, job_id, attempt, [s.evidence for s in late])]
 
 
-def _copy(cause: Event, job_id: str, attempt: int, stored: StoredEvidence, key: str = "") -> JobEvidence:
+@dataclass(frozen=True)
+class _Copy:
+    """Evidence to copy to its job's timeline, and the event the copy derives from."""
+
+    cause: Event
+    job_id: str
+    attempt: int
+    stored: StoredEvidence
+    key: str = ""
+
+
+async def _copy_to_timeline(ctx: HandlerContext, store: TelemetryStore, copies: Sequence[_Copy]) -> list[Event]:
+    """Copy evidence to its job's timeline: now, or, in a batch, with the batch's other copies before the commit.
+
+    In a batch the copies' counters are read and added to in one statement, and the copies go to the outbox
+    in the order their evidence came (the batch's elections, registered later, follow them).
+    """
+    if not copies:
+        return []
+    if not ctx.scope.deferred:
+        return [copy for _, copy in await _copies_within_cap(store, copies)]
+    unsent: tuple[_Copy, ...] | None = ctx.scope.cache.get(_UNSENT)
+    if unsent is None:
+        scope = ctx.scope
+
+        async def send() -> list[tuple[Event, Event]]:
+            return await _copies_within_cap(store, scope.cache.pop(_UNSENT, ()))
+
+        scope.before_commit(send)
+    ctx.scope.cache[_UNSENT] = (*(unsent or ()), *copies)
+    return []
+
+
+async def _copies_within_cap(store: TelemetryStore, copies: Sequence[_Copy]) -> list[tuple[Event, Event]]:
+    """The copies to publish, with their causes: every possible cause, and consequences up to the cap.
+
+    A timeline is read by people: 1,023 ranks timing out in one all-reduce are one fact, which the finding's
+    consequence groups state with the ranks and nodes. The first CONSEQUENCE_COPIES of a category show what
+    the lines looked like; the last of them says that no more are copied.
+    """
+    wanted = Counter(_category_of(copy) for copy in copies if not may_be_cause(copy.stored.evidence))
+    copied = await store.count_copies(wanted) if wanted else {}
+    published: list[tuple[Event, Event]] = []
+    for copy in copies:
+        if may_be_cause(copy.stored.evidence):
+            published.append((copy.cause, _copy(copy)))
+            continue
+        category = _category_of(copy)
+        number = copied[category] = copied[category] + 1
+        if number <= CONSEQUENCE_COPIES:
+            published.append((copy.cause, _copy(copy, last_of_category=number == CONSEQUENCE_COPIES)))
+    return published
+
+
+def _category_of(copy: _Copy) -> tuple[str, int, str]:
+    return copy.job_id, copy.attempt, copy.stored.evidence.category.value
+
+
+def _copy(copy: _Copy, *, last_of_category: bool = False) -> JobEvidence:
+    cause, stored = copy.cause, copy.stored
     evidence = stored.evidence
     compact = evidence.data.model_copy(
         update={"lines": tuple(line[:_COPY_LINE_CHARS] for line in evidence.data.lines[:_COPY_LINES])}
@@ -279,15 +344,15 @@ def _copy(cause: Event, job_id: str, attempt: int, stored: StoredEvidence, key: 
     return derive(
         JobEvidence,
         cause,
-        key=key,
+        key=copy.key,
         source=SOURCE,
-        jobid=job_id,
-        attempt=attempt,
+        jobid=copy.job_id,
+        attempt=copy.attempt,
         node=evidence.node,
         rank=evidence.rank,
         time=evidence.time or cause.time,
         lane=Lane(stored.lane),
-        data=JobEvidenceData(evidence_id=stored.event_id, evidence=compact),
+        data=JobEvidenceData(evidence_id=stored.event_id, evidence=compact, last_copy_of_category=last_of_category),
     )
 
 

@@ -6,7 +6,7 @@ The handlers take a `TelemetryStore` opened on the consumer's transaction; Postg
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Protocol
@@ -120,6 +120,10 @@ class TelemetryStore(Protocol):
 
     async def add_reporters(self, job_id: str, attempt: int, reporters: Sequence[Reporter]) -> tuple[int, int]:
         """Record that these (node, rank) reported for the attempt; its number of reporters before and after."""
+        ...
+
+    async def count_copies(self, copies: Mapping[tuple[str, int, str], int]) -> dict[tuple[str, int, str], int]:
+        """Add to the consequences copied per (job, attempt, category); return how many were copied before."""
         ...
 
     async def correlate_late(
