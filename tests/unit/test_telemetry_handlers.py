@@ -8,6 +8,7 @@ from typing import Any
 from support.recovery_events import at
 from support.telemetry_fakes import InMemoryTelemetryStore
 
+from lanes_cli.render import summarize
 from lanes_contract.events import (
     CommunicationEvidence,
     Event,
@@ -15,6 +16,7 @@ from lanes_contract.events import (
     EvidenceData,
     HostEvidence,
     JobEvidence,
+    JobEvidenceData,
     JobFinding,
     JobPlaced,
     JobPlacedData,
@@ -199,3 +201,13 @@ async def test_a_batch_stores_its_evidence_before_its_elections_and_elects_what_
     assert together.data.first_error == alone.data.first_error
     assert together.data.first_error is not None
     assert (together.data.first_error.category, together.data.first_error.rank) == ("oom_kill", 3)
+
+
+def test_the_timeline_line_of_the_last_copied_consequence_says_the_rest_are_in_the_finding() -> None:
+    data = EvidenceData(category=C.COLLECTIVE_TIMEOUT, lines=("Watchdog caught collective operation timeout",))
+    copy = JobEvidence(
+        source="lanes/telemetry", jobid="j", attempt=1, data=JobEvidenceData(evidence_id="e", evidence=data)
+    )
+    assert summarize(copy) == "collective_timeout: Watchdog caught collective operation timeout"
+    last = copy.model_copy(update={"data": copy.data.model_copy(update={"last_copy_of_category": True})})
+    assert summarize(last).endswith("further ones are counted in the finding, not copied")

@@ -16,6 +16,7 @@ from lanes_cli.incident import bundle
 from lanes_cli.timeline import TimelineEntry
 from lanes_contract.events import (
     Event,
+    JobEvidence,
     JobPlaced,
     JobStateChanged,
     JobSubmitted,
@@ -55,6 +56,11 @@ def summarize(event: Event) -> str:
         return f"signal {ended.signal}" if ended.signal else f"exit {ended.exit_code}"
     if isinstance(event, ResourcesReleased):
         return f"{event.data.gpus} GPUs on {', '.join(event.data.nodes) or 'no node'}"
+    if isinstance(event, JobEvidence):
+        evidence = event.data.evidence
+        said = evidence.summary or next(iter(evidence.lines), "")
+        more = "; further ones are counted in the finding, not copied" if event.data.last_copy_of_category else ""
+        return f"{evidence.category.value}: {said}{more}"
     return _summarize_recovery_or_serving(event) or _raw(event)
 
 
