@@ -3,7 +3,9 @@
 A handler's span is a child of the span that produced its event (the W3C `traceparent` on the event), and
 the events it returns carry the handler span's own `traceparent`, so a chain such as
 submitted -> placed -> running -> failed -> decided is one trace across services. Without an SDK
-configured, the API's no-op tracer makes this free.
+configured (no tracer provider set), no span is started at all: the API's no-op spans are not free (about
+5% of a consumer's time per event, measured with py-spy on the lifecycle fold), and each output already
+carries its cause's `traceparent` (`derive`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 @contextlib.contextmanager
 def event_span(event: Event, consumer: str) -> Iterator[trace.Span]:
     """A span for handling `event` in `consumer`, parented by the event's `traceparent` if it has one."""
+    if not sdk_configured():
+        yield trace.INVALID_SPAN
+        return
     carrier = {"traceparent": event.traceparent} if event.traceparent else {}
     parent = _PROPAGATOR.extract(carrier)
     with trace.get_tracer("lanes").start_as_current_span(
@@ -38,6 +43,11 @@ def event_span(event: Event, consumer: str) -> Iterator[trace.Span]:
         yield span
 
 
+def sdk_configured() -> bool:
+    """Whether a tracer provider was set (an SDK, or an auto-instrumentation agent): spans are then recorded."""
+    return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider | trace.NoOpTracerProvider)
+
+
 def current_traceparent() -> str | None:
     """The W3C traceparent of the current span, or None when there is no recording span."""
     carrier: dict[str, str] = {}
@@ -47,6 +57,8 @@ def current_traceparent() -> str | None:
 
 def traced(outputs: Sequence[Event]) -> list[Event]:
     """The handler's outputs, carrying the current span as their parent (ids do not depend on it)."""
+    if not sdk_configured():
+        return list(outputs)
     parent = current_traceparent()
     if parent is None:
         return list(outputs)

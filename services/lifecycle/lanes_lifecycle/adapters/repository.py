@@ -46,6 +46,8 @@ class ParsedViews:
         # Four folds' worth of jobs (a fold reads at most `batch`, 256); a 1,024-rank job's view is large.
         self._capacity = capacity
         self._views: OrderedDict[str, tuple[UUID, JobView]] = OrderedDict()
+        self._rows: dict[str, tuple[JobView, _QueryRows]] = {}
+        """The query rows last written from a held view: the next save's rows to compare with."""
 
     def held(self, job_id: str) -> tuple[UUID, JobView] | None:
         """The revision held for the job and its view at that revision, if any."""
@@ -54,12 +56,22 @@ class ParsedViews:
             self._views.move_to_end(job_id)
         return held
 
-    def put(self, job_id: str, revision: UUID, view: JobView) -> None:
-        """Hold the job's view at `revision`."""
+    def put(self, job_id: str, revision: UUID, view: JobView, rows: _QueryRows | None = None) -> None:
+        """Hold the job's view at `revision` (and the query rows written from it, when it was written)."""
         self._views[job_id] = (revision, view)
         self._views.move_to_end(job_id)
+        if rows is None:
+            self._rows.pop(job_id, None)
+        else:
+            self._rows[job_id] = (view, rows)
         while len(self._views) > self._capacity:
-            self._views.popitem(last=False)
+            evicted, _ = self._views.popitem(last=False)
+            self._rows.pop(evicted, None)
+
+    def rows_of(self, view: JobView) -> _QueryRows | None:
+        """The query rows written from this very view (views are immutable), if they are held."""
+        written = self._rows.get(view.job_id)
+        return written[1] if written is not None and written[0] is view else None
 
 
 async def load_many(
@@ -144,12 +156,12 @@ async def save_many(conn: Db, views: Sequence[SavedView], parsed: ParsedViews | 
             for saved, revision in zip(views, revisions, strict=True)
         ],
     )
-    if parsed is not None:  # a rollback leaves these revisions on no row: they are then never matched
-        for saved, revision in zip(views, revisions, strict=True):
-            parsed.put(saved.view.job_id, revision, saved.view)
     replaced = [saved.view.job_id for saved in views if not saved.known_before]
+    befores = [_rows_before(saved, parsed) for saved in views]
     afters = [_query_rows(saved.view) for saved in views]
-    befores = [_query_rows(saved.before) if saved.known_before and saved.before else _NO_ROWS for saved in views]
+    if parsed is not None:  # a rollback leaves these revisions on no row: they are then never matched
+        for saved, revision, written_from in zip(views, revisions, afters, strict=True):
+            parsed.put(saved.view.job_id, revision, saved.view, written_from)
     written: list[list[tuple[Any, ...]]] = [[] for _ in _ROW_TABLES]
     removed: list[list[tuple[Any, ...]]] = [[] for _ in _ROW_TABLES]
     for after_rows, before_rows in zip(afters, befores, strict=True):
@@ -212,10 +224,19 @@ _ROW_TABLES = (
 )
 
 _Rows = dict[tuple[Any, ...], tuple[Any, ...]]
-_NO_ROWS: tuple[_Rows, _Rows, _Rows] = ({}, {}, {})
+_QueryRows = tuple[_Rows, _Rows, _Rows]
+_NO_ROWS: _QueryRows = ({}, {}, {})
 
 
-def _query_rows(view: JobView) -> tuple[_Rows, _Rows, _Rows]:
+def _rows_before(saved: SavedView, parsed: ParsedViews | None) -> _QueryRows:
+    """The rows the transaction found: those written from the view it read (derived again if not held)."""
+    if not saved.known_before or saved.before is None:
+        return _NO_ROWS
+    held = parsed.rows_of(saved.before) if parsed is not None else None
+    return held if held is not None else _query_rows(saved.before)
+
+
+def _query_rows(view: JobView) -> _QueryRows:
     """The view's attempt, rank and state-span rows, each by its primary key."""
     attempts: _Rows = {}
     ranks: _Rows = {}
