@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from support.recovery_events import at
 from support.telemetry_fakes import InMemoryTelemetryStore
 
@@ -33,7 +35,8 @@ from lanes_contract.events import (
 )
 from lanes_contract.jobs import JobState
 from lanes_runtime.consumer import HandlerContext, TransactionScope
-from lanes_telemetry.service_layer.handlers import CONSEQUENCE_COPIES, Telemetry
+from lanes_telemetry.service_layer.handlers import CONSEQUENCE_COPIES, CORRELATION_SKEW, Telemetry, _NodeWindow
+from lanes_telemetry.service_layer.ports import PlacementSpan, placements_at
 
 C = EvidenceCategory
 
@@ -211,3 +214,25 @@ def test_the_timeline_line_of_the_last_copied_consequence_says_the_rest_are_in_t
     assert summarize(copy) == "collective_timeout: Watchdog caught collective operation timeout"
     last = copy.model_copy(update={"data": copy.data.model_copy(update={"last_copy_of_category": True})})
     assert summarize(last).endswith("further ones are counted in the finding, not copied")
+
+
+_SECONDS = st.integers(min_value=0, max_value=40)
+
+
+@given(
+    spans=st.lists(
+        st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(0, 7), _SECONDS, st.none() | _SECONDS), max_size=12
+    ),
+    times=st.lists(st.integers(min_value=-5, max_value=50), min_size=1, max_size=20),
+)
+@settings(max_examples=300, deadline=None)
+def test_a_node_windows_remembered_answers_are_the_filters_answers(
+    spans: list[tuple[str, int, int, int | None]], times: list[int]
+) -> None:
+    placed = [
+        PlacementSpan(job, 1, rank, at(start), None if end is None else at(start + end))
+        for job, rank, start, end in spans
+    ]
+    window = _NodeWindow(at(-100), at(100), placed)
+    for second in times:  # in any order, each time asked again or for the first time
+        assert window.placements_at(at(second)) == placements_at(placed, at(second), CORRELATION_SKEW)

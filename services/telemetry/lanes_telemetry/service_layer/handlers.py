@@ -22,6 +22,7 @@ is settled, so recovery acts on settled findings only.
 
 from __future__ import annotations
 
+import bisect
 import signal
 from collections import Counter
 from collections.abc import Sequence
@@ -160,20 +161,44 @@ async def _save_evidence(ctx: HandlerContext, store: TelemetryStore, new: NewEvi
     ctx.scope.cache[_UNSAVED] = (*(unsaved or ()), new)
 
 
+class _NodeWindow:
+    """A node's placements between two times, as one batch read them, and the answers already given.
+
+    Which spans include a time depends only on how many spans start by it and how many end before it (the
+    starts and ends sorted), so the answer for one such pair is the answer for every time with that pair:
+    a storm's thousand lines from one node cost one `placements_at`, not a thousand.
+    """
+
+    def __init__(self, low: datetime, high: datetime, spans: list[PlacementSpan]) -> None:
+        self.low, self.high, self.spans = low, high, spans
+        self._starts = sorted(span.placed_at - CORRELATION_SKEW for span in spans)
+        self._ends = sorted(span.released_at + CORRELATION_SKEW for span in spans if span.released_at is not None)
+        self._answers: dict[tuple[int, int], list[Placement]] = {}
+        """Filled in place: it only remembers a function of the spans, right whatever the scope rolls back."""
+
+    def placements_at(self, at: datetime) -> list[Placement]:
+        """The attempts placed on the node at `at` (`placements_at` over the spans, remembered)."""
+        phase = (bisect.bisect_right(self._starts, at), bisect.bisect_left(self._ends, at))
+        answer = self._answers.get(phase)
+        if answer is None:
+            answer = self._answers[phase] = placements_at(self.spans, at, CORRELATION_SKEW)
+        return answer
+
+
 async def _placements_at(ctx: HandlerContext, store: TelemetryStore, node: str, at: datetime) -> list[Placement]:
     """The attempts on `node` at `at`, from the node's placements this batch has read (under its node lock).
 
     One read per node covers the batch's evidence within minutes of the first; evidence further away reads
     again. The filter is the same either way (`placements_at`), so the answer is the one a query would give.
     """
-    cached: dict[str, tuple[datetime, datetime, list[PlacementSpan]]] = ctx.scope.cache.get(_SPANS, {})
+    cached: dict[str, _NodeWindow] = ctx.scope.cache.get(_SPANS, {})
     since, until = at - CORRELATION_SKEW, at + CORRELATION_SKEW
     window = cached.get(node)
-    if window is None or since < window[0] or until > window[1]:
+    if window is None or since < window.low or until > window.high:
         low, high = since - _SPANS_MARGIN, until + _SPANS_MARGIN
-        window = (low, high, await store.placement_spans(node, low, high))
+        window = _NodeWindow(low, high, await store.placement_spans(node, low, high))
         ctx.scope.cache[_SPANS] = cached | {node: window}
-    return placements_at(window[2], at, CORRELATION_SKEW)
+    return window.placements_at(at)
 
 
 async def _owner_of(
