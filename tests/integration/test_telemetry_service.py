@@ -370,7 +370,7 @@ async def test_a_node_that_is_first_error_in_several_jobs_is_flagged_as_a_repeat
         assert f"repeat offender: {node} was the first error of 1 other job(s)" in second.data.first_error.summary
 
 
-async def test_two_transactions_counting_copies_of_one_category_never_both_take_the_same_numbers(
+async def test_two_transactions_counting_consequences_of_one_category_never_both_take_the_same_numbers(
     urls: ServerUrls, unique: str
 ) -> None:
     # Two replicas copying consequences of one attempt: the second waits for the first's row lock and counts
@@ -381,11 +381,11 @@ async def test_two_transactions_counting_copies_of_one_category_never_both_take_
         await apply_migrations(conns.pool, SERVICE.name, SERVICE.migrations)
         async with conns.pool.acquire() as first, conns.pool.acquire() as second:
             async with first.transaction():
-                assert await PostgresTelemetryStore(first).count_copies({key: 5}) == {key: 0}
+                assert await PostgresTelemetryStore(first).count_consequences({key: 5}) == {key: 0}
 
                 async def count_in_second() -> dict[tuple[str, int, str], int]:
                     async with second.transaction():
-                        return await PostgresTelemetryStore(second).count_copies({key: 5})
+                        return await PostgresTelemetryStore(second).count_consequences({key: 5})
 
                 waiting = asyncio.create_task(count_in_second())
                 await asyncio.sleep(0.3)
@@ -393,9 +393,11 @@ async def test_two_transactions_counting_copies_of_one_category_never_both_take_
             assert await waiting == {key: 5}
             with contextlib.suppress(RuntimeError):
                 async with first.transaction():
-                    assert await PostgresTelemetryStore(first).count_copies({key: 1}) == {key: 10}
+                    assert await PostgresTelemetryStore(first).count_consequences({key: 1}) == {key: 10}
                     raise RuntimeError  # roll back
         assert (
-            await conns.pool.fetchval("SELECT copied FROM telemetry_copied WHERE job_id = $1 AND attempt = 1", key[0])
+            await conns.pool.fetchval(
+                "SELECT counted FROM telemetry_consequences WHERE job_id = $1 AND attempt = 1", key[0]
+            )
             == 10
         )

@@ -36,7 +36,7 @@ class InMemoryTelemetryStore:
     placements: dict[tuple[str, int, int], tuple[str, datetime, datetime | None]] = field(default_factory=dict)
     evidence: dict[str, _Row] = field(default_factory=dict)
     reporters: set[tuple[str, int, str, int]] = field(default_factory=set)
-    copied: dict[tuple[str, int, str], int] = field(default_factory=dict)
+    consequences: dict[tuple[str, int, str], int] = field(default_factory=dict)
     findings: dict[tuple[str, int], tuple[int, dict[str, Any], str | None]] = field(default_factory=dict)
     pids: dict[tuple[str, int, int], tuple[str | None, int]] = field(default_factory=dict)
     exits: dict[tuple[str, int, int], RankExit] = field(default_factory=dict)
@@ -101,9 +101,9 @@ class InMemoryTelemetryStore:
         self.reporters |= {(job_id, attempt, node, -1 if rank is None else rank) for node, rank in reporters}
         return before, sum(1 for r in self.reporters if r[:2] == (job_id, attempt))
 
-    async def count_copies(self, copies: Mapping[tuple[str, int, str], int]) -> dict[tuple[str, int, str], int]:
-        before = {key: self.copied.get(key, 0) for key in copies}
-        self.copied |= {key: before[key] + added for key, added in copies.items()}
+    async def count_consequences(self, added: Mapping[tuple[str, int, str], int]) -> dict[tuple[str, int, str], int]:
+        before = {key: self.consequences.get(key, 0) for key in added}
+        self.consequences |= {key: before[key] + n for key, n in added.items()}
         return before
 
     async def correlate_late(

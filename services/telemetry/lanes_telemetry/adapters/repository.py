@@ -164,26 +164,26 @@ class PostgresTelemetryStore:
         assert row is not None  # noqa: S101 - a SELECT of two aggregates returns one row
         return int(row["before"]), int(row["before"]) + int(row["added"])
 
-    async def count_copies(self, copies: Mapping[tuple[str, int, str], int]) -> dict[tuple[str, int, str], int]:
-        """Add to the consequences copied per (job, attempt, category); return how many were copied before.
+    async def count_consequences(self, added: Mapping[tuple[str, int, str], int]) -> dict[tuple[str, int, str], int]:
+        """Add to the consequences counted per (job, attempt, category); return how many were counted before.
 
         One statement; its rows are locked in key order, so that two transactions adding to overlapping
-        counters wait for each other rather than deadlock, and each sees the other's committed count.
+        counters wait for each other rather than deadlock, and each counts on from the other's commit.
         """
-        keys = sorted(copies)
+        keys = sorted(added)
         rows = await self._conn.fetch(
-            """INSERT INTO telemetry_copied AS c (job_id, attempt, category, copied)
+            """INSERT INTO telemetry_consequences AS c (job_id, attempt, category, counted)
                SELECT j, a, k, n FROM unnest($1::text[], $2::integer[], $3::text[], $4::integer[])
                    WITH ORDINALITY AS t(j, a, k, n, o) ORDER BY o
-               ON CONFLICT (job_id, attempt, category) DO UPDATE SET copied = c.copied + EXCLUDED.copied
-               RETURNING job_id, attempt, category, copied""",
+               ON CONFLICT (job_id, attempt, category) DO UPDATE SET counted = c.counted + EXCLUDED.counted
+               RETURNING job_id, attempt, category, counted""",
             [job for job, _, _ in keys],
             [attempt for _, attempt, _ in keys],
             [category for _, _, category in keys],
-            [copies[key] for key in keys],
+            [added[key] for key in keys],
         )
-        after = {(row["job_id"], int(row["attempt"]), row["category"]): int(row["copied"]) for row in rows}
-        return {key: after[key] - copies[key] for key in keys}
+        after = {(row["job_id"], int(row["attempt"]), row["category"]): int(row["counted"]) for row in rows}
+        return {key: after[key] - added[key] for key in keys}
 
     async def correlate_late(
         self, job_id: str, attempt: int, ranks_by_node: dict[str, tuple[int, ...]], since: datetime

@@ -317,7 +317,7 @@ async def _copy_to_timeline(ctx: HandlerContext, store: TelemetryStore, copies: 
     """Copy evidence to its job's timeline: now, or, in a batch, with the batch's other copies before the commit.
 
     In a batch the copies' counters are read and added to in one statement, and the copies go to the outbox
-    in the order their evidence came (the batch's elections, registered later, follow them).
+    in the order their evidence came.
     """
     if not copies:
         return []
@@ -343,14 +343,14 @@ async def _copies_within_cap(store: TelemetryStore, copies: Sequence[_Copy]) -> 
     the lines looked like; the last of them says that no more are copied.
     """
     wanted = Counter(_category_of(copy) for copy in copies if not may_be_cause(copy.stored.evidence))
-    copied = await store.count_copies(wanted) if wanted else {}
+    counted = await store.count_consequences(wanted) if wanted else {}
     published: list[tuple[Event, Event]] = []
     for copy in copies:
         if may_be_cause(copy.stored.evidence):
             published.append((copy.cause, _copy(copy)))
             continue
         category = _category_of(copy)
-        number = copied[category] = copied[category] + 1
+        number = counted[category] = counted[category] + 1
         if number <= CONSEQUENCE_COPIES:
             published.append((copy.cause, _copy(copy, last_of_category=number == CONSEQUENCE_COPIES)))
     return published

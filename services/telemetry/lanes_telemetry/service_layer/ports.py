@@ -122,8 +122,8 @@ class TelemetryStore(Protocol):
         """Record that these (node, rank) reported for the attempt; its number of reporters before and after."""
         ...
 
-    async def count_copies(self, copies: Mapping[tuple[str, int, str], int]) -> dict[tuple[str, int, str], int]:
-        """Add to the consequences copied per (job, attempt, category); return how many were copied before."""
+    async def count_consequences(self, added: Mapping[tuple[str, int, str], int]) -> dict[tuple[str, int, str], int]:
+        """Add to the consequences counted per (job, attempt, category); return how many were counted before."""
         ...
 
     async def correlate_late(
