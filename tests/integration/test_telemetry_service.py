@@ -387,9 +387,18 @@ async def test_two_transactions_counting_consequences_of_one_category_never_both
                     async with second.transaction():
                         return await PostgresTelemetryStore(second).count_consequences({key: 5})
 
+                second_pid = await second.fetchval("SELECT pg_backend_pid()")
                 waiting = asyncio.create_task(count_in_second())
-                await asyncio.sleep(0.3)
-                assert not waiting.done()  # held by the first transaction's row lock
+
+                async def blocked() -> bool:  # the second waits on the first transaction's row lock
+                    return bool(
+                        await conns.pool.fetchval(
+                            "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = $1", second_pid
+                        )
+                    )
+
+                await eventually(blocked, what="the second count waiting for the first's row lock")
+                assert not waiting.done()
             assert await waiting == {key: 5}
             with contextlib.suppress(RuntimeError):
                 async with first.transaction():

@@ -99,10 +99,14 @@ class Scheduler:
     async def _finish(self, repo: SchedulingRepository, current: _Round) -> list[Caused]:
         """Decide the queue if anything asked for it; otherwise the state is still the one its token names."""
         if not current.triggers:
-            if current.state is not None:
-                self._states[current.token] = current.state
+            self._keep_unchanged(current)
             return []
         return await self._schedule(repo, current)
+
+    def _keep_unchanged(self, current: _Round) -> None:
+        """A round that asked for no decision leaves the state its token still names: keep it for the next."""
+        if current.state is not None:
+            self._states[current.token] = current.state
 
     async def _decide(self, uow: UnitOfWork, current: _Round, event: Event) -> list[Event]:
         """Ask for a decision because of `event`: at once, or after the batch's last event."""
@@ -155,9 +159,9 @@ class Scheduler:
         raise PoisonEventError(msg)
 
     def _put_back_unchanged(self, uow: UnitOfWork, current: _Round) -> None:
-        """An event decided alone that changed nothing leaves the state its token still names."""
-        if uow.batch is None and not current.triggers and current.state is not None:
-            self._states[current.token] = current.state
+        """An event decided alone (a batch's round ends in `_finish`) that changed nothing."""
+        if uow.batch is None and not current.triggers:
+            self._keep_unchanged(current)
 
     async def _release(self, event: JobStateChanged, uow: UnitOfWork, current: _Round) -> list[Event]:
         attempt = event.attempt or 1
