@@ -29,6 +29,7 @@ from lanes_contract.events import (
 )
 from lanes_contract.jobs import JobSpec, JobState
 from lanes_contract.topology import NodeStatus
+from lanes_runtime.consumer import Caused
 from lanes_scheduler.domain.admission import CapacityView, Placed, Rejected, schedule
 from lanes_scheduler.domain.queue import PendingJob, gang_of
 from lanes_scheduler.service_layer.ports import SchedulingRepository, UnitOfWork
@@ -36,8 +37,6 @@ from lanes_scheduler.service_layer.ports import SchedulingRepository, UnitOfWork
 SOURCE = "lanes/scheduler"
 TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
 log = structlog.get_logger(__name__)
-Caused = tuple[Event, Event]
-"""An output with the event it derives from."""
 
 _MAX_STATES = 8
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Any, Protocol
 
-from lanes_contract.events import Event, NodeRegisteredData, RankAssignment
+from lanes_contract.events import NodeRegisteredData, RankAssignment
 from lanes_contract.jobs import JobSpec
 from lanes_contract.topology import ClusterPolicy, Node, NodeStatus
+from lanes_runtime.consumer import BeforeCommit
 from lanes_scheduler.domain.admission import Gang, Holding, Waiting
 from lanes_scheduler.domain.queue import PendingJob, Release
 
@@ -99,7 +100,7 @@ class Batch(Protocol):
         """State shared by the handlers of this transaction."""
         ...
 
-    def before_commit(self, action: Callable[[], Awaitable[Sequence[tuple[Event, Event]] | None]]) -> None:
+    def before_commit(self, action: BeforeCommit) -> None:
         """Run `action` after the last event and before the commit; it returns (cause, output) pairs."""
         ...
 

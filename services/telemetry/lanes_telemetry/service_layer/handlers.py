@@ -46,7 +46,7 @@ from lanes_contract.events import (
 from lanes_contract.ids import is_valid_token
 from lanes_contract.jobs import JobState
 from lanes_evidence.evidence import Evidence, from_event
-from lanes_runtime.consumer import HandlerContext
+from lanes_runtime.consumer import Caused, HandlerContext
 from lanes_telemetry.adapters.repository import PostgresTelemetryStore
 from lanes_telemetry.domain.election import (
     ALWAYS_REELECT_UP_TO,
@@ -327,7 +327,7 @@ async def _copy_to_timeline(ctx: HandlerContext, store: TelemetryStore, copies: 
     if unsent is None:
         scope = ctx.scope
 
-        async def send() -> list[tuple[Event, Event]]:
+        async def send() -> list[Caused]:
             return await _copies_within_cap(store, scope.cache.pop(_UNSENT, ()))
 
         scope.before_commit(send)
@@ -335,7 +335,7 @@ async def _copy_to_timeline(ctx: HandlerContext, store: TelemetryStore, copies: 
     return []
 
 
-async def _copies_within_cap(store: TelemetryStore, copies: Sequence[_Copy]) -> list[tuple[Event, Event]]:
+async def _copies_within_cap(store: TelemetryStore, copies: Sequence[_Copy]) -> list[Caused]:
     """The copies to publish, with their causes: every possible cause, and consequences up to the cap.
 
     A timeline is read by people: 1,023 ranks timing out in one all-reduce are one fact, which the finding's
@@ -344,7 +344,7 @@ async def _copies_within_cap(store: TelemetryStore, copies: Sequence[_Copy]) -> 
     """
     wanted = Counter(_category_of(copy) for copy in copies if not may_be_cause(copy.stored.evidence))
     counted = await store.count_consequences(wanted) if wanted else {}
-    published: list[tuple[Event, Event]] = []
+    published: list[Caused] = []
     for copy in copies:
         if may_be_cause(copy.stored.evidence):
             published.append((copy.cause, _copy(copy)))
