@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from itertools import permutations
 from pathlib import Path
 
 from hypothesis import given, settings
@@ -280,6 +281,19 @@ def test_election_never_raises_is_order_independent_and_prefers_causes(evidence)
     if any(e.category not in _CONSEQUENTIAL_CAUSES and may_be_cause(e) for e in evidence):
         assert finding.first_error is not None
         assert finding.first_error.category in {c.value for c in C}
+
+
+def test_evidence_alike_in_time_place_category_and_lines_but_not_in_peer_elects_the_same_either_way():
+    # Found by the random-seed property run: three init failures tie on everything the sort looked at, and
+    # the one naming a peer led or not depending on arrival, which changed the consequence groups.
+    alike = [EvidenceData(category=C.COMM_INIT_FAILURE, lines=("",)) for _ in range(2)]
+    evidence = [
+        Evidence(EvidenceData(category=C.COLLECTIVE_TIMEOUT, lines=("",))),
+        *(Evidence(data) for data in alike),
+        Evidence(EvidenceData(category=C.COMM_INIT_FAILURE, lines=("",), peer="node-1")),
+    ]
+    findings = [elect_first_error(order, world=EIGHT_RANKS) for order in permutations(evidence)]
+    assert all(finding == findings[0] for finding in findings)
 
 
 def test_sockets_closed_by_one_peer_name_that_peer_when_nothing_else_explains_it():

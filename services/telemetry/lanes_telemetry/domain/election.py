@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from enum import StrEnum
+from functools import total_ordering
 
 from lanes_contract.events import (
     ConsequenceGroup,
@@ -333,15 +334,39 @@ def _progress_of(item: _Item, progress: Mapping[int, int]) -> int | None:
     return None if rank is None else progress.get(rank)
 
 
-def _evidence_key(e: Evidence) -> tuple[float, str, int, str, tuple[str, ...], int]:
+def _evidence_key(e: Evidence) -> tuple[float, str, int, str, tuple[str, ...], int, _Whole]:
     moment = e.time.timestamp() if e.time is not None else float("inf")
     pid = -1 if e.data.pid is None else e.data.pid
-    return (moment, e.node or "", -1 if e.rank is None else e.rank, e.category.value, e.data.lines, pid)
+    return (moment, e.node or "", -1 if e.rank is None else e.rank, e.category.value, e.data.lines, pid, _Whole(e))
 
 
-def _canonical(item: _Item) -> tuple[float, str, int, str, tuple[str, ...]]:
+def _canonical(item: _Item) -> tuple[float, str, int, str, tuple[str, ...], _Whole]:
     e = item.evidence
-    return (_timestamp(item), e.node or "", -1 if e.rank is None else e.rank, e.category.value, e.data.lines)
+    return (_timestamp(item), e.node or "", -1 if e.rank is None else e.rank, e.category.value, e.data.lines, _Whole(e))
+
+
+@total_ordering
+@dataclass(frozen=True, eq=False)
+class _Whole:
+    """The last word of a sort key: the whole evidence, so that no two different pieces ever tie.
+
+    Two pieces that agree on time, place, category and lines may still differ (a peer, a sequence number),
+    and which of them leads can change the finding. Compared lazily: a sort only reaches it on a tie.
+    """
+
+    evidence: Evidence
+
+    def _value(self) -> tuple[str, str]:
+        e = self.evidence
+        return e.data.model_dump_json(), repr((e.time, e.node, e.rank, e.id))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Whole) and self._value() == other._value()
+
+    def __lt__(self, other: _Whole) -> bool:
+        return self._value() < other._value()
+
+    __hash__ = None  # type: ignore[assignment]  # compared, never hashed
 
 
 def _timestamp(item: _Item) -> float:
