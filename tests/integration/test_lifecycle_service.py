@@ -38,7 +38,7 @@ from lanes_lifecycle.adapters import repository
 from lanes_lifecycle.adapters.transitions import TransitionConflictError
 from lanes_lifecycle.domain.job import IllegalTransitionError, evolve
 from lanes_lifecycle.entrypoints.service import SERVICE, job_event_handler
-from lanes_runtime.consumer import EventConsumer, HandlerContext
+from lanes_runtime.consumer import EventConsumer, HandlerContext, TransactionScope
 from lanes_runtime.reader import Selection
 from lanes_runtime.settings import ServerUrls
 from lanes_runtime.store import apply_migrations, apply_runtime_migrations, create_pool
@@ -313,6 +313,65 @@ async def test_a_writer_that_lost_the_race_is_refused_and_rolls_back(
     assert logged[-1].data.to_state is JobState.CANCELLING
     assert [c.data.to_state for c in logged].count(JobState.PARTIALLY_FAILED) == 0
     assert [c.data.sequence for c in logged] == list(range(1, len(logged) + 1))
+
+
+async def test_a_batch_appends_its_state_changes_at_its_end_and_settles_a_lost_race_event_by_event(
+    lanes: LanesClient, pool: asyncpg.Pool, unique: str, second_database: str
+) -> None:
+    """In a batch, state changes wait for the batch's end (every job's chain at once). A race lost there rolls
+    the batch back; folded again event by event (an isolated scope), only the loser is refused, and the
+    winner adopts the state change the rolled-back batch had already appended instead of appending another."""
+    raced, fresh = f"race-{unique}", f"fresh-{unique}"
+    story = long_story(raced, total=400)
+    prefix = story[: next(i for i, e in enumerate(story) if e.type.endswith("heartbeat.v1")) + 1]  # running
+    other = await _pool(second_database)
+    handle = job_event_handler(lanes.js)
+    try:
+        for event in prefix:
+            await lanes.publish(event)
+        for db in (pool, other):
+            for seq, event in enumerate(prefix, start=1):
+                async with db.acquire() as conn, conn.transaction():
+                    await handle(event, HandlerContext(conn, seq, 1))
+        keys: dict[str, Any] = {"source": "tests", "jobid": raced, "attempt": 1}
+        cancel = CancelRequested(data=CommandData(requested_by="alice"), **keys)
+        failure = RankExited(rank=1, node="node-1", data=RankExitedData(exit_code=3), **keys)
+        submitted = long_story(fresh, total=400)[0]
+        async with pool.acquire() as conn, conn.transaction():
+            await handle(cancel, HandlerContext(conn, 1000, 1))
+
+        batch = TransactionScope(deferred=True, keys=frozenset({raced, fresh}))
+        async with other.acquire() as conn:
+            transaction = conn.transaction()
+            await transaction.start()
+            await handle(submitted, HandlerContext(conn, 1001, 1, batch))
+            await handle(failure, HandlerContext(conn, 1002, 1, batch))
+            assert await _transitions(lanes, fresh) == []  # nothing appended before the batch's end
+            with pytest.raises(TransitionConflictError, match="another writer"):
+                await batch.flush()
+            await transaction.rollback()  # as the consumer does when the flush fails
+        async with other.acquire() as conn:
+            assert await repository.load(conn, fresh) is None  # the whole batch rolled back
+        assert len(await _transitions(lanes, fresh)) == 1  # its chain ran to its end before the failure
+
+        one_by_one = TransactionScope(deferred=True, isolated=True, keys=frozenset({raced, fresh}))
+        async with other.acquire() as conn, conn.transaction():
+            await handle(submitted, HandlerContext(conn, 1001, 1, one_by_one))
+            with pytest.raises(TransitionConflictError):
+                async with conn.transaction():
+                    await handle(failure, HandlerContext(conn, 1002, 1, one_by_one))
+            await one_by_one.flush()
+        async with other.acquire() as conn:
+            view, transition_seq = await repository.load_with_seq(conn, fresh)
+            loser = await repository.load(conn, raced)
+    finally:
+        await other.close()
+    (appended,) = await _transitions(lanes, fresh)  # adopted, not appended twice
+    assert view is not None
+    assert view.state is appended.data.to_state
+    assert transition_seq == (await lanes.js.get_last_msg(JOBS.name, f"lanes.job.{fresh}.state_changed")).seq
+    assert loser is not None
+    assert loser.state is JobState.RUNNING
 
 
 @pytest.mark.slow

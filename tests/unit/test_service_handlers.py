@@ -241,34 +241,25 @@ async def test_a_batch_that_changed_nothing_keeps_the_state_for_the_next() -> No
 
 @dataclass
 class FakeJobs:
-    views: dict[str, tuple[JobView, int]] = field(default_factory=dict)
-
-    async def load(self, job_id: str) -> tuple[JobView | None, int]:
-        found = self.views.get(job_id)
-        return (None, 0) if found is None else found
-
-    async def save(self, view: JobView, *, transition_seq: int | None = None) -> None:
-        previous = self.views.get(view.job_id, (view, 0))[1]
-        self.views[view.job_id] = (view, previous if transition_seq is None else transition_seq)
-
-
-@dataclass
-class FakeTransitions:
+    views: dict[str, JobView] = field(default_factory=dict)
     log: list[JobStateChanged] = field(default_factory=list)
+    """Every job's state changes, in the order they were appended."""
 
-    async def append(self, changed: JobStateChanged, *, after_seq: int) -> int:
-        assert after_seq == len(self.log)  # the handler always appends after the job's last state change
-        self.log.append(changed)
-        return len(self.log)
+    async def load(self, job_id: str) -> JobView | None:
+        return self.views.get(job_id)
+
+    async def save(self, view: JobView, *, transition: JobStateChanged | None = None) -> None:
+        if transition is not None:
+            self.log.append(transition)
+        self.views[view.job_id] = view
 
 
 @dataclass
 class FakeLifecycleUnit:
     jobs: FakeJobs = field(default_factory=FakeJobs)
-    transitions: FakeTransitions = field(default_factory=FakeTransitions)
 
 
-async def test_the_lifecycle_appends_each_transition_after_the_last_and_records_its_sequence() -> None:
+async def test_the_lifecycle_saves_each_view_with_the_state_change_that_led_to_it() -> None:
     uow = FakeLifecycleUnit()
     job_id = f"j{uuid.uuid4().hex[:6]}"
     assert await apply_job_event(_submitted(job_id), uow) == []
@@ -279,10 +270,9 @@ async def test_the_lifecycle_appends_each_transition_after_the_last_and_records_
         data={"assignments": (RankAssignment(rank=0, node="n1", gpus=(0,)),)},  # type: ignore[arg-type]
     )
     await apply_job_event(placed, uow)
-    assert [c.data.to_state for c in uow.transitions.log] == [JobState.QUEUED, JobState.ADMITTED]
-    view, seq = uow.jobs.views[job_id]
-    assert view.state is JobState.ADMITTED
-    assert seq == 2
+    assert [c.data.to_state for c in uow.jobs.log] == [JobState.QUEUED, JobState.ADMITTED]
+    assert [c.data.sequence for c in uow.jobs.log] == [1, 2]
+    assert uow.jobs.views[job_id].state is JobState.ADMITTED
 
 
 async def test_an_event_the_job_state_forbids_is_rejected_visibly_not_raised() -> None:
@@ -297,4 +287,4 @@ async def test_an_event_the_job_state_forbids_is_rejected_visibly_not_raised() -
     assert isinstance(rejected, TransitionRejected)
     assert "never submitted" in rejected.data.reason
     assert uow.jobs.views == {}
-    assert uow.transitions.log == []
+    assert uow.jobs.log == []

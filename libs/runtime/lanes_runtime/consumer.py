@@ -128,6 +128,10 @@ class TransactionScope:
 
     deferred: bool = False
     """True when the consumer runs `flush` before commit; a scope a caller made itself writes at once."""
+    isolated: bool = False
+    """True when each handler runs in its own savepoint, to settle a failure alone (a batch folded again after
+    one failed): an effect outside the transaction that may fail for one event's sake then belongs in the
+    handler, not in `before_commit`, where its failure would be the whole batch's."""
     keys: frozenset[str] = frozenset()
     """The subject keys (job or node ids) of the events the transaction applies: a handler may read all their
     rows in its first query instead of one query per key."""
@@ -527,7 +531,7 @@ class EventConsumer:
                 return 0, False
             floor = await self._ack_floor()
             keys = frozenset(_key_of(row["subject"]) for row in rows if int(row["stream_seq"]) <= floor)
-            scope = TransactionScope(deferred=True, keys=keys)
+            scope = TransactionScope(deferred=True, isolated=careful, keys=keys)
             blocked: set[str] = set()
             finished: list[int] = []
             retried: list[int] = []

@@ -49,12 +49,12 @@ def rejected(event: Event, view: JobView | None, error: IllegalTransitionError) 
 
 
 async def apply_job_event(event: Event, uow: UnitOfWork) -> Sequence[Event]:
-    """Apply the event to its job; append a transition to the job's chain under optimistic concurrency.
+    """Apply the event to its job; append the state change it causes to the job's chain on the log.
 
-    The state change is appended before the projection commits (so two writers cannot both decide it);
-    the events returned go through the consumer's outbox.
+    The state change is appended before the projection commits, under optimistic concurrency (so two
+    writers cannot both decide it); the events returned go through the consumer's outbox.
     """
-    view, last_seq = await uow.jobs.load(event.job_key)
+    view = await uow.jobs.load(event.job_key)
     try:
         after, transition = evolve(view, event)
     except IllegalTransitionError as exc:
@@ -63,8 +63,7 @@ async def apply_job_event(event: Event, uow: UnitOfWork) -> Sequence[Event]:
     if transition is None:
         await uow.jobs.save(after)
         return []
-    seq = await uow.transitions.append(state_changed(event, after, transition), after_seq=last_seq)
-    await uow.jobs.save(after, transition_seq=seq)
+    await uow.jobs.save(after, transition=state_changed(event, after, transition))
     if transition.new_attempt is None:
         return []
     requested = AttemptRequestedData(

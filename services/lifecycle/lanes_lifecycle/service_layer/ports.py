@@ -9,37 +9,31 @@ from lanes_lifecycle.domain.job import JobView
 
 
 class JobRepository(Protocol):
-    """The job views of the projection, inside the unit of work's transaction."""
+    """The job views of the projection, inside the unit of work's transaction.
 
-    async def load(self, job_id: str) -> tuple[JobView | None, int]:
-        """The job's view (locked for the transaction) and the log sequence of its last state change (0: none)."""
+    Each job's chain of state changes on the log is saved with them.
+    """
+
+    async def load(self, job_id: str) -> JobView | None:
+        """The job's view, locked for the transaction (None: no such job yet)."""
         ...
 
-    async def save(self, view: JobView, *, transition_seq: int | None = None) -> None:
-        """Store the view; keep the recorded state-change sequence unless `transition_seq` is given."""
-        ...
+    async def save(self, view: JobView, *, transition: JobStateChanged | None = None) -> None:
+        """Store the view; with `transition`, the state change that led to it, append that change first.
 
+        The change goes on the job's chain on the log, right after the job's last one, before the transaction
+        commits.
 
-class TransitionLog(Protocol):
-    """The job's chain of state changes on the log, appended under per-job optimistic concurrency."""
-
-    async def append(self, changed: JobStateChanged, *, after_seq: int) -> int:
-        """Append `changed` only if the job's last state change is at `after_seq`; return its sequence.
-
-        Raises a retryable error when another writer appended a different change first.
+        Raises a retryable error when another writer appended a different change first: the projection is then
+        rolled back with it, so the log and the projection never disagree.
         """
         ...
 
 
 class UnitOfWork(Protocol):
-    """One transaction's view of the lifecycle's state: the repository and the transition log."""
+    """One transaction's view of the lifecycle's state."""
 
     @property
     def jobs(self) -> JobRepository:
-        """The job views, on this unit's transaction."""
-        ...
-
-    @property
-    def transitions(self) -> TransitionLog:
-        """The job's state-change chain on the log."""
+        """The job views and their state-change chains, on this unit's transaction."""
         ...
