@@ -47,6 +47,7 @@ from lanes_runtime.settings import ServerUrls
 from lanes_runtime.store import apply_migrations
 from lanes_sandbox.embedded import EmbeddedNats
 from lanes_scheduler.adapters import repository
+from lanes_scheduler.domain.admission import Placed
 from lanes_scheduler.domain.queue import gang_of
 from lanes_scheduler.entrypoints.service import SERVICE as SCHEDULER
 from lanes_scheduler.entrypoints.service import handlers
@@ -403,9 +404,11 @@ async def test_the_allocation_key_refuses_a_double_booking_even_without_the_lock
         async with c.conns.pool.acquire() as conn, conn.transaction():
             await repository.add_pending_job(conn, c.jobs["b"], 1, spec, 10**9)
         gang = gang_of(c.jobs["b"], 1, spec, 0)
+        assignments = (RankAssignment(rank=0, node=c.nodes["n1"], gpus=(3,)),)
+        double_booked = Placed(gang, assignments, Level.NODE, c.nodes["n1"])
         with pytest.raises(asyncpg.UniqueViolationError):
             async with c.conns.pool.acquire() as conn, conn.transaction():
-                await repository.allocate(conn, gang, (RankAssignment(rank=0, node=c.nodes["n1"], gpus=(3,)),))
+                await repository.allocate(conn, [double_booked])
 
 
 async def test_lanes_job_json_shows_the_time_spent_in_each_wait_reason(urls: ServerUrls, unique: str) -> None:

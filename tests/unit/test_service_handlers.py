@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -25,9 +25,10 @@ from lanes_contract.topology import ClusterPolicy, Node, NodeStatus
 from lanes_lifecycle.domain.job import JobView
 from lanes_lifecycle.service_layer.handlers import apply_job_event
 from lanes_runtime.consumer import TransactionScope
-from lanes_scheduler.domain.admission import Gang, Holding, Waiting
+from lanes_scheduler.domain.admission import Gang, Holding, Placed, Waiting
 from lanes_scheduler.domain.queue import PendingJob, Release, gang_of
 from lanes_scheduler.service_layer.handlers import Scheduler
+from lanes_scheduler.service_layer.ports import WaitEnd, WaitUpdate
 
 # --- scheduler -------------------------------------------------------------------------------------
 
@@ -100,9 +101,11 @@ class FakeScheduling:
             for seq, j, a in waiting
         ]
 
-    async def allocate(self, gang: Gang, assignments: tuple[RankAssignment, ...]) -> None:
-        self.allocations[gang.job_id, gang.attempt] = assignments
-        self._status(gang.job_id, gang.attempt, "placed")
+    async def allocate(self, placed: Sequence[Placed]) -> None:
+        for placement in placed:
+            gang = placement.gang
+            self.allocations[gang.job_id, gang.attempt] = placement.assignments
+            self._status(gang.job_id, gang.attempt, "placed")
 
     async def reject(self, gang: Gang) -> None:
         self._status(gang.job_id, gang.attempt, "rejected")
@@ -117,13 +120,13 @@ class FakeScheduling:
         freed = self.allocations.pop((job_id, attempt), ())
         return Release("released", tuple(sorted({a.node for a in freed})), sum(len(a.gpus) for a in freed))
 
-    async def close_wait(self, job_id: str, attempt: int, at: datetime, ended_by: str) -> None:
-        del at, ended_by
-        self.waits.pop((job_id, attempt), None)
+    async def close_waits(self, ended: Sequence[WaitEnd]) -> None:
+        for end in ended:
+            self.waits.pop((end.job_id, end.attempt), None)
 
-    async def record_wait(self, waiting: Waiting, seq: int, at: datetime, *, changed: bool) -> None:
-        del seq, at, changed
-        self.waits[waiting.gang.job_id, waiting.gang.attempt] = waiting
+    async def record_waits(self, updates: Sequence[WaitUpdate]) -> None:
+        for update in updates:
+            self.waits[update.waiting.gang.job_id, update.waiting.gang.attempt] = update.waiting
 
     def _status(self, job_id: str, attempt: int, status: str) -> None:
         spec, seq, _, avoid = self.jobs[job_id, attempt]

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
 import structlog
 
-from lanes_contract.events import NodeRegisteredData, RankAssignment
+from lanes_contract.events import NodeRegisteredData
 from lanes_contract.jobs import JobSpec
 from lanes_contract.topology import ClusterPolicy, Node, NodeState, NodeStatus
 from lanes_runtime.store import Db
-from lanes_scheduler.domain.admission import Gang, Holding, Waiting
+from lanes_scheduler.domain.admission import Gang, Holding, Placed, Waiting
 from lanes_scheduler.domain.queue import PendingJob, Release, gang_of
+from lanes_scheduler.service_layer.ports import WaitEnd, WaitUpdate
 
 log = structlog.get_logger(__name__)
 
@@ -194,16 +195,17 @@ async def pending_jobs(conn: Db) -> list[PendingJob]:
     ]
 
 
-async def allocate(conn: Db, gang: Gang, assignments: tuple[RankAssignment, ...]) -> None:
-    """Hold the GPUs of a placement and mark the attempt placed (the primary key refuses a double booking)."""
+async def allocate(conn: Db, placed: Sequence[Placed]) -> None:
+    """Hold the GPUs of placements and mark their attempts placed (the primary key refuses a double booking)."""
+    if not placed:
+        return
     await conn.executemany(
         "INSERT INTO scheduler_allocations (node_id, gpu_index, job_id, attempt, rank) VALUES ($1, $2, $3, $4, $5)",
-        [(a.node, gpu, gang.job_id, gang.attempt, a.rank) for a in assignments for gpu in a.gpus],
+        [(a.node, gpu, p.gang.job_id, p.gang.attempt, a.rank) for p in placed for a in p.assignments for gpu in a.gpus],
     )
-    await conn.execute(
+    await conn.executemany(
         "UPDATE scheduler_jobs SET status = 'placed', wait_reason = NULL WHERE job_id = $1 AND attempt = $2",
-        gang.job_id,
-        gang.attempt,
+        [(p.gang.job_id, p.gang.attempt) for p in placed],
     )
 
 
@@ -256,51 +258,62 @@ async def _log_release(  # noqa: PLR0917 - one row's columns, in table order
 # --- wait history ----------------------------------------------------------------------------------
 
 
+_CLOSE_WAIT = """UPDATE scheduler_waits SET ended_at = $3, ended_by = $4
+                 WHERE job_id = $1 AND attempt = $2 AND ended_at IS NULL"""
+
+
 async def close_wait(conn: Db, job_id: str, attempt: int, at: datetime, ended_by: str) -> None:
     """End the attempt's current wait reason, if it has one."""
-    await conn.execute(
-        """UPDATE scheduler_waits SET ended_at = $3, ended_by = $4
-           WHERE job_id = $1 AND attempt = $2 AND ended_at IS NULL""",
-        job_id,
-        attempt,
-        at,
-        ended_by,
+    await conn.execute(_CLOSE_WAIT, job_id, attempt, at, ended_by)
+
+
+async def close_waits(conn: Db, ended: Sequence[WaitEnd]) -> None:
+    """End these attempts' current wait reasons, where they have one (one round trip for all)."""
+    if ended:
+        await conn.executemany(_CLOSE_WAIT, [(e.job_id, e.attempt, e.at, e.ended_by) for e in ended])
+
+
+async def record_waits(conn: Db, updates: Sequence[WaitUpdate]) -> None:
+    """Open a new reason for each attempt whose reason changed, refresh the details of the others' open one.
+
+    Each kind of write is one statement for the whole round (pipelined), not one round trip per attempt:
+    when a round places some jobs, every job queued behind them moves up a place.
+    """
+    opened = [u for u in updates if u.changed]
+    await close_waits(
+        conn, [WaitEnd(u.waiting.gang.job_id, u.waiting.gang.attempt, u.at, str(u.waiting.reason)) for u in opened]
     )
-
-
-async def record_wait(conn: Db, waiting: Waiting, seq: int, at: datetime, *, changed: bool) -> None:
-    """Open a new reason (when it changed) or refresh the details of the open one."""
-    gang = waiting.gang
-    blocking = json.dumps([b.model_dump(mode="json") for b in waiting.blocking])
-    figures = json.dumps(dict(waiting.figures))
-    if changed:
-        await close_wait(conn, gang.job_id, gang.attempt, at, str(waiting.reason))
-        await conn.execute(
+    if opened:
+        await conn.executemany(
             """INSERT INTO scheduler_waits (job_id, attempt, started_seq, reason, detail, owner_lane, blocking, figures,
                                             queue_position, started_at)
                VALUES ($1, $2, $3, $4, $5, $6, $7::jsonb, $8::jsonb, $9, $10)""",
-            gang.job_id,
-            gang.attempt,
-            seq,
-            waiting.reason.value,
-            waiting.detail,
-            waiting.owner_lane.value,
-            blocking,
-            figures,
-            waiting.queue_position,
-            at,
+            [
+                (
+                    u.waiting.gang.job_id,
+                    u.waiting.gang.attempt,
+                    u.seq,
+                    u.waiting.reason.value,
+                    u.waiting.detail,
+                    u.waiting.owner_lane.value,
+                    *_blocking_and_figures(u.waiting),
+                    u.waiting.queue_position,
+                    u.at,
+                )
+                for u in opened
+            ],
         )
-        return
-    await conn.execute(
-        """UPDATE scheduler_waits SET detail = $3, blocking = $4::jsonb, figures = $5::jsonb, queue_position = $6
-           WHERE job_id = $1 AND attempt = $2 AND ended_at IS NULL""",
-        gang.job_id,
-        gang.attempt,
-        waiting.detail,
-        blocking,
-        figures,
-        waiting.queue_position,
-    )
+    refreshed = [u.waiting for u in updates if not u.changed]
+    if refreshed:
+        await conn.executemany(
+            """UPDATE scheduler_waits SET detail = $3, blocking = $4::jsonb, figures = $5::jsonb, queue_position = $6
+               WHERE job_id = $1 AND attempt = $2 AND ended_at IS NULL""",
+            [(w.gang.job_id, w.gang.attempt, w.detail, *_blocking_and_figures(w), w.queue_position) for w in refreshed],
+        )
+
+
+def _blocking_and_figures(waiting: Waiting) -> tuple[str, str]:
+    return json.dumps([b.model_dump(mode="json") for b in waiting.blocking]), json.dumps(dict(waiting.figures))
 
 
 async def wait_history(conn: Db, job_id: str) -> list[dict[str, Any]]:

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from lanes_contract.events import NodeRegisteredData, RankAssignment
+from lanes_contract.events import NodeRegisteredData
 from lanes_contract.jobs import JobSpec
 from lanes_contract.topology import ClusterPolicy, Node, NodeStatus
 from lanes_runtime.store import Db
 from lanes_scheduler.adapters import repository
-from lanes_scheduler.domain.admission import Gang, Holding, Waiting
+from lanes_scheduler.domain.admission import Gang, Holding, Placed
 from lanes_scheduler.domain.queue import PendingJob, Release
-from lanes_scheduler.service_layer.ports import Batch
+from lanes_scheduler.service_layer.ports import Batch, WaitEnd, WaitUpdate
 
 
 @dataclass(frozen=True)
@@ -72,9 +72,9 @@ class PostgresScheduling:
         """Attempts waiting for placement."""
         return await repository.pending_jobs(self.conn)
 
-    async def allocate(self, gang: Gang, assignments: tuple[RankAssignment, ...]) -> None:
-        """Hold a placement's GPUs."""
-        return await repository.allocate(self.conn, gang, assignments)
+    async def allocate(self, placed: Sequence[Placed]) -> None:
+        """Hold the placements' GPUs and mark their attempts placed (one round's, together)."""
+        return await repository.allocate(self.conn, placed)
 
     async def reject(self, gang: Gang) -> None:
         """Mark an attempt that can never be placed."""
@@ -84,13 +84,13 @@ class PostgresScheduling:
         """Free a finished attempt's GPUs exactly once."""
         return await repository.release(self.conn, job_id, attempt, cause_id, at)
 
-    async def close_wait(self, job_id: str, attempt: int, at: datetime, ended_by: str) -> None:
-        """End the attempt's current wait reason."""
-        return await repository.close_wait(self.conn, job_id, attempt, at, ended_by)
+    async def close_waits(self, ended: Sequence[WaitEnd]) -> None:
+        """End these attempts' current wait reasons."""
+        return await repository.close_waits(self.conn, ended)
 
-    async def record_wait(self, waiting: Waiting, seq: int, at: datetime, *, changed: bool) -> None:
-        """Record why an attempt waits."""
-        return await repository.record_wait(self.conn, waiting, seq, at, changed=changed)
+    async def record_waits(self, updates: Sequence[WaitUpdate]) -> None:
+        """Record why these attempts wait (one round's reasons, together)."""
+        return await repository.record_waits(self.conn, updates)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from lanes_contract.topology import NodeStatus
 from lanes_runtime.consumer import Caused
 from lanes_scheduler.domain.admission import CapacityView, Placed, Rejected, schedule
 from lanes_scheduler.domain.queue import PendingJob, gang_of
-from lanes_scheduler.service_layer.ports import SchedulingRepository, UnitOfWork
+from lanes_scheduler.service_layer.ports import SchedulingRepository, UnitOfWork, WaitEnd, WaitUpdate
 
 SOURCE = "lanes/scheduler"
 TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
@@ -210,6 +210,9 @@ class Scheduler:
         state = current.state or await self._load(repo)
         trigger = current.triggers[-1]
         outputs: list[Caused] = []
+        placements: list[Placed] = []
+        ended: list[WaitEnd] = []
+        waits: list[WaitUpdate] = []
         for decision in schedule(state.view, [p.gang for p in state.pending.values()]):
             gang = decision.gang
             ref = (gang.job_id, gang.attempt)
@@ -217,10 +220,9 @@ class Scheduler:
             key = f"{gang.job_id}/{gang.attempt}"
             ids: dict[str, str | int] = {"source": SOURCE, "jobid": gang.job_id, "attempt": gang.attempt}
             if isinstance(decision, Placed):
-                waited = state.pending.pop(ref).wait_reason is not None
-                await repo.allocate(gang, decision.assignments)
-                if waited:
-                    await repo.close_wait(gang.job_id, gang.attempt, cause.time, "placed")
+                placements.append(decision)
+                if state.pending.pop(ref).wait_reason is not None:
+                    ended.append(WaitEnd(gang.job_id, gang.attempt, cause.time, "placed"))
                 placed = JobPlacedData(
                     assignments=decision.assignments, level=str(decision.level), domain=decision.domain
                 )
@@ -228,7 +230,7 @@ class Scheduler:
             elif isinstance(decision, Rejected):
                 del state.pending[ref]
                 await repo.reject(gang)
-                await repo.close_wait(gang.job_id, gang.attempt, cause.time, "rejected")
+                ended.append(WaitEnd(gang.job_id, gang.attempt, cause.time, "rejected"))
                 rejected = JobRejectedData(
                     reason=decision.reason.value,
                     detail=decision.detail,
@@ -240,7 +242,7 @@ class Scheduler:
                 last = state.pending[ref]
                 changed = last.wait_reason != decision.reason.value
                 if changed or (last.wait_detail, last.queue_position) != (decision.detail, decision.queue_position):
-                    await repo.record_wait(decision, seq, cause.time, changed=changed)
+                    waits.append(WaitUpdate(decision, seq, cause.time, changed=changed))
                     state.pending[ref] = replace(
                         last,
                         wait_reason=decision.reason.value,
@@ -257,6 +259,10 @@ class Scheduler:
                         figures=dict(decision.figures),
                     )
                     outputs.append((cause, derive(JobWaiting, cause, key=key, **ids, data=waiting)))
+        # The round's writes go together, a statement per kind rather than a round trip per attempt.
+        await repo.allocate(placements)
+        await repo.close_waits(ended)
+        await repo.record_waits(waits)
         await self._keep(repo, state)
         return outputs
 

@@ -2,16 +2,39 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
 
-from lanes_contract.events import NodeRegisteredData, RankAssignment
+from lanes_contract.events import NodeRegisteredData
 from lanes_contract.jobs import JobSpec
 from lanes_contract.topology import ClusterPolicy, Node, NodeStatus
 from lanes_runtime.consumer import BeforeCommit
-from lanes_scheduler.domain.admission import Gang, Holding, Waiting
+from lanes_scheduler.domain.admission import Gang, Holding, Placed, Waiting
 from lanes_scheduler.domain.queue import PendingJob, Release
+
+
+@dataclass(frozen=True)
+class WaitEnd:
+    """An attempt's open wait reason ends: it was placed, rejected or released."""
+
+    job_id: str
+    attempt: int
+    at: datetime
+    ended_by: str
+
+
+@dataclass(frozen=True)
+class WaitUpdate:
+    """Why an attempt waits, as a scheduling round decided it."""
+
+    waiting: Waiting
+    seq: int
+    """The stream sequence of the event that queued the attempt."""
+    at: datetime
+    changed: bool
+    """A new reason (the open one ends, this one opens), not new details of the same reason."""
 
 
 class SchedulingRepository(Protocol):
@@ -67,8 +90,8 @@ class SchedulingRepository(Protocol):
         """Attempts waiting for placement."""
         ...
 
-    async def allocate(self, gang: Gang, assignments: tuple[RankAssignment, ...]) -> None:
-        """Hold a placement's GPUs."""
+    async def allocate(self, placed: Sequence[Placed]) -> None:
+        """Hold the placements' GPUs and mark their attempts placed (one round's, together)."""
         ...
 
     async def reject(self, gang: Gang) -> None:
@@ -79,12 +102,12 @@ class SchedulingRepository(Protocol):
         """Free a finished attempt's GPUs exactly once."""
         ...
 
-    async def close_wait(self, job_id: str, attempt: int, at: datetime, ended_by: str) -> None:
-        """End the attempt's current wait reason."""
+    async def close_waits(self, ended: Sequence[WaitEnd]) -> None:
+        """End these attempts' current wait reasons."""
         ...
 
-    async def record_wait(self, waiting: Waiting, seq: int, at: datetime, *, changed: bool) -> None:
-        """Record why an attempt waits."""
+    async def record_waits(self, updates: Sequence[WaitUpdate]) -> None:
+        """Record why these attempts wait (one round's reasons, together)."""
         ...
 
 
