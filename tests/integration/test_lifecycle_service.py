@@ -4,6 +4,7 @@ visible, crash safety under SIGKILL and per-job optimistic concurrency between r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import random
 import signal
@@ -12,6 +13,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,7 @@ from lanes_lifecycle.adapters import repository
 from lanes_lifecycle.adapters.transitions import TransitionConflictError
 from lanes_lifecycle.domain.job import IllegalTransitionError, evolve
 from lanes_lifecycle.entrypoints.service import SERVICE, job_event_handler
-from lanes_runtime.consumer import EventConsumer, HandlerContext, TransactionScope
+from lanes_runtime.consumer import EventConsumer, Handler, HandlerContext, TransactionScope
 from lanes_runtime.reader import Selection
 from lanes_runtime.settings import ServerUrls
 from lanes_runtime.store import apply_migrations, apply_runtime_migrations, create_pool
@@ -277,38 +279,54 @@ async def test_two_concurrent_lifecycle_processes_never_double_a_transition(
     await other.close()
 
 
-async def test_a_writer_that_lost_the_race_is_refused_and_rolls_back(
-    lanes: LanesClient, pool: asyncpg.Pool, unique: str, second_database: str
-) -> None:
-    """Two replicas hold the same view of a running job; one applies a cancel, the other a rank failure.
-    Exactly one transition reaches the log; the other handler raises and its projection is not changed."""
-    job_id = f"race-{unique}"
+@dataclass(frozen=True)
+class _Race:
+    other: asyncpg.Pool
+    """The second replica's projection: its view of the job is one state change behind the log."""
+    handle: Handler
+    failure: RankExited
+    """A rank failure, decided on that stale view."""
+
+
+@contextlib.asynccontextmanager
+async def _lost_race(lanes: LanesClient, pool: asyncpg.Pool, second_database: str, job_id: str) -> AsyncIterator[_Race]:
+    """Two replicas (`pool` and a second database) hold the same view of a running job; the first then
+    cancels it, appending a state change the second has not seen."""
     story = long_story(job_id, total=400)
     prefix = story[: next(i for i, e in enumerate(story) if e.type.endswith("heartbeat.v1")) + 1]  # running
     other = await _pool(second_database)
-    handle_job_event = job_event_handler(lanes.js)
+    handle = job_event_handler(lanes.js)
     try:
         for event in prefix:
             await lanes.publish(event)
         for db in (pool, other):
             for seq, event in enumerate(prefix, start=1):
                 async with db.acquire() as conn, conn.transaction():
-                    await handle_job_event(event, HandlerContext(conn, seq, 1))
+                    await handle(event, HandlerContext(conn, seq, 1))
         keys: dict[str, Any] = {"source": "tests", "jobid": job_id, "attempt": 1}
         cancel = CancelRequested(data=CommandData(requested_by="alice"), **keys)
-        failure = RankExited(rank=1, node="node-1", data=RankExitedData(exit_code=3), **keys)
         async with pool.acquire() as conn, conn.transaction():
-            await handle_job_event(cancel, HandlerContext(conn, 1000, 1))
-        with pytest.raises(TransitionConflictError, match="another writer"):
-            async with other.acquire() as conn, conn.transaction():
-                await handle_job_event(failure, HandlerContext(conn, 1001, 1))
-        async with other.acquire() as conn:
-            loser = await repository.load(conn, job_id)
-        assert loser is not None
-        assert loser.state is JobState.RUNNING  # rolled back with the refused publish
-        assert loser.current.ranks[1].exited is False
+            await handle(cancel, HandlerContext(conn, 1000, 1))
+        yield _Race(other, handle, RankExited(rank=1, node="node-1", data=RankExitedData(exit_code=3), **keys))
     finally:
         await other.close()
+
+
+async def test_a_writer_that_lost_the_race_is_refused_and_rolls_back(
+    lanes: LanesClient, pool: asyncpg.Pool, unique: str, second_database: str
+) -> None:
+    """Two replicas hold the same view of a running job; one applies a cancel, the other a rank failure.
+    Exactly one transition reaches the log; the other handler raises and its projection is not changed."""
+    job_id = f"race-{unique}"
+    async with _lost_race(lanes, pool, second_database, job_id) as race:
+        with pytest.raises(TransitionConflictError, match="another writer"):
+            async with race.other.acquire() as conn, conn.transaction():
+                await race.handle(race.failure, HandlerContext(conn, 1001, 1))
+        async with race.other.acquire() as conn:
+            loser = await repository.load(conn, job_id)
+    assert loser is not None
+    assert loser.state is JobState.RUNNING  # rolled back with the refused publish
+    assert loser.current.ranks[1].exited is False
     logged = await _transitions(lanes, job_id)
     assert logged[-1].data.to_state is JobState.CANCELLING
     assert [c.data.to_state for c in logged].count(JobState.PARTIALLY_FAILED) == 0
@@ -322,50 +340,32 @@ async def test_a_batch_appends_its_state_changes_at_its_end_and_settles_a_lost_r
     the batch back; folded again event by event (an isolated scope), only the loser is refused, and the
     winner adopts the state change the rolled-back batch had already appended instead of appending another."""
     raced, fresh = f"race-{unique}", f"fresh-{unique}"
-    story = long_story(raced, total=400)
-    prefix = story[: next(i for i, e in enumerate(story) if e.type.endswith("heartbeat.v1")) + 1]  # running
-    other = await _pool(second_database)
-    handle = job_event_handler(lanes.js)
-    try:
-        for event in prefix:
-            await lanes.publish(event)
-        for db in (pool, other):
-            for seq, event in enumerate(prefix, start=1):
-                async with db.acquire() as conn, conn.transaction():
-                    await handle(event, HandlerContext(conn, seq, 1))
-        keys: dict[str, Any] = {"source": "tests", "jobid": raced, "attempt": 1}
-        cancel = CancelRequested(data=CommandData(requested_by="alice"), **keys)
-        failure = RankExited(rank=1, node="node-1", data=RankExitedData(exit_code=3), **keys)
-        submitted = long_story(fresh, total=400)[0]
-        async with pool.acquire() as conn, conn.transaction():
-            await handle(cancel, HandlerContext(conn, 1000, 1))
-
+    submitted = long_story(fresh, total=400)[0]
+    async with _lost_race(lanes, pool, second_database, raced) as race:
         batch = TransactionScope(deferred=True, keys=frozenset({raced, fresh}))
-        async with other.acquire() as conn:
+        async with race.other.acquire() as conn:
             transaction = conn.transaction()
             await transaction.start()
-            await handle(submitted, HandlerContext(conn, 1001, 1, batch))
-            await handle(failure, HandlerContext(conn, 1002, 1, batch))
+            await race.handle(submitted, HandlerContext(conn, 1001, 1, batch))
+            await race.handle(race.failure, HandlerContext(conn, 1002, 1, batch))
             assert await _transitions(lanes, fresh) == []  # nothing appended before the batch's end
             with pytest.raises(TransitionConflictError, match="another writer"):
                 await batch.flush()
             await transaction.rollback()  # as the consumer does when the flush fails
-        async with other.acquire() as conn:
+        async with race.other.acquire() as conn:
             assert await repository.load(conn, fresh) is None  # the whole batch rolled back
         assert len(await _transitions(lanes, fresh)) == 1  # its chain ran to its end before the failure
 
         one_by_one = TransactionScope(deferred=True, isolated=True, keys=frozenset({raced, fresh}))
-        async with other.acquire() as conn, conn.transaction():
-            await handle(submitted, HandlerContext(conn, 1001, 1, one_by_one))
+        async with race.other.acquire() as conn, conn.transaction():
+            await race.handle(submitted, HandlerContext(conn, 1001, 1, one_by_one))
             with pytest.raises(TransitionConflictError):
                 async with conn.transaction():
-                    await handle(failure, HandlerContext(conn, 1002, 1, one_by_one))
+                    await race.handle(race.failure, HandlerContext(conn, 1002, 1, one_by_one))
             await one_by_one.flush()
-        async with other.acquire() as conn:
+        async with race.other.acquire() as conn:
             view, transition_seq = await repository.load_with_seq(conn, fresh)
             loser = await repository.load(conn, raced)
-    finally:
-        await other.close()
     (appended,) = await _transitions(lanes, fresh)  # adopted, not appended twice
     assert view is not None
     assert view.state is appended.data.to_state
