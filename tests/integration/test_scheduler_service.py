@@ -51,6 +51,7 @@ from lanes_scheduler.domain.admission import Placed
 from lanes_scheduler.domain.queue import gang_of
 from lanes_scheduler.entrypoints.service import SERVICE as SCHEDULER
 from lanes_scheduler.entrypoints.service import handlers
+from lanes_scheduler.service_layer.ports import QueuedAttempt
 
 pytestmark = pytest.mark.real_servers
 
@@ -402,7 +403,7 @@ async def test_the_allocation_key_refuses_a_double_booking_even_without_the_lock
         await eventually(lambda: _is(c.status("a"), "placed"), what="a placed")
         spec = JobSpec(name="t", workers=1, gpus_per_worker=8)
         async with c.conns.pool.acquire() as conn, conn.transaction():
-            await repository.add_pending_job(conn, c.jobs["b"], 1, spec, 10**9)
+            await repository.add_pending_jobs(conn, [QueuedAttempt(c.jobs["b"], 1, spec, 10**9)])
         gang = gang_of(c.jobs["b"], 1, spec, 0)
         assignments = (RankAssignment(rank=0, node=c.nodes["n1"], gpus=(3,)),)
         double_booked = Placed(gang, assignments, Level.NODE, c.nodes["n1"])

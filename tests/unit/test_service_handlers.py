@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
 from lanes_contract.events import (
+    AttemptRequested,
+    AttemptRequestedData,
     JobPlaced,
     JobStateChanged,
     JobStateChangedData,
@@ -28,7 +30,7 @@ from lanes_runtime.consumer import TransactionScope
 from lanes_scheduler.domain.admission import Gang, Holding, Placed, Waiting
 from lanes_scheduler.domain.queue import PendingJob, Release, gang_of
 from lanes_scheduler.service_layer.handlers import Scheduler
-from lanes_scheduler.service_layer.ports import WaitEnd, WaitUpdate
+from lanes_scheduler.service_layer.ports import QueuedAttempt, WaitEnd, WaitUpdate
 
 # --- scheduler -------------------------------------------------------------------------------------
 
@@ -82,13 +84,13 @@ class FakeScheduling:
             for a in assignments
         ]
 
-    async def add_pending_job(
-        self, job_id: str, attempt: int, spec: JobSpec, seq: int, *, avoid_nodes: Iterable[str] = ()
-    ) -> bool:
-        if (job_id, attempt) in self.jobs:
-            return False
-        self.jobs[job_id, attempt] = (spec, seq, "pending", tuple(avoid_nodes))
-        return True
+    async def add_pending_jobs(self, queued: Sequence[QueuedAttempt]) -> set[tuple[str, int]]:
+        added = set()
+        for q in queued:
+            if (q.job_id, q.attempt) not in self.jobs:
+                self.jobs[q.job_id, q.attempt] = (q.spec, q.seq, "pending", q.avoid_nodes)
+                added.add((q.job_id, q.attempt))
+        return added
 
     async def original_spec(self, job_id: str) -> JobSpec | None:
         found = sorted((a, v[0]) for (j, a), v in self.jobs.items() if j == job_id)
@@ -237,6 +239,25 @@ async def test_a_batch_that_changed_nothing_keeps_the_state_for_the_next() -> No
     assert await batch.flush() == []
     assert await repo.state_token() == token  # no decision, no new token
     assert scheduler._states.keys() == {token}
+
+
+async def test_in_a_batch_an_attempt_or_a_release_sees_the_submissions_queued_before_it() -> None:
+    # Submissions are written together, at the batch's end or before anything that reads them: an attempt
+    # finds its job's spec, and a job submitted and finished in one batch is freed, not left queued.
+    repo = FakeScheduling()
+    scheduler = Scheduler()
+    await scheduler.apply_node_event(
+        NodeRegistered(source="tests", node="n1", data=H100_NODE), FakeSchedulerUnit(repo, 1)
+    )
+    batch = TransactionScope(deferred=True)
+    retry = AttemptRequested(source="tests", jobid="a", attempt=2, data=AttemptRequestedData(reason="retry"))
+    events = [_submitted("a", gpus=4), retry, _submitted("b", gpus=4), _finished("b"), _submitted("c", gpus=4)]
+    for seq, event in enumerate(events, start=2):
+        await scheduler.apply_job_event(event, FakeSchedulerUnit(repo, seq, batch))
+    decided = {(output.jobid, output.attempt): type(output) for _, output in await batch.flush()}
+    assert decided == {("a", 1): JobPlaced, ("a", 2): JobPlaced, ("c", 1): JobWaiting}
+    assert repo.jobs["a", 2][0] == repo.jobs["a", 1][0]  # the attempt runs the job's own spec
+    assert repo.jobs["b", 1][2] == "done"
 
 
 # --- lifecycle -------------------------------------------------------------------------------------

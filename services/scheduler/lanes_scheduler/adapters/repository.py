@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
@@ -15,7 +15,7 @@ from lanes_contract.topology import ClusterPolicy, Node, NodeState, NodeStatus
 from lanes_runtime.store import Db
 from lanes_scheduler.domain.admission import Gang, Holding, Placed, Waiting
 from lanes_scheduler.domain.queue import PendingJob, Release, gang_of
-from lanes_scheduler.service_layer.ports import WaitEnd, WaitUpdate
+from lanes_scheduler.service_layer.ports import QueuedAttempt, WaitEnd, WaitUpdate
 
 log = structlog.get_logger(__name__)
 
@@ -137,28 +137,35 @@ async def holdings(conn: Db) -> list[Holding]:
 # --- job attempts ----------------------------------------------------------------------------------
 
 
-async def add_pending_job(
-    conn: Db, job_id: str, attempt: int, spec: JobSpec, seq: int, *, avoid_nodes: Iterable[str] = ()
-) -> bool:
-    """Queue a job attempt for placement, never to go on `avoid_nodes`; False if that attempt is already known."""
-    added = await conn.fetchval(
+async def add_pending_jobs(conn: Db, queued: Sequence[QueuedAttempt]) -> set[tuple[str, int]]:
+    """Queue job attempts for placement, each never to go on its `avoid_nodes`, in one statement.
+
+    Returns the attempts added; one already known (a duplicate submission or attempt) is left as it is.
+    """
+    if not queued:
+        return set()
+    rows = await conn.fetch(
         """INSERT INTO scheduler_jobs (job_id, attempt, workers, gpus_per_worker, gpu_model, status, submitted_seq,
                                        spec, tenant, pool, priority, avoid_nodes)
-           VALUES ($1, $2, $3, $4, $5, 'pending', $6, $7::jsonb, $8, $9, $10, $11)
-           ON CONFLICT (job_id, attempt) DO NOTHING RETURNING true""",
-        job_id,
-        attempt,
-        spec.workers,
-        spec.gpus_per_worker,
-        spec.gpu_model,
-        seq,
-        spec.model_dump_json(),
-        spec.tenant,
-        spec.pool,
-        spec.priority,
-        sorted(set(avoid_nodes)),
+           SELECT q.job_id, q.attempt, q.workers, q.gpus_per_worker, q.gpu_model, 'pending', q.seq, q.spec, q.tenant,
+                  q.pool, q.priority, ARRAY(SELECT jsonb_array_elements_text(q.avoid))
+           FROM unnest($1::text[], $2::int[], $3::int[], $4::int[], $5::text[], $6::bigint[], $7::jsonb[], $8::text[],
+                       $9::text[], $10::int[], $11::jsonb[])
+                AS q(job_id, attempt, workers, gpus_per_worker, gpu_model, seq, spec, tenant, pool, priority, avoid)
+           ON CONFLICT (job_id, attempt) DO NOTHING RETURNING job_id, attempt""",
+        [q.job_id for q in queued],
+        [q.attempt for q in queued],
+        [q.spec.workers for q in queued],
+        [q.spec.gpus_per_worker for q in queued],
+        [q.spec.gpu_model for q in queued],
+        [q.seq for q in queued],
+        [q.spec.model_dump_json() for q in queued],
+        [q.spec.tenant for q in queued],
+        [q.spec.pool for q in queued],
+        [q.spec.priority for q in queued],
+        [json.dumps(sorted(set(q.avoid_nodes))) for q in queued],
     )
-    return bool(added)
+    return {(row["job_id"], int(row["attempt"])) for row in rows}
 
 
 async def original_spec(conn: Db, job_id: str) -> JobSpec | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -13,7 +13,7 @@ from lanes_runtime.store import Db
 from lanes_scheduler.adapters import repository
 from lanes_scheduler.domain.admission import Gang, Holding, Placed
 from lanes_scheduler.domain.queue import PendingJob, Release
-from lanes_scheduler.service_layer.ports import Batch, WaitEnd, WaitUpdate
+from lanes_scheduler.service_layer.ports import Batch, QueuedAttempt, WaitEnd, WaitUpdate
 
 
 @dataclass(frozen=True)
@@ -58,11 +58,9 @@ class PostgresScheduling:
         """GPUs held per attempt and node."""
         return await repository.holdings(self.conn)
 
-    async def add_pending_job(
-        self, job_id: str, attempt: int, spec: JobSpec, seq: int, *, avoid_nodes: Iterable[str] = ()
-    ) -> bool:
-        """Queue an attempt; False if it is already known."""
-        return await repository.add_pending_job(self.conn, job_id, attempt, spec, seq, avoid_nodes=avoid_nodes)
+    async def add_pending_jobs(self, queued: Sequence[QueuedAttempt]) -> set[tuple[str, int]]:
+        """Queue attempts (one round's, together); return those added, leaving the already known as they are."""
+        return await repository.add_pending_jobs(self.conn, queued)
 
     async def original_spec(self, job_id: str) -> JobSpec | None:
         """The spec of the job's first attempt."""

@@ -32,7 +32,7 @@ from lanes_contract.topology import NodeStatus
 from lanes_runtime.consumer import Caused
 from lanes_scheduler.domain.admission import CapacityView, Placed, Rejected, schedule
 from lanes_scheduler.domain.queue import PendingJob, gang_of
-from lanes_scheduler.service_layer.ports import SchedulingRepository, UnitOfWork, WaitEnd, WaitUpdate
+from lanes_scheduler.service_layer.ports import QueuedAttempt, SchedulingRepository, UnitOfWork, WaitEnd, WaitUpdate
 
 SOURCE = "lanes/scheduler"
 TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
@@ -60,6 +60,8 @@ class _Round:
     state: _State | None
     triggers: list[tuple[Event, int]] = field(default_factory=list)
     causes: dict[tuple[str, int], tuple[Event, int]] = field(default_factory=dict)
+    queued: dict[tuple[str, int], QueuedAttempt] = field(default_factory=dict)
+    """Attempts queued in this round and not yet written (they are written together)."""
 
 
 _ROUND = "lanes_scheduler.round"
@@ -97,6 +99,7 @@ class Scheduler:
 
     async def _finish(self, repo: SchedulingRepository, current: _Round) -> list[Caused]:
         """Decide the queue if anything asked for it; otherwise the state is still the one its token names."""
+        await self._write_queued(repo, current)
         if not current.triggers:
             self._keep_unchanged(current)
             return []
@@ -123,14 +126,29 @@ class Scheduler:
         *,
         avoid_nodes: tuple[str, ...] = (),
     ) -> list[Event]:
-        job_id, attempt = event.job_key, event.attempt or 1
-        if not await uow.repo.add_pending_job(job_id, attempt, spec, uow.stream_seq, avoid_nodes=avoid_nodes):
+        ref = (event.job_key, event.attempt or 1)
+        if ref in current.queued or (current.state is not None and ref in current.state.pending):
             return []  # already queued: nothing changed
-        if current.state is not None:
-            gang = gang_of(job_id, attempt, spec, uow.stream_seq, avoid_nodes=avoid_nodes)
-            current.state.pending[(job_id, attempt)] = PendingJob(gang, None)
-        current.causes[(job_id, attempt)] = (event, uow.stream_seq)
+        current.queued[ref] = QueuedAttempt(*ref, spec, uow.stream_seq, avoid_nodes)
+        current.causes[ref] = (event, uow.stream_seq)
+        if uow.batch is None and ref not in await self._write_queued(uow.repo, current):
+            return []
         return await self._decide(uow, current, event)
+
+    async def _write_queued(self, repo: SchedulingRepository, current: _Round) -> set[tuple[str, int]]:
+        """Write the attempts this round queued; those already known (placed, ended) ask for no decision."""
+        if not current.queued:
+            return set()
+        queued, current.queued = list(current.queued.values()), {}
+        added = await repo.add_pending_jobs(queued)
+        known = [current.causes.pop((q.job_id, q.attempt)) for q in queued if (q.job_id, q.attempt) not in added]
+        current.triggers = [trigger for trigger in current.triggers if trigger not in known]
+        if current.state is not None:
+            for q in queued:
+                if (q.job_id, q.attempt) in added:
+                    gang = gang_of(q.job_id, q.attempt, q.spec, q.seq, avoid_nodes=q.avoid_nodes)
+                    current.state.pending[q.job_id, q.attempt] = PendingJob(gang, None)
+        return added
 
     async def apply_job_event(self, event: Event, uow: UnitOfWork) -> Sequence[Event]:
         """Queue submitted jobs and new attempts, free the allocation of finished ones; then place what waits."""
@@ -146,6 +164,7 @@ class Scheduler:
     async def _apply_job_event(self, event: Event, uow: UnitOfWork, current: _Round) -> list[Event]:
         if isinstance(event, JobSubmitted):
             return await self._queue(uow, current, event, event.data.spec)
+        await self._write_queued(uow.repo, current)  # what follows reads the attempts this round queued
         if isinstance(event, AttemptRequested):
             spec = await uow.repo.original_spec(event.job_key)
             if spec is None:

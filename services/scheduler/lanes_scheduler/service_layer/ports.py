@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
@@ -13,6 +13,18 @@ from lanes_contract.topology import ClusterPolicy, Node, NodeStatus
 from lanes_runtime.consumer import BeforeCommit
 from lanes_scheduler.domain.admission import Gang, Holding, Placed, Waiting
 from lanes_scheduler.domain.queue import PendingJob, Release
+
+
+@dataclass(frozen=True)
+class QueuedAttempt:
+    """A job attempt to queue for placement."""
+
+    job_id: str
+    attempt: int
+    spec: JobSpec
+    seq: int
+    """The stream sequence of the event that queued it: its place in the queue among equal priorities."""
+    avoid_nodes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -76,10 +88,8 @@ class SchedulingRepository(Protocol):
         """GPUs held per attempt and node."""
         ...
 
-    async def add_pending_job(
-        self, job_id: str, attempt: int, spec: JobSpec, seq: int, *, avoid_nodes: Iterable[str] = ()
-    ) -> bool:
-        """Queue an attempt; False if it is already known."""
+    async def add_pending_jobs(self, queued: Sequence[QueuedAttempt]) -> set[tuple[str, int]]:
+        """Queue attempts (one round's, together); return those added, leaving the already known as they are."""
         ...
 
     async def original_spec(self, job_id: str) -> JobSpec | None:
