@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 
 import asyncpg
@@ -216,6 +216,54 @@ async def test_a_transient_postgres_error_is_redelivered_not_lost(
     assert consumer.outcomes[Outcome.RETRY] == 0
     assert await effects(pool, event.id) == 1
     assert await stored(lanes.js, JOBS.name, f"lanes.job.{job_id}.waiting") == 1
+
+
+async def test_the_batch_fetched_ahead_is_kept_in_progress_through_an_outage(
+    lanes: LanesClient, pool: asyncpg.Pool, unique: str
+) -> None:
+    """A consumer fetches its next batch while it works on one. If an outage holds the batch at work, the one
+    fetched ahead is kept in progress too: a second replica does not get it redelivered, no delivery is spent.
+    """
+    job_id = f"ahead-{unique}"
+    spec = spec_for(job_id, batch=4)
+    down = True
+    seen: list[tuple[str, int, str]] = []
+
+    def handler(replica: str) -> Callable[[Event, HandlerContext], Awaitable[Sequence[Event]]]:
+        async def handle(event: Event, ctx: HandlerContext) -> Sequence[Event]:
+            if down:
+                raise ConnectionRefusedError("database down")
+            seen.append((replica, ctx.deliveries, event.id))
+            return await record_effect(event, ctx)
+
+        return handle
+
+    events = [submission(job_id) for _ in range(2 * spec.batch)]
+    for event in events:
+        await lanes.publish(event)
+    first = EventConsumer(lanes._nc, pool, spec, handler("first"))
+    stop_first, first_task = await _running(first)
+    await eventually(lambda: _held(first), what="the first replica holding its batch through the outage")
+    second = EventConsumer(lanes._nc, pool, spec, handler("second"))
+    stop_second, second_task = await _running(second)
+    await asyncio.sleep(2.5 * spec.ack_wait_s)  # long enough for an unattended delivery to time out twice
+    down = False
+
+    async def all_processed() -> bool:
+        return {event_id for _, _, event_id in seen} == {event.id for event in events}
+
+    await eventually(all_processed, what="both batches processed after the outage")
+    await _stop(stop_second, second_task)
+    await _stop(stop_first, first_task)
+    assert len(seen) == len(events)  # each once
+    assert {(replica, deliveries) for replica, deliveries, _ in seen} == {("first", 1)}
+    assert first.outcomes[Outcome.RETRY] == 0
+    assert second.outcomes.total() == 0
+    assert await _dead_letters(lanes, spec.durable) == []
+
+
+async def _held(consumer: EventConsumer) -> bool:
+    return consumer.outcomes[Outcome.HELD] > 0
 
 
 async def test_a_message_that_always_fails_is_dead_lettered_after_max_deliver(

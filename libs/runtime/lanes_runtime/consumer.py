@@ -13,9 +13,12 @@ One durable pull consumer per service role. For each fetched batch:
 3. After commit, publish the batch's outbox rows (their ids are deterministic, so JetStream drops a second
    copy) with the publish acknowledgements awaited together, delete them, and only then acknowledge.
 
+The next batch is fetched while one is processed (the fetch's round trip overlaps the work).
+
 Every acknowledgement is chosen by `decision.decide`; this loop only carries it out. An infrastructure
-failure (a server unreachable or too slow) holds the batch: the messages are marked in progress, the
-consumer is marked not ready, and the batch is tried again with backoff, without spending a delivery.
+failure (a server unreachable or too slow) holds the batch: every message in hand (the batch and the one
+fetched ahead) is marked in progress, the consumer is marked not ready, and the batch is tried again with
+backoff, without spending a delivery.
 If a delivery ends without any decision (the process died), JetStream's max-deliveries advisory is
 captured and the message dead-lettered from it.
 
@@ -52,6 +55,7 @@ from lanes_contract.streams import STREAM_OF_FAMILY, StreamSpec
 from lanes_runtime import decision
 from lanes_runtime.delivery import (
     DeadLetter,
+    InHand,
     Settled,
     StoppedError,
     carry_out,
@@ -222,6 +226,8 @@ class EventConsumer:
         self.ready = True
         """False while a server it depends on is unavailable (the service reports not ready)."""
         self._metrics = metrics or ConsumerMetrics.for_consumer(spec.durable)
+        self._in_hand = InHand()
+        """Messages fetched (the batch at work and the one fetched ahead) and not yet settled."""
         self._decoded: dict[int, Event] = {}
         """Events this process staged, decoded, by stream sequence, until it folds them."""
         self._log = log.bind(consumer=spec.durable)
@@ -251,7 +257,10 @@ class EventConsumer:
         next_prune = time.monotonic() + _PRUNE_EVERY_S
         try:
             not_ready = functools.partial(self._set_ready, ready=False)
-            async for msgs in pull_batches(sub, self.spec.batch, stop, consumer=self.name, on_unavailable=not_ready):
+            batches = pull_batches(
+                sub, self.spec.batch, stop, consumer=self.name, on_unavailable=not_ready, in_hand=self._in_hand
+            )
+            async for msgs in batches:
                 if msgs:
                     await self.process_batch(msgs, stop)
                 if time.monotonic() >= next_prune:
@@ -274,6 +283,7 @@ class EventConsumer:
 
     async def process_batch(self, msgs: Sequence[Msg], stop: asyncio.Event | None = None) -> None:
         """Process one fetched batch: one transaction, then the outbox, then each message's decision."""
+        self._in_hand.add(msgs)
         items = [_decoded(msg) for msg in msgs]
         self._metrics.batch_size.observe(len(items))
         self._metrics.pending.set(msgs[-1].metadata.num_pending or 0)
@@ -298,15 +308,17 @@ class EventConsumer:
     async def _hold_through_outages(
         self, attempt: Callable[[], Awaitable[_T]], stop: asyncio.Event | None, items: Sequence[_Item] = ()
     ) -> _T:
-        """Run `attempt` until no server is unavailable, keeping `items` in progress; not ready meanwhile."""
+        """Run `attempt` until no server is unavailable, not ready meanwhile.
+
+        Every message in hand is kept in progress meanwhile: `items`, and the batch fetched ahead.
+        """
 
         def on_hold(_: Exception, __: float) -> None:
             self._set_ready(ready=False)
             self.outcomes[Outcome.HELD] += len(items)
             self._metrics.held.inc(len(items))
 
-        held = [item.msg for item in items]
-        result = await hold_through_outages(attempt, self.spec, held=held, stop=stop, on_hold=on_hold)
+        result = await hold_through_outages(attempt, self.spec, held=self._in_hand, stop=stop, on_hold=on_hold)
         self._set_ready(ready=True)
         return result
 
@@ -454,7 +466,9 @@ class EventConsumer:
         verdict = decision.decide(outcome, item.deliveries, self.spec)
         if isinstance(verdict, decision.Nak):
             self._log.warning("redelivering", reason=_reason(outcome), delay_s=verdict.delay_s, seq=item.seq)
-        match await carry_out(self._js, item.msg, verdict, self.spec):
+        settled = await carry_out(self._js, item.msg, verdict, self.spec)
+        self._in_hand.discard(item.msg)
+        match settled:
             case Settled.ACKED if isinstance(outcome, decision.Duplicate):
                 tally = Outcome.DUPLICATE
             case Settled.ACKED:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol, TypeVar
@@ -113,6 +113,28 @@ async def dead_letter(
     await js.publish(f"lanes.dead.{letter.stream}.{letter.consumer}", payload, headers=dead_headers, stream=DEAD.name)
 
 
+class InHand:
+    """The messages a loop has fetched and not yet settled: what it keeps in progress through an outage."""
+
+    def __init__(self) -> None:
+        self._msgs: dict[str, Msg] = {}  # by reply subject: one per delivery
+
+    def add(self, msgs: Iterable[Msg]) -> None:
+        """Fetched messages, now in hand."""
+        for msg in msgs:
+            self._msgs[msg.reply] = msg
+
+    def discard(self, msg: Msg) -> None:
+        """A message acked, sent back or terminated: no longer this loop's to keep."""
+        self._msgs.pop(msg.reply, None)
+
+    def __iter__(self) -> Iterator[Msg]:
+        return iter(self._msgs.values())
+
+    def __len__(self) -> int:
+        return len(self._msgs)
+
+
 async def pull_batches(
     sub: JetStreamContext.PullSubscription,
     size: int,
@@ -120,28 +142,55 @@ async def pull_batches(
     *,
     consumer: str,
     on_unavailable: Callable[[], None] | None = None,
+    in_hand: InHand | None = None,
 ) -> AsyncIterator[list[Msg]]:
-    """Yield fetched batches until `stop` is set; an empty list when a fetch waited and found nothing."""
-    while not stop.is_set():
-        try:
-            msgs = await sub.fetch(size, timeout=FETCH_WAIT_S)
-        except TimeoutError:  # nats-py raises its own subclass or the builtin, depending on the path
-            msgs = []
-        except NatsError as exc:
-            # Disconnected or reconnecting: nothing was taken, so nothing is lost; try again shortly.
-            log.warning("fetch failed; retrying", consumer=consumer, error=str(exc) or type(exc).__name__)
-            if on_unavailable is not None:
-                on_unavailable()
-            await asyncio.sleep(REFETCH_AFTER_S)
-            continue
-        yield msgs
+    """Yield fetched batches until `stop` is set; an empty list when a fetch waited and found nothing.
+
+    With `in_hand`, the next batch is fetched while the caller works on the one yielded, so the fetch's round
+    trip overlaps that work. Every fetched message goes into `in_hand` as it arrives: a caller holding a batch
+    through an outage keeps the batch ahead in progress too, which would otherwise time out and come back,
+    spending a delivery on nothing. Once `stop` is set, the batch already fetched ahead is still yielded.
+    """
+
+    async def fetch() -> list[Msg]:
+        while not stop.is_set():
+            try:
+                msgs = await sub.fetch(size, timeout=FETCH_WAIT_S)
+            except TimeoutError:  # nats-py raises its own subclass or the builtin, depending on the path
+                return []
+            except NatsError as exc:
+                # Disconnected or reconnecting: nothing was taken, so nothing is lost; try again shortly.
+                log.warning("fetch failed; retrying", consumer=consumer, error=str(exc) or type(exc).__name__)
+                if on_unavailable is not None:
+                    on_unavailable()
+                await asyncio.sleep(REFETCH_AFTER_S)
+                continue
+            if in_hand is not None:
+                in_hand.add(msgs)
+            return msgs
+        return []
+
+    if in_hand is None:
+        while not stop.is_set():
+            yield await fetch()
+        return
+    ahead: asyncio.Future[list[Msg]] | None = asyncio.ensure_future(fetch())
+    try:
+        while ahead is not None:
+            msgs = await ahead
+            ahead = None if stop.is_set() else asyncio.ensure_future(fetch())
+            yield msgs
+    finally:
+        if ahead is not None:
+            # Closed early: a message this fetch still takes comes back after its ack wait.
+            ahead.cancel()
 
 
 async def hold_through_outages(
     attempt: Callable[[], Awaitable[_T]],
     spec: ConsumerSpec,
     *,
-    held: Sequence[InProgress] = (),
+    held: Iterable[InProgress] = (),
     stop: asyncio.Event | None = None,
     on_hold: Callable[[Exception, float], None] | None = None,
 ) -> _T:
@@ -172,12 +221,15 @@ async def hold_through_outages(
 
 
 async def keep_in_progress(
-    held: Sequence[InProgress], delay_s: float, ack_wait_s: float, stop: asyncio.Event | None = None
+    held: Iterable[InProgress], delay_s: float, ack_wait_s: float, stop: asyncio.Event | None = None
 ) -> None:
-    """Wait `delay_s`, telling JetStream every so often that the held messages are still being worked on."""
+    """Wait `delay_s`, telling JetStream every so often that the held messages are still being worked on.
+
+    `held` is read again at every turn, so a live collection (`InHand`) covers messages fetched meanwhile.
+    """
     deadline = time.monotonic() + delay_s
     while (left := deadline - time.monotonic()) > 0:
-        for msg in held:
+        for msg in tuple(held):
             await settle(msg.in_progress())
         if stop is not None and stop.is_set():
             raise StoppedError
