@@ -60,7 +60,7 @@ from lanes_lifecycle.domain.job import evolve
 from lanes_lifecycle.entrypoints.service import JOB_EVENTS, SERVICE, job_event_handler
 from lanes_runtime.consumer import EventConsumer
 from lanes_runtime.log import configure_logging
-from lanes_runtime.service import connected
+from lanes_runtime.service import connected, settle_heap
 from lanes_runtime.settings import ServerUrls, Settings
 from lanes_runtime.store import apply_migrations
 
@@ -123,6 +123,7 @@ async def lifecycle_run(urls: ServerUrls, jobs: int, heartbeats: int) -> dict[st
         raw_rate = total / (time.perf_counter() - started)
 
         consumer = EventConsumer(conns.nc, conns.pool, JOB_EVENTS, job_event_handler(js))
+        settle_heap()  # as a service does once started
         stop = asyncio.Event()
         started = time.perf_counter()
         task = asyncio.create_task(consumer.run(stop))

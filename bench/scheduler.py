@@ -42,7 +42,7 @@ from lanes_contract.streams import JOBS, NODES
 from lanes_contract.topology import ClusterPolicy, Level, Node, TopologyConstraint
 from lanes_runtime.consumer import ConsumerSpec, EventConsumer, Outcome
 from lanes_runtime.log import configure_logging
-from lanes_runtime.service import connected
+from lanes_runtime.service import connected, settle_heap
 from lanes_runtime.settings import ServerUrls, Settings
 from lanes_runtime.store import apply_migrations
 from lanes_scheduler.domain.admission import (
@@ -251,6 +251,7 @@ async def end_to_end(urls: ServerUrls, jobs: int, nodes: int = 64) -> dict[str, 
         for chunk in range(0, len(events), 200):
             await asyncio.gather(*(client.publish(e) for e in events[chunk : chunk + 200]))
         consumer = EventConsumer(conns.nc, conns.pool, job_spec, handle_job_event)
+        settle_heap()  # as a service does once started
         began = time.perf_counter()
         task = asyncio.create_task(consumer.run(stop))
         while consumer.outcomes[Outcome.PROCESSED] < jobs:  # noqa: ASYNC110

@@ -60,7 +60,7 @@ from lanes_contract.ids import new_event_id
 from lanes_contract.jobs import JobSpec
 from lanes_contract.streams import JOBS, TELEMETRY
 from lanes_runtime.log import configure_logging
-from lanes_runtime.service import connected, run_consumers
+from lanes_runtime.service import connected, run_consumers, settle_heap
 from lanes_runtime.settings import ServerUrls, Settings
 
 NODES_COUNT = 128
@@ -213,6 +213,18 @@ def _storm(placed: JobPlaced, job_id: str) -> list[Event]:
     return [kernel, *timeouts, *exits]
 
 
+def _nodes(tag: str) -> list[Event]:
+    """The run's fleet, sixteen nodes a leaf."""
+    return [
+        NodeRegistered(
+            source="bench",
+            node=f"s{tag}-n{i}",
+            data=NodeRegisteredData(gpu_model="H100", gpus=GPUS_PER_NODE, gpu_memory_gib=80, leaf=f"leaf{i // 16}"),
+        )
+        for i in range(NODES_COUNT)
+    ]
+
+
 async def one_run(urls: ServerUrls) -> dict[str, float]:
     """One job: its start, then its storm, each beside the raw baseline."""
     tag = uuid.uuid4().hex[:6]
@@ -220,20 +232,11 @@ async def one_run(urls: ServerUrls) -> dict[str, float]:
     async with connected(urls, name="bench-storm") as conns:
         js = conns.nc.jetstream()
         runners = await prepare_services(conns, SERVICES)
+        settle_heap()  # as a service does once started
         stop = asyncio.Event()
         services = asyncio.create_task(run_consumers(runners, stop))
         try:
-            nodes = [
-                NodeRegistered(
-                    source="bench",
-                    node=f"s{tag}-n{i}",
-                    data=NodeRegisteredData(
-                        gpu_model="H100", gpus=GPUS_PER_NODE, gpu_memory_gib=80, leaf=f"leaf{i // 16}"
-                    ),
-                )
-                for i in range(NODES_COUNT)
-            ]
-            await _publish(js, nodes)
+            await _publish(js, _nodes(tag))
 
             async def registered() -> bool:
                 known = "SELECT count(*) FROM scheduler_nodes WHERE node_id LIKE $1"

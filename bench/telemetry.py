@@ -46,7 +46,7 @@ from lanes_contract.streams import JOBS, TELEMETRY
 from lanes_evidence.evidence import Evidence, evidence_event, from_event
 from lanes_runtime.consumer import ConsumerSpec, EventConsumer, Outcome
 from lanes_runtime.log import configure_logging
-from lanes_runtime.service import Connections, connected
+from lanes_runtime.service import Connections, connected, settle_heap
 from lanes_runtime.settings import ServerUrls, Settings
 from lanes_runtime.store import apply_migrations
 from lanes_telemetry.adapters import repository
@@ -183,6 +183,7 @@ async def one_ingest_run(urls: ServerUrls, events: int) -> dict[str, float]:
 
         spec = ConsumerSpec(durable=f"bench-tel-{run}", stream=TELEMETRY, subjects=subjects, batch=256)
         consumer = EventConsumer(conns.nc, conns.pool, spec, handle_evidence)
+        settle_heap()  # as a service does once started
         stop = asyncio.Event()
         started = time.perf_counter()
         task = asyncio.create_task(consumer.run(stop))

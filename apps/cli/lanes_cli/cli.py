@@ -64,7 +64,7 @@ from lanes_contract.jobs import JobSpec
 from lanes_lifecycle import views as lifecycle_jobs
 from lanes_router.entrypoints.runner import RouterRunner
 from lanes_runtime.reader import count
-from lanes_runtime.service import connected, run_consumers, stop_on_signals
+from lanes_runtime.service import connected, run_consumers, settle_heap, stop_on_signals
 from lanes_runtime.service import serve as serve_service
 from lanes_runtime.settings import ENV_VARS, ServerUrls
 from lanes_runtime.store import create_pool
@@ -183,6 +183,7 @@ def up(
                 url = await router.url()
                 out.print(f"router (OpenAI-compatible): {url}/v1/chat/completions", highlight=False, soft_wrap=True)
 
+            settle_heap()
             await asyncio.gather(run_consumers(consumers, stop), launcher.run(stop), announce_router())
 
     networks = node_networks(list(local_nodes(nodes, gpus))) if netns else None
