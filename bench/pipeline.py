@@ -163,7 +163,8 @@ def one_run(quick: bool) -> dict[str, float]:
         rss["telemetry"] = _rss_mib()
         result |= asyncio.run(lifecycle_run(urls, jobs, heartbeats))
         rss["lifecycle"] = _rss_mib()
-        scheduled = asyncio.run(end_to_end(urls, admissions))
+        # Enough GPUs for every submission: none is left waiting to take the backlog phase's GPUs first.
+        scheduled = asyncio.run(end_to_end(urls, admissions, nodes=-(-admissions // 8)))
         result |= {
             "admissions_per_s": scheduled["admissions_per_s"],
             "raw_publish_consume_per_s": scheduled["raw_publish_consume_per_s"],
