@@ -278,6 +278,32 @@ async def test_live_finding_equals_lanes_analyze_on_new_formats(
         )
 
 
+async def test_a_batch_locks_its_nodes_and_reads_their_placements_in_one_statement_each(
+    urls: ServerUrls, unique: str
+) -> None:
+    first, second, idle = f"{unique}-a", f"{unique}-b", f"{unique}-idle"
+    job_id = f"{unique}-job"
+    async with connected(urls, name=f"test-spans-{unique}") as conns:
+        assert SERVICE.migrations is not None
+        await apply_migrations(conns.pool, SERVICE.name, SERVICE.migrations)
+        async with conns.pool.acquire() as conn, conn.transaction():
+            store = PostgresTelemetryStore(conn)
+            await store.lock_nodes([second, first, second])
+            held = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
+            assert await conn.fetchval(held) == 2  # one per distinct node, until the commit
+            ranks = (RankAssignment(rank=0, node=first, gpus=(0,)), RankAssignment(rank=1, node=second, gpus=(0,)))
+            await store.save_placement(job_id, 1, ranks, PLACED_AT)
+            await store.release(job_id, 1, PLACED_AT + timedelta(minutes=1))
+            during = await store.placement_spans([first, second, idle], PLACED_AT, PLACED_AT + timedelta(minutes=5))
+            after = await store.placement_spans([first, idle], PLACED_AT + timedelta(minutes=2), PLACED_AT)
+        assert {node: [(s.job_id, s.rank) for s in spans] for node, spans in during.items()} == {
+            first: [(job_id, 0)],
+            second: [(job_id, 1)],
+            idle: [],
+        }
+        assert after == {first: [], idle: []}  # released before the window: every node still named
+
+
 async def test_evidence_outside_the_placement_window_stays_uncorrelated(urls: ServerUrls, unique: str) -> None:
     node = f"{unique}-solo"
     job_id = f"{unique}-job"

@@ -64,15 +64,20 @@ class InMemoryTelemetryStore:
                 self.placements[job, number, rank] = (node, placed, released_at)
 
     async def placement_at(self, node: str, at: datetime, skew: timedelta) -> Placement | None:
-        found = placements_at(await self.placement_spans(node, at - skew, at + skew), at, skew)
+        found = placements_at((await self.placement_spans([node], at - skew, at + skew))[node], at, skew)
         return found[0] if found else None
 
-    async def placement_spans(self, node: str, since: datetime, until: datetime) -> list[PlacementSpan]:
-        return [
-            PlacementSpan(job, number, rank, placed, released)
-            for (job, number, rank), (where, placed, released) in self.placements.items()
-            if where == node and placed <= until and (released is None or released >= since)
-        ]
+    async def placement_spans(
+        self, nodes: Sequence[str], since: datetime, until: datetime
+    ) -> dict[str, list[PlacementSpan]]:
+        return {
+            node: [
+                PlacementSpan(job, number, rank, placed, released)
+                for (job, number, rank), (where, placed, released) in self.placements.items()
+                if where == node and placed <= until and (released is None or released >= since)
+            ]
+            for node in nodes
+        }
 
     async def process_of_pid(self, node: str, pid: int, candidates: Sequence[Placement]) -> tuple[str, int, int] | None:
         for placement in candidates:

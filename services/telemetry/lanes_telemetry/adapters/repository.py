@@ -56,10 +56,13 @@ class PostgresTelemetryStore:
 
     async def lock_nodes(self, nodes: Sequence[str]) -> None:
         """Serialise correlation per node for this transaction (evidence vs. a placement arriving meanwhile)."""
-        for node in sorted(set(nodes)):  # one order everywhere: no deadlock between two placements
-            await self._conn.execute(
-                "SELECT pg_advisory_xact_lock(hashtext('lanes-telemetry-node'), hashtext($1))", node
-            )
+        # One order everywhere (sorted; unnest yields an array's elements in order): no deadlock between two
+        # transactions locking overlapping nodes.
+        await self._conn.execute(
+            """SELECT pg_advisory_xact_lock(hashtext('lanes-telemetry-node'), hashtext(node))
+               FROM unnest($1::text[]) AS node""",
+            sorted(set(nodes)),
+        )
 
     async def lock_attempt(self, job_id: str, attempt: int) -> None:
         """Serialise elections of one attempt, so two replicas never publish the same finding version twice."""
@@ -259,19 +262,23 @@ class PostgresTelemetryStore:
         )
         return int(count)
 
-    async def placement_spans(self, node: str, since: datetime, until: datetime) -> list[PlacementSpan]:
-        """Every rank placed on `node` by `until` and not released before `since`."""
+    async def placement_spans(
+        self, nodes: Sequence[str], since: datetime, until: datetime
+    ) -> dict[str, list[PlacementSpan]]:
+        """Each node's ranks placed by `until` and not released before `since` (every node a key)."""
         rows = await self._conn.fetch(
-            """SELECT job_id, attempt, rank, placed_at, released_at FROM telemetry_placements
-               WHERE node = $1 AND placed_at <= $3 AND (released_at IS NULL OR released_at >= $2)""",
-            node,
+            """SELECT node, job_id, attempt, rank, placed_at, released_at FROM telemetry_placements
+               WHERE node = ANY($1::text[]) AND placed_at <= $3 AND (released_at IS NULL OR released_at >= $2)""",
+            list(nodes),
             since,
             until,
         )
-        return [
-            PlacementSpan(row["job_id"], row["attempt"], row["rank"], row["placed_at"], row["released_at"])
-            for row in rows
-        ]
+        spans: dict[str, list[PlacementSpan]] = {node: [] for node in nodes}
+        for row in rows:
+            spans[row["node"]].append(
+                PlacementSpan(row["job_id"], row["attempt"], row["rank"], row["placed_at"], row["released_at"])
+            )
+        return spans
 
     async def process_of_pid(self, node: str, pid: int, candidates: Sequence[Placement]) -> tuple[str, int, int] | None:
         """The (job, attempt, rank) among `candidates` whose process on `node` had this pid."""

@@ -104,7 +104,8 @@ async def _evidence(event: Event, store: TelemetryStore, ctx: HandlerContext) ->
         return ()
     evidence = from_event(event)
     node = event.node
-    await _lock_nodes(ctx, store, [node])
+    # The batch's other nodes (its subject keys) are locked with this one: one statement, one order.
+    await _lock_nodes(ctx, store, [node, *ctx.scope.keys])
     job_id, attempt = event.jobid, event.attempt
     sharing: list[Placement] = []
     if job_id is None or attempt is None:
@@ -188,16 +189,20 @@ class _NodeWindow:
 async def _placements_at(ctx: HandlerContext, store: TelemetryStore, node: str, at: datetime) -> list[Placement]:
     """The attempts on `node` at `at`, from the node's placements this batch has read (under its node lock).
 
-    One read per node covers the batch's evidence within minutes of the first; evidence further away reads
-    again. The filter is the same either way (`placements_at`), so the answer is the one a query would give.
+    One read covers the batch's evidence within minutes of the first, for this node and the batch's other nodes
+    not read yet (its subject keys); evidence further away reads again. The filter is the same either way
+    (`placements_at`), so the answer is the one a query would give.
     """
     cached: dict[str, _NodeWindow] = ctx.scope.cache.get(_SPANS, {})
     since, until = at - CORRELATION_SKEW, at + CORRELATION_SKEW
     window = cached.get(node)
     if window is None or since < window.low or until > window.high:
         low, high = since - _SPANS_MARGIN, until + _SPANS_MARGIN
-        window = _NodeWindow(low, high, await store.placement_spans(node, low, high))
-        ctx.scope.cache[_SPANS] = cached | {node: window}
+        nodes = [node, *sorted(key for key in ctx.scope.keys if key not in cached and key != node)]
+        spans = await store.placement_spans(nodes, low, high)
+        read = {each: _NodeWindow(low, high, spans[each]) for each in nodes}
+        ctx.scope.cache[_SPANS] = cached | read
+        window = read[node]
     return window.placements_at(at)
 
 

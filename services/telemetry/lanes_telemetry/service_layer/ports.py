@@ -152,8 +152,10 @@ class TelemetryStore(Protocol):
         """How many other jobs elected a first error on this node (a repeat offender is a node to drain)."""
         ...
 
-    async def placement_spans(self, node: str, since: datetime, until: datetime) -> list[PlacementSpan]:
-        """Every rank placed on `node` by `until` and not released before `since`."""
+    async def placement_spans(
+        self, nodes: Sequence[str], since: datetime, until: datetime
+    ) -> dict[str, list[PlacementSpan]]:
+        """Each node's ranks placed by `until` and not released before `since` (every node a key)."""
         ...
 
     async def process_of_pid(self, node: str, pid: int, candidates: Sequence[Placement]) -> tuple[str, int, int] | None:
