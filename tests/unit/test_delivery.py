@@ -10,7 +10,7 @@ import pytest
 from lanes_contract.errors import PoisonEventError
 from lanes_contract.streams import JOBS
 from lanes_runtime.consumer import ConsumerSpec
-from lanes_runtime.delivery import StoppedError, hold_through_outages
+from lanes_runtime.delivery import InHand, StoppedError, hold_through_outages, pull_batches
 
 SPEC = ConsumerSpec(durable="unit", stream=JOBS, subjects=JOBS.subjects, ack_wait_s=0.3)
 
@@ -68,3 +68,45 @@ async def test_stopping_during_an_outage_ends_the_hold() -> None:
 
     with pytest.raises(StoppedError):
         await hold_through_outages(attempt, SPEC, held=[HeldMessage()], stop=stop)
+
+
+@dataclass(frozen=True)
+class FetchedMessage:
+    """Stands in for a fetched message: one delivery, named by its reply subject."""
+
+    reply: str
+
+
+@dataclass
+class Subscription:
+    """Stands in for a pull subscription: hands out prepared batches, then waits in vain."""
+
+    batches: list[list[FetchedMessage]]
+    fetches: int = 0
+
+    async def fetch(self, size: int, timeout: float) -> list[FetchedMessage]:  # noqa: ASYNC109 - the API it stands in for
+        del size, timeout
+        self.fetches += 1
+        if self.batches:
+            return self.batches.pop(0)
+        raise TimeoutError
+
+
+async def test_the_next_batch_is_fetched_ahead_into_hand_and_still_yielded_after_a_stop() -> None:
+    first, second = [FetchedMessage("a1"), FetchedMessage("a2")], [FetchedMessage("b1")]
+    sub = Subscription([first, second])
+    in_hand = InHand()
+    stop = asyncio.Event()
+    batches = pull_batches(sub, 2, stop, consumer="unit", in_hand=in_hand)  # type: ignore[arg-type]
+    assert [msg.reply for msg in await anext(batches)] == ["a1", "a2"]
+    await asyncio.sleep(0)  # the caller works on the first batch; the fetch ahead runs meanwhile
+    assert sub.fetches == 2
+    assert [msg.reply for msg in in_hand] == ["a1", "a2", "b1"]  # an outage hold keeps all three in progress
+    for msg in first:
+        in_hand.discard(msg)  # type: ignore[arg-type]
+    stop.set()
+    assert [msg.reply for msg in await anext(batches)] == ["b1"]  # fetched before the stop: handled, not left
+    with pytest.raises(StopAsyncIteration):
+        await anext(batches)
+    assert sub.fetches == 2
+    assert [msg.reply for msg in in_hand] == ["b1"]

@@ -131,9 +131,6 @@ class InHand:
     def __iter__(self) -> Iterator[Msg]:
         return iter(self._msgs.values())
 
-    def __len__(self) -> int:
-        return len(self._msgs)
-
 
 async def pull_batches(
     sub: JetStreamContext.PullSubscription,
