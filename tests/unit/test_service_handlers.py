@@ -192,12 +192,18 @@ async def test_a_scheduler_does_not_reuse_its_cache_after_another_writer_changed
     assert isinstance(waiting, JobWaiting)  # `mine` reloaded: its cached view still showed 4 GPUs free
 
 
-async def test_in_a_batch_the_queue_is_decided_once_after_the_last_event_in_priority_order() -> None:
+async def _scheduler_with_one_node() -> tuple[FakeScheduling, Scheduler]:
+    """A scheduler on a fake repository that knows one 8-GPU node, `n1` (its event at stream sequence 1)."""
     repo = FakeScheduling()
     scheduler = Scheduler()
     await scheduler.apply_node_event(
         NodeRegistered(source="tests", node="n1", data=H100_NODE), FakeSchedulerUnit(repo, 1)
     )
+    return repo, scheduler
+
+
+async def test_in_a_batch_the_queue_is_decided_once_after_the_last_event_in_priority_order() -> None:
+    repo, scheduler = await _scheduler_with_one_node()
     batch = TransactionScope(deferred=True)
     arrivals = [
         _submitted("low", gpus=4),
@@ -227,11 +233,7 @@ async def test_in_a_batch_the_queue_is_decided_once_after_the_last_event_in_prio
 
 
 async def test_a_batch_that_changed_nothing_keeps_the_state_for_the_next() -> None:
-    repo = FakeScheduling()
-    scheduler = Scheduler()
-    await scheduler.apply_node_event(
-        NodeRegistered(source="tests", node="n1", data=H100_NODE), FakeSchedulerUnit(repo, 1)
-    )
+    repo, scheduler = await _scheduler_with_one_node()
     await scheduler.apply_job_event(_submitted("a"), FakeSchedulerUnit(repo, 2))
     token = await repo.state_token()
     batch = TransactionScope(deferred=True)
@@ -244,11 +246,7 @@ async def test_a_batch_that_changed_nothing_keeps_the_state_for_the_next() -> No
 async def test_in_a_batch_an_attempt_or_a_release_sees_the_submissions_queued_before_it() -> None:
     # Submissions are written together, at the batch's end or before anything that reads them: an attempt
     # finds its job's spec, and a job submitted and finished in one batch is freed, not left queued.
-    repo = FakeScheduling()
-    scheduler = Scheduler()
-    await scheduler.apply_node_event(
-        NodeRegistered(source="tests", node="n1", data=H100_NODE), FakeSchedulerUnit(repo, 1)
-    )
+    repo, scheduler = await _scheduler_with_one_node()
     batch = TransactionScope(deferred=True)
     retry = AttemptRequested(source="tests", jobid="a", attempt=2, data=AttemptRequestedData(reason="retry"))
     events = [_submitted("a", gpus=4), retry, _submitted("b", gpus=4), _finished("b"), _submitted("c", gpus=4)]
