@@ -66,7 +66,7 @@ from lanes_runtime.delivery import (
 from lanes_runtime.failures import classify, is_infrastructure
 from lanes_runtime.metrics import ConsumerMetrics
 from lanes_runtime.store import Db
-from lanes_runtime.tracing import event_span, traced
+from lanes_runtime.tracing import event_span, sdk_configured, traced
 
 log = structlog.get_logger(__name__)
 _T = TypeVar("_T")
@@ -186,19 +186,19 @@ class Outcome(StrEnum):
 
 @dataclass
 class _Item:
-    """One fetched message, decoded if it could be."""
+    """One fetched message, decoded if it could be, with its stream sequence and delivery count."""
 
     msg: Msg
     event: Event | None
     invalid: str | None = None
+    seq: int = field(init=False)
+    deliveries: int = field(init=False)
 
-    @property
-    def seq(self) -> int:
-        return int(self.msg.metadata.sequence.stream)
-
-    @property
-    def deliveries(self) -> int:
-        return int(self.msg.metadata.num_delivered)
+    def __post_init__(self) -> None:
+        # Read from the reply subject once: the batch's loops ask for them several times per message.
+        metadata = self.msg.metadata
+        self.seq = int(metadata.sequence.stream)
+        self.deliveries = int(metadata.num_delivered)
 
 
 class _HandlerFailedError(Exception):
@@ -228,6 +228,8 @@ class EventConsumer:
         self._metrics = metrics or ConsumerMetrics.for_consumer(spec.durable)
         self._in_hand = InHand()
         """Messages fetched (the batch at work and the one fetched ahead) and not yet settled."""
+        self._tracing = sdk_configured()
+        """Whether handlers run in spans: asked once per batch (a tracer provider may be set at any time)."""
         self._decoded: dict[int, Event] = {}
         """Events this process staged, decoded, by stream sequence, until it folds them."""
         self._log = log.bind(consumer=spec.durable)
@@ -284,6 +286,7 @@ class EventConsumer:
     async def process_batch(self, msgs: Sequence[Msg], stop: asyncio.Event | None = None) -> None:
         """Process one fetched batch: one transaction, then the outbox, then each message's decision."""
         self._in_hand.add(msgs)
+        self._tracing = sdk_configured()
         items = [_decoded(msg) for msg in msgs]
         self._metrics.batch_size.observe(len(items))
         self._metrics.pending.set(msgs[-1].metadata.num_pending or 0)
@@ -385,11 +388,18 @@ class EventConsumer:
         self, conn: Db, event: Event, stream_seq: int, deliveries: int, scope: TransactionScope
     ) -> Sequence[Event]:
         started = time.perf_counter()
-        with (
-            structlog.contextvars.bound_contextvars(event_id=event.id, job_id=event.jobid),
-            event_span(event, self.spec.durable),
-        ):
-            outputs = traced(await self._handler(event, HandlerContext(conn, stream_seq, deliveries, scope)))
+        context = HandlerContext(conn, stream_seq, deliveries, scope)
+        # Set and reset by hand (not `bound_contextvars`, which copies the whole context each time): this
+        # runs once per event.
+        bound = structlog.contextvars.bind_contextvars(event_id=event.id, job_id=event.jobid)
+        try:
+            if self._tracing:
+                with event_span(event, self.spec.durable):
+                    outputs: Sequence[Event] = traced(await self._handler(event, context))
+            else:
+                outputs = await self._handler(event, context)
+        finally:
+            structlog.contextvars.reset_contextvars(**bound)
         self._metrics.handler_seconds.observe(time.perf_counter() - started)
         return outputs
 
@@ -529,6 +539,7 @@ class EventConsumer:
 
     async def _fold_once(self, *, careful: bool) -> tuple[int, bool]:
         started = time.perf_counter()
+        self._tracing = sdk_configured()
         counted: list[Outcome] = []
         async with self._pool.acquire() as conn, conn.transaction():
             if not await conn.fetchval(

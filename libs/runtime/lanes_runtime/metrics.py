@@ -6,7 +6,7 @@ the process runs. Label values are consumer names: a handful per service, never 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
@@ -41,6 +41,8 @@ class ConsumerMetrics:
     batch_size: Histogram
     handler_seconds: Histogram
     commit_seconds: Histogram
+    _settled: dict[str, Counter] = field(default_factory=dict)
+    """The outcome counters' children, looked up once each: `count` runs once per delivery."""
 
     @classmethod
     def for_consumer(cls, consumer: str) -> ConsumerMetrics:
@@ -57,7 +59,10 @@ class ConsumerMetrics:
 
     def count(self, outcome: StrEnum, n: int = 1) -> None:
         """Count `n` deliveries settled as `outcome` (processed, duplicate, retry, dead_lettered)."""
-        _EVENTS.labels(self.consumer, outcome.value).inc(n)
+        counter = self._settled.get(outcome.value)
+        if counter is None:
+            counter = self._settled[outcome.value] = _EVENTS.labels(self.consumer, outcome.value)
+        counter.inc(n)
 
 
 def serve_metrics(port: int, host: str = "0.0.0.0") -> None:  # noqa: S104 - scraped from outside the container
