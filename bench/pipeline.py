@@ -2,7 +2,10 @@
 
 Prints one JSON object: medians over `--runs` runs (fresh embedded servers per run, or NATS_URL /
 DATABASE_URL / REDIS_URL when set) of
-- `raw_fetch_ack_per_s` and `raw_publish_consume_per_s`: nats-py alone;
+- `raw_fetch_ack_per_s` and `raw_publish_consume_per_s`: nats-py alone (the ratios below are against
+  these); `raw_batch_pull_fetch_ack_per_s` (and the lifecycle's): fetch+ack through the runtime's
+  `BatchPull`, which the services read with and which costs less per message than nats-py's fetch, with the
+  ingest and lifecycle ratios against it (`*_ratio_vs_batch_pull`);
 - `telemetry_ingest_per_s` / `ingest_ratio`: evidence through the telemetry consumer (bench/telemetry.py);
 - `lifecycle_events_per_s` / `lifecycle_ratio`: interleaved job stories through the lifecycle's ordered
   consumer (staged, then folded below the ack floor), against raw fetch+ack of the same messages;
@@ -28,7 +31,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from baselines.fetch_ack import fetch_ack_rates
 from scheduler import end_to_end
 from storm import one_run as storm_run
 from telemetry import one_ingest_run
@@ -106,21 +109,7 @@ async def lifecycle_run(urls: ServerUrls, jobs: int, heartbeats: int) -> dict[st
             await asyncio.gather(*(publish_encoded(js, e, stream=JOBS.name) for e in encoded[chunk : chunk + 500]))
         total = len(encoded)
 
-        raw_config = ConsumerConfig(
-            durable_name=f"raw-l{run}",
-            deliver_policy=DeliverPolicy.ALL,
-            ack_policy=AckPolicy.EXPLICIT,
-            filter_subjects=list(JOB_EVENTS.subjects),
-            max_ack_pending=1024,
-        )
-        await js.add_consumer(JOBS.name, config=raw_config)
-        raw = await js.pull_subscribe_bind(raw_config.durable_name, stream=JOBS.name)
-        started, seen = time.perf_counter(), 0
-        while seen < total:
-            for msg in await raw.fetch(256, timeout=5):
-                await msg.ack()
-                seen += 1
-        raw_rate = total / (time.perf_counter() - started)
+        raw = await fetch_ack_rates(conns.nc, JOBS.name, list(JOB_EVENTS.subjects), total, f"l{run}")
 
         consumer = EventConsumer(conns.nc, conns.pool, JOB_EVENTS, job_event_handler(js))
         settle_heap()  # as a service does once started
@@ -134,7 +123,12 @@ async def lifecycle_run(urls: ServerUrls, jobs: int, heartbeats: int) -> dict[st
         rate = total / (time.perf_counter() - started)
         stop.set()
         await task
-        return {"lifecycle_raw_fetch_ack_per_s": raw_rate, "lifecycle_events_per_s": rate, "lifecycle_events": total}
+        return {
+            "lifecycle_raw_fetch_ack_per_s": raw["nats_py_fetch_ack_per_s"],
+            "lifecycle_raw_batch_pull_fetch_ack_per_s": raw["batch_pull_fetch_ack_per_s"],
+            "lifecycle_events_per_s": rate,
+            "lifecycle_events": total,
+        }
 
 
 def _folded_state(events: list[Event]) -> str:
@@ -158,6 +152,7 @@ def one_run(quick: bool) -> dict[str, float]:
         ingest = asyncio.run(one_ingest_run(urls, evidence))
         result |= {
             "raw_fetch_ack_per_s": ingest["raw_fetch_ack_per_s"],
+            "raw_batch_pull_fetch_ack_per_s": ingest["raw_batch_pull_fetch_ack_per_s"],
             "telemetry_ingest_per_s": ingest["ingest_per_s"],
         }
         rss["telemetry"] = _rss_mib()
@@ -183,6 +178,11 @@ def one_run(quick: bool) -> dict[str, float]:
         rss["storm"] = _rss_mib()
     result["ingest_ratio"] = result["telemetry_ingest_per_s"] / result["raw_fetch_ack_per_s"]
     result["lifecycle_ratio"] = result["lifecycle_events_per_s"] / result["lifecycle_raw_fetch_ack_per_s"]
+    # The same ratios against the raw loop the services read with (BatchPull): the services' own overhead.
+    result["ingest_ratio_vs_batch_pull"] = result["telemetry_ingest_per_s"] / result["raw_batch_pull_fetch_ack_per_s"]
+    result["lifecycle_ratio_vs_batch_pull"] = (
+        result["lifecycle_events_per_s"] / result["lifecycle_raw_batch_pull_fetch_ack_per_s"]
+    )
     result["admissions_ratio"] = result["admissions_per_s"] / result["raw_publish_consume_per_s"]
     result["backlog_ratio"] = result["backlog_decisions_per_s"] / result["backlog_raw_publish_consume_per_s"]
     return result | {f"rss_mib_after_{name}": value for name, value in rss.items()}

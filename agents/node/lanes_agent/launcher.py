@@ -82,7 +82,7 @@ from lanes_evidence.evidence import Evidence, evidence_event
 from lanes_evidence.parsers import LogParser, SourceContext
 from lanes_runtime import decision
 from lanes_runtime.consumer import ConsumerSpec
-from lanes_runtime.delivery import StoppedError, carry_out, hold_through_outages, pull_batches, settle
+from lanes_runtime.delivery import BatchPull, StoppedError, carry_out, hold_through_outages, pull_batches, settle
 from lanes_runtime.failures import classify
 
 _PIDS_KEPT = 65_536
@@ -283,7 +283,7 @@ class LocalLauncher:
 
     async def _consume(self, stop: asyncio.Event) -> None:
         await self._js.add_consumer(JOBS.name, config=self._spec.config())
-        sub = await self._js.pull_subscribe_bind(self._spec.durable, stream=JOBS.name)
+        sub = await BatchPull.bind(self._nc, JOBS.name, self._spec.durable)
         running: set[asyncio.Task[None]] = set()
         if self._kernel_log is not None:
             kernel = asyncio.create_task(self._follow_kernel_log(self._kernel_log, stop))

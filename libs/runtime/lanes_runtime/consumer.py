@@ -54,6 +54,7 @@ from lanes_contract.events import Event
 from lanes_contract.streams import STREAM_OF_FAMILY, StreamSpec
 from lanes_runtime import decision
 from lanes_runtime.delivery import (
+    BatchPull,
     DeadLetter,
     InHand,
     Settled,
@@ -250,7 +251,7 @@ class EventConsumer:
     async def run(self, stop: asyncio.Event) -> None:
         """Fetch and process batches until `stop` is set; capture max-delivery advisories meanwhile."""
         await self.provision()
-        sub = await self._js.pull_subscribe_bind(self.spec.durable, stream=self.spec.stream.name)
+        sub = await BatchPull.bind(self._nc, self.spec.stream.name, self.spec.durable)
         advisory = await self._nc.subscribe(
             f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.spec.stream.name}.{self.spec.durable}",
             cb=self._on_max_deliveries,

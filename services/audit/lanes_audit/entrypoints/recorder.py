@@ -31,7 +31,7 @@ from lanes_audit.adapters.signing import Signer
 from lanes_audit.domain.chain import Link, canonical_bytes, link_hash
 from lanes_contract.streams import AUDIT, JOBS
 from lanes_runtime.consumer import ConsumerSpec
-from lanes_runtime.delivery import hold_through_outages, pull_batches, settle
+from lanes_runtime.delivery import BatchPull, hold_through_outages, pull_batches, settle
 
 log = structlog.get_logger(__name__)
 RETRY_DELAY_S = 1.0
@@ -78,7 +78,7 @@ class AuditRecorder:
     async def run(self, stop: asyncio.Event) -> None:
         """Record batches until `stop` is set."""
         await self.provision()
-        sub = await self._js.pull_subscribe_bind(self.name, stream=JOBS.name)
+        sub = await BatchPull.bind(self._nc, JOBS.name, self.name)
         try:
             async for msgs in pull_batches(sub, 500, stop, consumer=self.name):
                 if msgs:

@@ -21,7 +21,9 @@ from lanes_telemetry.service_layer.handlers import Telemetry, handle_evidence
 
 JOB_FACTS = ("placed", "resources_released", "rank_started", "rank_exited", "state_changed", "settle_window_ended")
 """The subject names (`lanes.job.*.<name>`) telemetry folds."""
-EVENTS = ConsumerSpec(durable="telemetry", stream=TELEMETRY, subjects=("lanes.tel.>",))
+# Evidence comes in storms (thousands of lines per failure): batches of 256 share one transaction, as the
+# ingest bench measures them.
+EVENTS = ConsumerSpec(durable="telemetry", stream=TELEMETRY, subjects=("lanes.tel.>",), batch=256)
 PLACEMENTS = ConsumerSpec(
     durable="telemetry-placements", stream=JOBS, subjects=tuple(f"lanes.job.*.{name}" for name in JOB_FACTS)
 )
