@@ -134,11 +134,12 @@ class BatchPull:
     CPU per message on the bench machine, nearly half of a raw fetch+ack loop's (`bench/pipeline.py` runs
     both). Here the subscription's callback collects a request's messages and wakes the fetch once.
 
-    A fetch first asks for what is there (`no_wait`: the server sends up to `batch` messages, then a status
-    that ends the request). Only when nothing is there does it wait, for one message at most, so no request
-    lingers on the server after the fetch returned. Messages of a request the fetch stopped waiting for (the
-    bus was away) are kept and returned by the next fetch: they were delivered, and dropping them would
-    spend a delivery on nothing. One fetch at a time.
+    A fetch is one request, `no_wait` with `expires`: the server sends what is there (up to `batch`) and ends
+    the request with a status; when nothing is there, it waits for the first message until `expires` (then
+    ends it with 408). Every request therefore ends on the server, soon (a `no_wait` without `expires` is
+    left waiting, unanswered, while the consumer has `max_ack_pending` messages out). Messages of a request
+    the fetch stopped waiting for (the bus was away) are kept and returned by the next fetch: they were
+    delivered, and dropping them would spend a delivery on nothing. One fetch at a time.
     """
 
     def __init__(self, nc: NatsClient, stream: str, durable: str) -> None:
@@ -165,30 +166,24 @@ class BatchPull:
         if self._late:
             taken, self._late = self._late[:batch], self._late[batch:]
             return taken
-        msgs = await self._request({"batch": batch, "no_wait": True}, batch, wait_s)
-        if msgs:
-            return msgs
-        # Nothing there: wait for the next one (no_wait would come back at once, empty).
-        return await self._request({"batch": 1, "expires": int(wait_s * 1e9)}, 1, wait_s + _REQUEST_MARGIN_S)
-
-    async def unsubscribe(self) -> None:
-        """Stop receiving (messages delivered and not acked come back after their ack wait)."""
-        if self._sub is not None:
-            await self._sub.unsubscribe()
-
-    async def _request(self, body: Mapping[str, object], want: int, wait_s: float) -> list[Msg]:
         self._requests += 1
-        request = _Request(f"{self._inbox}.{self._requests}", want, asyncio.get_running_loop().create_future())
+        request = _Request(f"{self._inbox}.{self._requests}", batch, asyncio.get_running_loop().create_future())
         self._waiting = request
+        body = {"batch": batch, "no_wait": True, "expires": int(wait_s * 1e9)}
         try:
             await self._nc.publish(self._next, json.dumps(body).encode(), reply=request.reply)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(request.ended, wait_s)
+            with contextlib.suppress(TimeoutError):  # the server did not end it: the bus is away
+                await asyncio.wait_for(request.ended, wait_s + _REQUEST_MARGIN_S)
         finally:
             self._waiting = None
         if request.error is not None:
             raise request.error
         return request.msgs
+
+    async def unsubscribe(self) -> None:
+        """Stop receiving (messages delivered and not acked come back after their ack wait)."""
+        if self._sub is not None:
+            await self._sub.unsubscribe()
 
     async def _arrived(self, msg: Msg) -> None:
         request = self._waiting
@@ -215,7 +210,7 @@ class BatchPull:
 _ACK_PREFIX = "$JS.ACK."
 """Every message JetStream delivers has its ack subject as reply; a status message has none."""
 _REQUEST_ENDED = {"404", "408"}
-"""No messages (a no_wait request), request expired: the request is over, nothing is wrong."""
+"""No more messages now, request expired: the request is over, nothing is wrong."""
 _REQUEST_MARGIN_S = 1.0
 """How much longer than its `expires` a fetch waits for the server to end a request."""
 
