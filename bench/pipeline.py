@@ -113,6 +113,8 @@ async def lifecycle_run(urls: ServerUrls, jobs: int, heartbeats: int) -> dict[st
 
         consumer = EventConsumer(conns.nc, conns.pool, JOB_EVENTS, job_event_handler(js))
         settle_heap()  # as a service does once started
+        # Its durable exists before the clock starts, as the raw baselines' do (`run` provisions it again: a no-op).
+        await consumer.provision()
         stop = asyncio.Event()
         started = time.perf_counter()
         task = asyncio.create_task(consumer.run(stop))

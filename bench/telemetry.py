@@ -171,6 +171,8 @@ async def one_ingest_run(urls: ServerUrls, events: int) -> dict[str, float]:
         spec = ConsumerSpec(durable=f"bench-tel-{run}", stream=TELEMETRY, subjects=subjects, batch=256)
         consumer = EventConsumer(conns.nc, conns.pool, spec, handle_evidence)
         settle_heap()  # as a service does once started
+        # Its durable exists before the clock starts, as the raw baselines' do (`run` provisions it again: a no-op).
+        await consumer.provision()
         stop = asyncio.Event()
         started = time.perf_counter()
         task = asyncio.create_task(consumer.run(stop))
