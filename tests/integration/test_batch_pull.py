@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 
@@ -29,10 +30,16 @@ async def nc(urls: ServerUrls) -> AsyncIterator[NatsClient]:
     await client.close()
 
 
-async def _consumer_of(lanes: LanesClient, unique: str, jobs: int) -> tuple[str, list[str]]:
-    """A durable consumer of `jobs` submissions, published before it reads; its name and the job ids."""
-    job_ids = [f"{unique}-{n}" for n in range(jobs)]
-    for job_id in job_ids:
+@contextlib.asynccontextmanager
+async def _pulling(
+    nc: NatsClient, lanes: LanesClient, unique: str, jobs: int, *, later: int = 0
+) -> AsyncIterator[tuple[BatchPull, str, list[str]]]:
+    """A BatchPull on a new durable of `jobs + later` jobs' submissions, the first `jobs` published already.
+
+    Yields the puller, the durable's name and every job id (the ones not published yet last).
+    """
+    job_ids = [f"{unique}-{n}" for n in range(jobs + later)]
+    for job_id in job_ids[:jobs]:
         await lanes.publish(submission(job_id))
     durable = f"pull-{unique}"
     config = ConsumerConfig(
@@ -42,7 +49,11 @@ async def _consumer_of(lanes: LanesClient, unique: str, jobs: int) -> tuple[str,
         filter_subjects=[f"lanes.job.{job_id}.submitted" for job_id in job_ids],
     )
     await lanes.js.add_consumer(JOBS.name, config=config)
-    return durable, job_ids
+    pull = await BatchPull.bind(nc, JOBS.name, durable)
+    try:
+        yield pull, durable, job_ids
+    finally:
+        await pull.unsubscribe()
 
 
 def _jobs_of(msgs: list[Msg]) -> list[str]:
@@ -52,9 +63,7 @@ def _jobs_of(msgs: list[Msg]) -> list[str]:
 async def test_a_fetch_takes_what_is_there_up_to_its_batch_and_waits_only_when_nothing_is(
     nc: NatsClient, lanes: LanesClient, unique: str
 ) -> None:
-    durable, job_ids = await _consumer_of(lanes, unique, 5)
-    pull = await BatchPull.bind(nc, JOBS.name, durable)
-    try:
+    async with _pulling(nc, lanes, unique, 5, later=1) as (pull, _, [*job_ids, late_job]):
         first = await pull.fetch(3, 5.0)
         rest = await pull.fetch(10, 5.0)  # two are there: they come back without waiting for eight more
         assert _jobs_of(first) + _jobs_of(rest) == job_ids
@@ -65,30 +74,16 @@ async def test_a_fetch_takes_what_is_there_up_to_its_batch_and_waits_only_when_n
 
         # A fetch that waits gets what is published meanwhile.
         waiting = asyncio.create_task(pull.fetch(10, 10.0))
-        late_job = f"{unique}-late"
-        await lanes.js.add_consumer(
-            JOBS.name,
-            config=ConsumerConfig(
-                durable_name=durable,
-                deliver_policy=DeliverPolicy.ALL,
-                ack_policy=AckPolicy.EXPLICIT,
-                filter_subjects=[f"lanes.job.{job_id}.submitted" for job_id in [*job_ids, late_job]],
-            ),
-        )
         await lanes.publish(submission(late_job))
         arrived = await waiting
         assert _jobs_of(arrived) == [late_job]
         await arrived[0].ack()
-    finally:
-        await pull.unsubscribe()
 
 
 async def test_messages_of_a_request_no_longer_awaited_are_returned_by_the_next_fetch_once(
     nc: NatsClient, lanes: LanesClient, unique: str
 ) -> None:
-    durable, job_ids = await _consumer_of(lanes, unique, 3)
-    pull = await BatchPull.bind(nc, JOBS.name, durable)
-    try:
+    async with _pulling(nc, lanes, unique, 3) as (pull, durable, job_ids):
         # A request whose fetch gave up waiting (the bus was away, say) may still be served afterwards. Sent
         # here by hand to the puller's inbox, as an earlier fetch's request would have been.
         await nc.publish(
@@ -96,35 +91,23 @@ async def test_messages_of_a_request_no_longer_awaited_are_returned_by_the_next_
             json.dumps({"batch": 3, "no_wait": True}).encode(),
             reply=f"{pull._inbox}.0",  # standing in for an earlier request of this puller
         )
-
-        async def delivered() -> bool:
-            info = await lanes.js.consumer_info(JOBS.name, durable)
-            return bool(info.num_ack_pending == len(job_ids))
-
-        await eventually(delivered, what="the unawaited request served")
-        await eventually(lambda: _settled(pull, len(job_ids)), what="its messages received")
+        await eventually(lambda: _received(pull, len(job_ids)), what="the unawaited request served")
         kept = await pull.fetch(10, 5.0)
         assert _jobs_of(kept) == job_ids  # kept, in order, each on its first delivery
         assert [msg.metadata.num_delivered for msg in kept] == [1, 1, 1]
         for msg in kept:
             await msg.ack()
         assert await pull.fetch(10, 0.2) == []  # and returned once
-    finally:
-        await pull.unsubscribe()
 
 
-async def _settled(pull: BatchPull, count: int) -> bool:
+async def _received(pull: BatchPull, count: int) -> bool:
     return len(pull._late) == count  # what the next fetch will return first
 
 
 async def test_a_fetch_from_a_deleted_consumer_fails_with_the_server_s_status(
     nc: NatsClient, lanes: LanesClient, unique: str
 ) -> None:
-    durable, _ = await _consumer_of(lanes, unique, 1)
-    pull = await BatchPull.bind(nc, JOBS.name, durable)
-    try:
+    async with _pulling(nc, lanes, unique, 1) as (pull, durable, _):
         await lanes.js.delete_consumer(JOBS.name, durable)
         with pytest.raises(NatsError, match="pull request refused"):
             await pull.fetch(10, 5.0)
-    finally:
-        await pull.unsubscribe()
