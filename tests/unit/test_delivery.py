@@ -6,11 +6,13 @@ import asyncio
 from dataclasses import dataclass
 
 import pytest
+from nats.aio.msg import Msg
+from nats.errors import NotJSMessageError
 
 from lanes_contract.errors import PoisonEventError
 from lanes_contract.streams import JOBS
 from lanes_runtime.consumer import ConsumerSpec
-from lanes_runtime.delivery import InHand, StoppedError, hold_through_outages, pull_batches
+from lanes_runtime.delivery import InHand, StoppedError, hold_through_outages, pull_batches, sequence_and_deliveries
 
 SPEC = ConsumerSpec(durable="unit", stream=JOBS, subjects=JOBS.subjects, ack_wait_s=0.3)
 
@@ -110,3 +112,23 @@ async def test_the_next_batch_is_fetched_ahead_into_hand_and_still_yielded_after
         await anext(batches)
     assert sub.fetches == 2
     assert [msg.reply for msg in in_hand] == ["b1"]
+
+
+@pytest.mark.parametrize(
+    ("reply", "expected"),
+    [
+        ("$JS.ACK.LANES_JOBS.lifecycle.3.1042.977.1796380800000000000.12", (1042, 3)),
+        # The longer form: a domain ("_" for none), an account hash, and a trailing token.
+        ("$JS.ACK._.ACCHASH.LANES_JOBS.lifecycle.2.77.70.1796380800000000000.0.tok", (77, 2)),
+    ],
+)
+def test_a_message_s_sequence_and_deliveries_come_from_its_ack_subject(reply: str, expected: tuple[int, int]) -> None:
+    msg = Msg(_client=None, subject="lanes.job.j1.submitted", reply=reply)  # type: ignore[arg-type]
+    assert sequence_and_deliveries(msg) == expected
+    assert sequence_and_deliveries(msg) == (msg.metadata.sequence.stream, msg.metadata.num_delivered)
+
+
+def test_a_message_that_jetstream_did_not_deliver_has_no_sequence() -> None:
+    msg = Msg(_client=None, subject="lanes.job.j1.submitted", reply="_INBOX.abc")  # type: ignore[arg-type]
+    with pytest.raises(NotJSMessageError):
+        sequence_and_deliveries(msg)

@@ -63,6 +63,7 @@ from lanes_runtime.delivery import (
     dead_letter,
     hold_through_outages,
     pull_batches,
+    sequence_and_deliveries,
 )
 from lanes_runtime.failures import classify, is_infrastructure
 from lanes_runtime.metrics import ConsumerMetrics
@@ -196,10 +197,8 @@ class _Item:
     deliveries: int = field(init=False)
 
     def __post_init__(self) -> None:
-        # Read from the reply subject once: the batch's loops ask for them several times per message.
-        metadata = self.msg.metadata
-        self.seq = int(metadata.sequence.stream)
-        self.deliveries = int(metadata.num_delivered)
+        # Read once: the batch's loops ask for them several times per message.
+        self.seq, self.deliveries = sequence_and_deliveries(self.msg)
 
 
 class _HandlerFailedError(Exception):
@@ -303,10 +302,19 @@ class EventConsumer:
     async def _settle_batch(self, items: list[_Item]) -> list[decision.Outcome]:
         """The batch's outcomes once its transaction committed and its outbox was published."""
         try:
-            outcomes = await self._transact(items)
+            outcomes, causes = await self._transact(items)
+            # Rows may also be left from an earlier delivery of a duplicate, committed by a process that died
+            # before it published them. No other event of the batch can have any: reading only for these
+            # spares most batches the read (and its connection's reset).
+            causes |= {
+                item.event.id
+                for item, outcome in zip(items, outcomes, strict=True)
+                if item.event is not None and isinstance(outcome, decision.Duplicate)
+            }
         except _HandlerFailedError:
             outcomes = [await self._transact_one(item) for item in items]
-        await self._flush_outbox([item.event.id for item in items if item.event is not None])
+            causes = {item.event.id for item in items if item.event is not None}
+        await self._flush_outbox(sorted(causes))
         return outcomes
 
     async def _hold_through_outages(
@@ -330,8 +338,11 @@ class EventConsumer:
         self.ready = ready
         self._metrics.ready.set(1 if ready else 0)
 
-    async def _transact(self, items: list[_Item]) -> list[decision.Outcome]:
-        """The whole batch in one transaction; raises _HandlerFailedError (rolled back) if a handler fails."""
+    async def _transact(self, items: list[_Item]) -> tuple[list[decision.Outcome], set[str]]:
+        """The whole batch in one transaction: its outcomes, and the events whose outputs it put in the outbox.
+
+        Raises _HandlerFailedError (rolled back) if a handler fails.
+        """
         started = time.perf_counter()
         async with self._pool.acquire() as conn, conn.transaction():
             fresh = await self._record(conn, items)
@@ -364,7 +375,7 @@ class EventConsumer:
                 await self._stage(conn, [item for item in items if item.event is not None and item.event.id in fresh])
             await self._store_outbox(conn, outbox)
         self._metrics.commit_seconds.observe(time.perf_counter() - started)
-        return outcomes
+        return outcomes, {cause.id for cause, _ in outbox}
 
     async def _transact_one(self, item: _Item) -> decision.Outcome:
         """One event in its own transaction: the single retry that isolates a failing event."""

@@ -119,6 +119,22 @@ async def dead_letter(
     await js.publish(f"lanes.dead.{letter.stream}.{letter.consumer}", payload, headers=dead_headers, stream=DEAD.name)
 
 
+def sequence_and_deliveries(msg: Msg) -> tuple[int, int]:
+    """A delivered message's stream sequence and delivery count, read from its ack subject.
+
+    nats-py's `msg.metadata` builds a Metadata with a datetime for every message (about 4% of the telemetry
+    ingest's CPU, measured with py-spy); a consumer needs these two numbers of each.
+    """
+    tokens = msg.reply.split(".")
+    if len(tokens) == _ACK_V1_TOKENS and msg.reply.startswith(_ACK_PREFIX):
+        return int(tokens[5]), int(tokens[4])  # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>....
+    metadata = msg.metadata  # the longer form, with a domain and an account; or not a JetStream message (raises)
+    return int(metadata.sequence.stream), int(metadata.num_delivered)
+
+
+_ACK_V1_TOKENS = 9
+
+
 class Fetcher(Protocol):
     """What `pull_batches` reads from (a `BatchPull`; a stand-in in unit tests)."""
 
