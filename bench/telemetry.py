@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import statistics
 import time
@@ -52,7 +53,7 @@ from lanes_runtime.settings import ServerUrls, Settings
 from lanes_runtime.store import apply_migrations
 from lanes_telemetry.adapters import repository
 from lanes_telemetry.domain.election import World, elect_first_error
-from lanes_telemetry.entrypoints.service import SERVICE
+from lanes_telemetry.entrypoints.service import EVENTS, SERVICE
 from lanes_telemetry.service_layer.handlers import CORRELATION_SKEW, NOT_ELECTED, handle_evidence, handle_job_event
 
 C = EvidenceCategory
@@ -168,7 +169,8 @@ async def one_ingest_run(urls: ServerUrls, events: int) -> dict[str, float]:
 
         raw = await fetch_ack_rates(conns.nc, TELEMETRY.name, list(subjects), events, run)
 
-        spec = ConsumerSpec(durable=f"bench-tel-{run}", stream=TELEMETRY, subjects=subjects, batch=256)
+        # The service's own evidence consumer (batch, batches in flight), on this run's durable and nodes.
+        spec = dataclasses.replace(EVENTS, durable=f"bench-tel-{run}", subjects=subjects)
         consumer = EventConsumer(conns.nc, conns.pool, spec, handle_evidence)
         settle_heap()  # as a service does once started
         # Its durable exists before the clock starts, as the raw baselines' do (`run` provisions it again: a no-op).
@@ -234,7 +236,7 @@ async def batched_sketch(conns: Connections, run: str, subjects: tuple[str, ...]
             }
             batch = [event for _, event in decoded if event.id in fresh]
             nodes = sorted({event.node_key for event in batch})
-            await repository.PostgresTelemetryStore(conn).lock_nodes(nodes)
+            await repository.PostgresTelemetryStore(conn).lock_nodes(nodes, exclusive=False)
             latest = max((event.time for event in batch), default=T0)
             placed = {
                 node: await repository.PostgresTelemetryStore(conn).placement_at(node, latest, CORRELATION_SKEW)

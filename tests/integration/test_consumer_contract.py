@@ -97,6 +97,35 @@ async def test_an_event_is_processed_once_and_its_output_published(
     assert await stored(lanes.js, JOBS.name, f"lanes.job.{job_id}.waiting") == 1
 
 
+async def test_batches_in_flight_are_processed_side_by_side_and_each_once(
+    lanes: LanesClient, pool: asyncpg.Pool, unique: str
+) -> None:
+    """With two batches in flight, the second is in its handler before the first leaves its own."""
+    job_id = f"flight-{unique}"
+    entered: list[str] = []
+    both_entered = asyncio.Event()
+
+    async def meeting(event: Event, ctx: HandlerContext) -> Sequence[Event]:
+        entered.append(event.id)
+        if len(entered) == 2:
+            both_entered.set()
+        # With one batch at a time, the first would wait here in vain and the second never come.
+        await asyncio.wait_for(both_entered.wait(), timeout=10)
+        return await record_effect(event, ctx)
+
+    consumer = EventConsumer(lanes._nc, pool, spec_for(job_id, batch=1, in_flight=2), meeting)
+    events = [submission(job_id), submission(job_id)]
+    for event in events:
+        await lanes.publish(event)
+    stop, task = await _running(consumer)
+    await eventually(lambda: _processed(consumer, 2), what="both batches")
+    await _stop(stop, task)
+    assert sorted(entered) == sorted(event.id for event in events)
+    assert consumer.outcomes[Outcome.RETRY] == 0
+    assert [await effects(pool, event.id) for event in events] == [1, 1]
+    assert await stored(lanes.js, JOBS.name, f"lanes.job.{job_id}.waiting") == 2
+
+
 async def _processed(consumer: EventConsumer, count: int) -> bool:
     return consumer.outcomes[Outcome.PROCESSED] >= count
 

@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import pytest
 from nats.js import JetStreamContext
 from support.cli import run_lanes_async
@@ -288,7 +289,7 @@ async def test_a_batch_locks_its_nodes_and_reads_their_placements_in_one_stateme
         await apply_migrations(conns.pool, SERVICE.name, SERVICE.migrations)
         async with conns.pool.acquire() as conn, conn.transaction():
             store = PostgresTelemetryStore(conn)
-            await store.lock_nodes([second, first, second])
+            await store.lock_nodes([second, first, second], exclusive=True)
             held = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
             assert await conn.fetchval(held) == 2  # one per distinct node, until the commit
             ranks = (RankAssignment(rank=0, node=first, gpus=(0,)), RankAssignment(rank=1, node=second, gpus=(0,)))
@@ -302,6 +303,35 @@ async def test_a_batch_locks_its_nodes_and_reads_their_placements_in_one_stateme
             idle: [],
         }
         assert after == {first: [], idle: []}  # released before the window: every node still named
+
+
+async def test_evidence_batches_share_a_node_and_a_placement_waits_for_them(urls: ServerUrls, unique: str) -> None:
+    """Two transactions storing a node's evidence go side by side; a placement on it waits for both to commit.
+
+    The placement correlates the evidence stored before it: evidence still uncommitted would be missed.
+    """
+    node = f"{unique}-n"
+    async with connected(urls, name=f"test-node-locks-{unique}") as conns:
+        assert SERVICE.migrations is not None
+        await apply_migrations(conns.pool, SERVICE.name, SERVICE.migrations)
+        async with conns.pool.acquire() as first, conns.pool.acquire() as second, conns.pool.acquire() as placing:
+            async with first.transaction():
+                await PostgresTelemetryStore(first).lock_nodes([node], exclusive=False)
+                async with second.transaction():
+                    # Not blocked by the first: a statement timeout would fail this if it were.
+                    await second.execute("SET LOCAL statement_timeout = '5s'")
+                    await PostgresTelemetryStore(second).lock_nodes([node], exclusive=False)
+                    async with placing.transaction():
+                        await placing.execute("SET LOCAL lock_timeout = '100ms'")
+                        with pytest.raises(asyncpg.LockNotAvailableError):
+                            await PostgresTelemetryStore(placing).lock_nodes([node], exclusive=True)
+                async with placing.transaction():  # the second committed; the first still holds the node
+                    await placing.execute("SET LOCAL lock_timeout = '100ms'")
+                    with pytest.raises(asyncpg.LockNotAvailableError):
+                        await PostgresTelemetryStore(placing).lock_nodes([node], exclusive=True)
+            async with placing.transaction():  # both committed
+                await placing.execute("SET LOCAL statement_timeout = '5s'")
+                await PostgresTelemetryStore(placing).lock_nodes([node], exclusive=True)
 
 
 async def test_evidence_outside_the_placement_window_stays_uncorrelated(urls: ServerUrls, unique: str) -> None:

@@ -46,8 +46,8 @@ class InMemoryTelemetryStore:
     def __call__(self, _conn: Any) -> TelemetryStore:
         return self
 
-    async def lock_nodes(self, nodes: Sequence[str]) -> None:
-        del nodes
+    async def lock_nodes(self, nodes: Sequence[str], *, exclusive: bool) -> None:
+        del nodes, exclusive
 
     async def lock_attempt(self, job_id: str, attempt: int) -> None:
         del job_id, attempt

@@ -87,3 +87,10 @@ def test_a_long_outage_holds_for_ever_and_never_terminates() -> None:
 )
 def test_classify_tells_an_outage_from_a_bad_event(error: Exception, kind: type) -> None:
     assert isinstance(classify(error), kind)
+
+
+@pytest.mark.parametrize(("in_flight", "ordered"), [(0, False), (2, True)])
+def test_a_consumer_takes_at_least_one_batch_and_an_ordered_one_exactly_one(in_flight: int, ordered: bool) -> None:
+    # An ordered consumer folds after its batches' acks raised the ack floor: a second batch would race it.
+    with pytest.raises(ValueError, match="in_flight"):
+        ConsumerSpec(durable="t", stream=JOBS, subjects=("lanes.job.*.x",), in_flight=in_flight, ordered=ordered)

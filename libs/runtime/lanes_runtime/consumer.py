@@ -36,7 +36,7 @@ import functools
 import json
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, TypeVar
@@ -90,6 +90,15 @@ class ConsumerSpec:
     ordered: bool = False
     """True: each key's (job's) events are applied in stream order, across crashes and replicas
     (staged in the inbox, folded below the ack floor). For folds whose result depends on order."""
+    in_flight: int = 1
+    """Batches processed at once, each in its own transaction, as replicas would: one batch's statements wait
+    on PostgreSQL while another's handlers run. Only for handlers that two replicas may already run side by
+    side; an ordered consumer takes one (its fold reads the ack floor its batches' acks raise)."""
+
+    def __post_init__(self) -> None:
+        if self.in_flight < 1 or (self.ordered and self.in_flight != 1):
+            msg = f"{self.durable}: in_flight must be at least 1, and 1 for an ordered consumer"
+            raise ValueError(msg)
 
     def config(self) -> ConsumerConfig:
         """The JetStream configuration of this consumer."""
@@ -201,6 +210,38 @@ class _Item:
         self.seq, self.deliveries = sequence_and_deliveries(self.msg)
 
 
+class _InFlight:
+    """The batches being processed, at most `limit` at once."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self, work: Coroutine[Any, Any, None]) -> None:
+        """Start `work`; return once fewer than `limit` run (with a limit of one: once it is done).
+
+        A batch that failed (a bug: handler failures are settled inside) fails the loop, as it would without
+        the task around it.
+        """
+        self._tasks.add(asyncio.ensure_future(work))
+        await self._until_fewer_than(self._limit)
+
+    async def drain(self) -> None:
+        """Wait for every batch still being processed."""
+        await self._until_fewer_than(1)
+
+    async def _until_fewer_than(self, count: int) -> None:
+        while len(self._tasks) >= count:
+            done, self._tasks = await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
+
+    def cancel(self) -> None:
+        """Abandon the batches still running (the loop failed): their messages come back after the ack wait."""
+        for task in self._tasks:
+            task.cancel()
+
+
 class _HandlerFailedError(Exception):
     """A handler failed inside the batch transaction: roll the batch back and retry it singly."""
 
@@ -257,6 +298,7 @@ class EventConsumer:
         )
         self._log.info("consumer started", stream=self.spec.stream.name, subjects=self.spec.subjects)
         next_prune = time.monotonic() + _PRUNE_EVERY_S
+        working = _InFlight(self.spec.in_flight)
         try:
             not_ready = functools.partial(self._set_ready, ready=False)
             batches = pull_batches(
@@ -264,7 +306,7 @@ class EventConsumer:
             )
             async for msgs in batches:
                 if msgs:
-                    await self.process_batch(msgs, stop)
+                    await working.start(self.process_batch(msgs, stop))
                 if time.monotonic() >= next_prune:
                     next_prune = time.monotonic() + _PRUNE_EVERY_S
                     with contextlib.suppress(Exception):  # bookkeeping: it is tried again at the next turn
@@ -277,7 +319,9 @@ class EventConsumer:
                     except Exception:  # noqa: BLE001 - the staged events stay; the next turn folds them again
                         self._log.exception("fold failed; trying again")
                         await asyncio.sleep(self.spec.delay_after(1))
+            await working.drain()
         finally:
+            working.cancel()
             with contextlib.suppress(Exception):
                 await advisory.unsubscribe()
             with contextlib.suppress(Exception):

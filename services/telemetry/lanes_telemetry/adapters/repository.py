@@ -54,13 +54,13 @@ class PostgresTelemetryStore:
     def __init__(self, conn: Db) -> None:
         self._conn = conn
 
-    async def lock_nodes(self, nodes: Sequence[str]) -> None:
+    async def lock_nodes(self, nodes: Sequence[str], *, exclusive: bool) -> None:
         """Serialise correlation per node for this transaction (evidence vs. a placement arriving meanwhile)."""
         # One order everywhere (sorted; unnest yields an array's elements in order): no deadlock between two
         # transactions locking overlapping nodes.
+        lock = "pg_advisory_xact_lock" if exclusive else "pg_advisory_xact_lock_shared"
         await self._conn.execute(
-            """SELECT pg_advisory_xact_lock(hashtext('lanes-telemetry-node'), hashtext(node))
-               FROM unnest($1::text[]) AS node""",
+            f"SELECT {lock}(hashtext('lanes-telemetry-node'), hashtext(node)) FROM unnest($1::text[]) AS node",  # noqa: S608 - one of two function names
             sorted(set(nodes)),
         )
 

@@ -136,7 +136,7 @@ async def _lock_nodes(ctx: HandlerContext, store: TelemetryStore, nodes: Sequenc
     locked: frozenset[str] = ctx.scope.cache.get(_LOCKED, frozenset())
     wanted = [node for node in nodes if node not in locked]
     if wanted:
-        await store.lock_nodes(wanted)
+        await store.lock_nodes(wanted, exclusive=False)
         ctx.scope.cache[_LOCKED] = locked | frozenset(wanted)
 
 
@@ -295,7 +295,7 @@ async def _placements(event: Event, store: TelemetryStore, ctx: HandlerContext) 
     ranks_by_node: dict[str, tuple[int, ...]] = {}
     for assignment in event.data.assignments:
         ranks_by_node[assignment.node] = (*ranks_by_node.get(assignment.node, ()), assignment.rank)
-    await store.lock_nodes(list(ranks_by_node))
+    await store.lock_nodes(list(ranks_by_node), exclusive=True)
     await store.save_placement(job_id, attempt, event.data.assignments, event.time)
     late = await store.correlate_late(job_id, attempt, ranks_by_node, event.time - CORRELATION_SKEW)
     if not late:
@@ -422,21 +422,26 @@ async def _reelect(  # noqa: PLR0917 - the election's inputs, as _maybe_reelect 
         return await (
             _elect(store, cause, job_id, attempt) if force else _maybe_reelect(store, cause, job_id, attempt, new)
         )
-    elections: dict[tuple[str, int], _PendingElection] = ctx.scope.cache.setdefault(_ELECTIONS, {})
-    pending = elections.get((job_id, attempt))
-    if pending is None:
-        pending = elections[job_id, attempt] = _PendingElection(cause)
+    elections: dict[tuple[str, int], _PendingElection] | None = ctx.scope.cache.get(_ELECTIONS)
+    if elections is None:
+        elections = ctx.scope.cache[_ELECTIONS] = {}
+        scope = ctx.scope
 
-        async def elect() -> list[tuple[Event, Event]]:
-            del elections[job_id, attempt]
-            found = await (
-                _elect(store, pending.cause, job_id, attempt)
-                if pending.force
-                else _maybe_reelect(store, pending.cause, job_id, attempt, pending.new)
-            )
-            return [(pending.cause, event) for event in found]
+        async def elect() -> list[Caused]:
+            found: list[Caused] = []
+            # Attempt by attempt in one order: each election locks its attempt until the commit, so two
+            # transactions electing the same attempts (replicas, batches in flight) wait rather than deadlock.
+            for (job, number), pending in sorted(scope.cache.pop(_ELECTIONS).items()):
+                events = await (
+                    _elect(store, pending.cause, job, number)
+                    if pending.force
+                    else _maybe_reelect(store, pending.cause, job, number, pending.new)
+                )
+                found += [(pending.cause, event) for event in events]
+            return found
 
-        ctx.scope.before_commit(elect)
+        scope.before_commit(elect)
+    pending = elections.setdefault((job_id, attempt), _PendingElection(cause))
     pending.cause = cause  # the finding follows from the batch's last event that touched the attempt
     pending.new += new
     pending.force = pending.force or force
@@ -449,6 +454,8 @@ async def _maybe_reelect(
     considered = [item for item in new if item.category.value not in NOT_ELECTED]
     if not considered:
         return ()
+    # Under the attempt's lock: another transaction adding reporters meanwhile has committed, and is counted.
+    await store.lock_attempt(job_id, attempt)
     elect = any(may_be_cause(item) for item in considered)
     count = await store.count_evidence(job_id, attempt, ignored=NOT_ELECTED, up_to=ALWAYS_REELECT_UP_TO)
     before, after = await store.add_reporters(job_id, attempt, [(item.node or "", item.rank) for item in considered])

@@ -84,12 +84,20 @@ class StoredEvidence:
 class TelemetryStore(Protocol):
     """Telemetry's state for one transaction: placements, processes, evidence, findings, settle windows."""
 
-    async def lock_nodes(self, nodes: Sequence[str]) -> None:
-        """Serialise correlation per node for this transaction (evidence vs. a placement arriving meanwhile)."""
+    async def lock_nodes(self, nodes: Sequence[str], *, exclusive: bool) -> None:
+        """Serialise correlation per node for this transaction (evidence vs. a placement arriving meanwhile).
+
+        A placement locks its nodes `exclusive`: it correlates the evidence stored before it, so it waits for
+        every transaction storing evidence on them. Evidence locks them shared: two batches of evidence do
+        not wait for each other.
+        """
         ...
 
     async def lock_attempt(self, job_id: str, attempt: int) -> None:
-        """Serialise elections of one attempt, so two replicas never publish the same finding version twice."""
+        """Serialise elections of one attempt: two transactions never publish the same finding version twice.
+
+        The second also counts the attempt's reporters with those the first added.
+        """
         ...
 
     async def save_placement(
