@@ -13,7 +13,9 @@ One durable pull consumer per service role. For each fetched batch:
 3. After commit, publish the batch's outbox rows (their ids are deterministic, so JetStream drops a second
    copy) with the publish acknowledgements awaited together, delete them, and only then acknowledge.
 
-The next batch is fetched while one is processed (the fetch's round trip overlaps the work).
+The next batch is fetched while one is processed (the fetch's round trip overlaps the work). With
+`in_flight` above one, that many batches are processed at once, each in its own transaction, as that many
+replicas would.
 
 Every acknowledgement is chosen by `decision.decide`; this loop only carries it out. An infrastructure
 failure (a server unreachable or too slow) holds the batch: every message in hand (the batch and the one
