@@ -104,8 +104,10 @@ async def _evidence(event: Event, store: TelemetryStore, ctx: HandlerContext) ->
         return ()
     evidence = from_event(event)
     node = event.node
-    # The batch's other nodes (its subject keys) are locked with this one: one statement, one order.
-    await _lock_nodes(ctx, store, [node, *ctx.scope.keys])
+    # The batch's other nodes (its subject keys) are locked with this one: one statement, one order. Later
+    # events of the batch find their node locked already.
+    if node not in ctx.scope.cache.get(_LOCKED, ()):
+        await _lock_nodes(ctx, store, [node, *ctx.scope.keys])
     job_id, attempt = event.jobid, event.attempt
     sharing: list[Placement] = []
     if job_id is None or attempt is None:
