@@ -104,10 +104,7 @@ async def _evidence(event: Event, store: TelemetryStore, ctx: HandlerContext) ->
         return ()
     evidence = from_event(event)
     node = event.node
-    # The batch's other nodes (its subject keys) are locked with this one: one statement, one order. Later
-    # events of the batch find their node locked already.
-    if node not in ctx.scope.cache.get(_LOCKED, ()):
-        await _lock_nodes(ctx, store, [node, *ctx.scope.keys])
+    await _lock_node(ctx, store, node)
     job_id, attempt = event.jobid, event.attempt
     sharing: list[Placement] = []
     if job_id is None or attempt is None:
@@ -133,13 +130,18 @@ async def _evidence(event: Event, store: TelemetryStore, ctx: HandlerContext) ->
     return [*copies, *await _reelect(ctx, store, event, job_id, attempt, [evidence])]
 
 
-async def _lock_nodes(ctx: HandlerContext, store: TelemetryStore, nodes: Sequence[str]) -> None:
-    """Lock the nodes this transaction has not locked yet (a lock is held until it commits)."""
+async def _lock_node(ctx: HandlerContext, store: TelemetryStore, node: str) -> None:
+    """Lock `node` for this transaction (shared, until it commits), unless it holds the lock already.
+
+    The batch's other nodes (its subject keys) not locked yet are locked with it: one statement, one order, and
+    the batch's later events find their node locked.
+    """
     locked: frozenset[str] = ctx.scope.cache.get(_LOCKED, frozenset())
-    wanted = [node for node in nodes if node not in locked]
-    if wanted:
-        await store.lock_nodes(wanted, exclusive=False)
-        ctx.scope.cache[_LOCKED] = locked | frozenset(wanted)
+    if node in locked:
+        return
+    wanted = [each for each in {node, *ctx.scope.keys} if each not in locked]
+    await store.lock_nodes(wanted, exclusive=False)
+    ctx.scope.cache[_LOCKED] = locked | frozenset(wanted)
 
 
 async def _save_evidence(ctx: HandlerContext, store: TelemetryStore, new: NewEvidence) -> None:
