@@ -29,6 +29,7 @@ import asyncpg
 import nats
 import pytest
 import redis.asyncio as aioredis
+from support.processes import interruptible
 from support.waiting import eventually_in_sync_code
 
 from lanes_sandbox import embedded
@@ -475,6 +476,7 @@ class _Child:
                 stdout=subprocess.PIPE,
                 stderr=stderr,
                 start_new_session=True,
+                preexec_fn=interruptible,  # noqa: PLW1509 - only sets a signal disposition before exec
             )
 
     def read_event(self, timeout: float = CLEANUP_TIMEOUT) -> dict[str, Any]:

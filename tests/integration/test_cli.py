@@ -16,6 +16,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 from support.cli import LANES
+from support.processes import interruptible
 from support.servers import server_announcing
 
 from lanes_agent.faults import kernel_faults_unavailable
@@ -175,7 +176,12 @@ async def test_demo_uses_the_servers_the_environment_names(servers: ServerUrls, 
 @pytest.mark.slow
 def test_up_serves_submit_job_and_timeline_then_stops_cleanly_on_ctrl_c(tmp_path: Path, private_tmp: Path) -> None:
     up = subprocess.Popen(
-        [LANES, "up"], env=_env(TMPDIR=str(private_tmp)), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        [LANES, "up"],
+        env=_env(TMPDIR=str(private_tmp)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        preexec_fn=interruptible,  # noqa: PLW1509 - only sets a signal disposition before exec
     )
     try:
         assert up.stdout is not None
