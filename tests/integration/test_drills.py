@@ -16,7 +16,6 @@ checkpoint on the other nodes for a host fault, wait for the model's owner for a
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import sys
@@ -25,10 +24,10 @@ from pathlib import Path
 
 import pytest
 from support.cli import local_stack, run_lanes_async
+from support.optional import KERNEL, TORCH, require
 from support.recovery import register_nodes, spec
 from support.waiting import eventually
 
-from lanes_agent.cgroups import MemoryCgroups
 from lanes_agent.launcher import LocalLauncher
 from lanes_agent.netns import NodeNetworks
 from lanes_cli.timeline import job_timeline
@@ -39,17 +38,12 @@ from lanes_runtime.settings import ServerUrls
 
 pytestmark = [pytest.mark.real_servers, pytest.mark.slow]
 
-_WHY_NOT = None if importlib.util.find_spec("torch") else "torch (the `drill` group) is not installed"
-if _WHY_NOT and os.environ.get("LANES_REQUIRE_TORCH"):
-    pytest.fail(f"LANES_REQUIRE_TORCH is set but {_WHY_NOT}", pytrace=False)
-if _WHY_NOT:
-    pytest.skip(_WHY_NOT, allow_module_level=True)
+require(TORCH)
 
 KMSG = Path("/dev/kmsg")
 NODES = [f"drill-{i}" for i in range(1, 6)]
 DRILLED_RANK = 2
 _NO_KMSG = None if os.access(KMSG, os.R_OK | os.W_OK) else "needs a readable, writable /dev/kmsg (root)"
-_NO_CGROUPS = MemoryCgroups().unavailable()
 _NO_NETNS = NodeNetworks.unavailable()
 
 
@@ -87,21 +81,27 @@ async def _checkpointed(conns: Connections, job_id: str) -> bool:
 
 
 @pytest.mark.parametrize(
-    ("kind", "lane", "action", "why_not"),
+    ("kind", "lane", "action", "kernel"),
     [
-        ("kill", "host", "resume", None),
-        ("hang", "host", "resume", None),
-        ("oom", "host", "resume", _NO_CGROUPS or _NO_KMSG),
-        ("xid", "host", "resume", _NO_KMSG),
-        ("exception", "algorithm", "manual", None),
-        ("link-down", "network", "resume", _NO_NETNS),
+        ("kill", "host", "resume", False),
+        ("hang", "host", "resume", False),
+        ("oom", "host", "resume", True),
+        ("xid", "host", "resume", True),
+        ("exception", "algorithm", "manual", False),
+        ("link-down", "network", "resume", True),
     ],
 )
 async def test_a_drilled_fault_is_localised_to_its_rank_node_and_lane_and_recovered_by_the_policy(  # noqa: PLR0917 - parametrized
-    stack: Connections, own_urls: ServerUrls, tmp_path: Path, kind: str, lane: str, action: str, why_not: str | None
+    stack: Connections,
+    own_urls: ServerUrls,
+    tmp_path: Path,
+    kind: str,
+    lane: str,
+    action: str,
+    kernel: bool,
 ) -> None:
-    if why_not:
-        pytest.skip(why_not)
+    if kernel:
+        require(KERNEL)
     job_id = f"drill-{kind}"
     command = (sys.executable, "-m", "lanes_agent.drill_workload", "--step-s", "0.05", "--timeout-s", "15")
     job = spec(

@@ -5,26 +5,21 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from support.optional import CHROMIUM, chromium, require
 
 from lanes_cli.html import LANE_ORDER, render_page
 
 LANES = str(Path(sys.executable).parent / "lanes")
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-# CI installs Chromium and sets this, so there the test can only pass or fail; elsewhere it says what is missing.
-REQUIRED = os.environ.get("LANES_REQUIRE_BROWSER") == "1"
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None and not REQUIRED, reason="needs Chromium (Debian: apt-get install chromium)"
-)
+require(CHROMIUM)
 
 
 def _chromium(*args: str, profile: Path) -> subprocess.CompletedProcess[str]:
-    assert CHROMIUM is not None, "Chromium is required here (LANES_REQUIRE_BROWSER=1) but not installed"
+    binary = chromium()
+    assert binary is not None  # require(CHROMIUM) let the module run
     flags = [
         "--headless",
         "--no-sandbox",
@@ -36,7 +31,7 @@ def _chromium(*args: str, profile: Path) -> subprocess.CompletedProcess[str]:
         "--disable-sync",
         f"--user-data-dir={profile}",
     ]
-    return subprocess.run([CHROMIUM, *flags, *args], capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run([binary, *flags, *args], capture_output=True, text=True, timeout=120, check=False)
 
 
 def test_the_demo_timeline_page_renders_its_bands_and_marks(tmp_path: Path) -> None:

@@ -10,7 +10,6 @@ saved log: rank 2's own exception, in the algorithm lane, not the peers' closed 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import shutil
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 from support.cli import LANES, local_stack, run_lanes_async
 from support.observe import OBSERVE_SERVICES, in_state, job_view, timeline_events
+from support.optional import TORCH, require
 from support.waiting import eventually
 
 from lanes_contract.events import JobFinding, RankExited, RankStarted
@@ -30,12 +30,8 @@ from lanes_runtime.settings import ServerUrls
 
 pytestmark = [pytest.mark.real_servers, pytest.mark.slow]
 
+require(TORCH)
 _TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent))
-_WHY_NOT = None if importlib.util.find_spec("torch") and _TORCHRUN else "torch (the `drill` group) is not installed"
-if _WHY_NOT and os.environ.get("LANES_REQUIRE_TORCH"):
-    pytest.fail(f"LANES_REQUIRE_TORCH is set but {_WHY_NOT}", pytrace=False)
-if _WHY_NOT:
-    pytest.skip(_WHY_NOT, allow_module_level=True)
 
 _FAILING_RANK = 2
 # Plain torch.distributed: nothing in it knows about Lanes.

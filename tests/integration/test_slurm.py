@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 from support.cli import LANES, local_stack, run_lanes_async
 from support.observe import OBSERVE_SERVICES, in_state, job_view, poc_verdicts, timeline_events
+from support.optional import SLURM, require
 from support.waiting import eventually
 
 from lanes_contract.codec import decode
@@ -32,11 +32,7 @@ from lanes_sandbox import slurm
 
 pytestmark = [pytest.mark.real_servers, pytest.mark.slow]
 
-_WHY_NOT = slurm.available()
-if _WHY_NOT and os.environ.get("LANES_REQUIRE_SLURM"):
-    pytest.fail(f"LANES_REQUIRE_SLURM is set but {_WHY_NOT}", pytrace=False)
-if _WHY_NOT:
-    pytest.skip(_WHY_NOT, allow_module_level=True)
+require(SLURM)
 
 NODE = "slurm-n1"
 LIFECYCLE = "job orchestration and lifecycle"
