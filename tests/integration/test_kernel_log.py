@@ -1,14 +1,25 @@
-"""The node agent's kernel log reader on this machine's real /dev/kmsg (root): from now, and resumed."""
+"""The node agent's kernel log reader on this machine's real /dev/kmsg (root): from now, resumed, and through a
+stopped bus."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import pytest
+from nats.js import JetStreamContext
+from support.cli import lanes_process
+from support.restartable_nats import RestartableNats
+from support.waiting import eventually
 
 from lanes_agent.kmsg import KmsgReader, Position, boot_id, boot_time
+from lanes_contract.client import PUBLISH_TRIES, PUBLISH_TRY_S, connect_nats
+from lanes_contract.codec import decode
+from lanes_contract.streams import TELEMETRY, provision_streams
+from lanes_runtime.reader import Selection, iter_stream
 
 KMSG = Path("/dev/kmsg")
 pytestmark = pytest.mark.skipif(not os.access(KMSG, os.R_OK | os.W_OK), reason="needs a readable, writable /dev/kmsg")
@@ -50,3 +61,65 @@ def test_a_first_start_reads_from_now_and_a_restart_resumes_after_the_last_recor
     _write(f"lanes test {tag} four")
     assert _mine(other, tag) == [f"lanes test {tag} four"]
     other.close()
+
+
+def _xid_line(tag: str, number: int) -> str:
+    """An Xid 79 line naming no process: the agent's one node's evidence, told apart by `tag` and `number`."""
+    return (
+        f"NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus. {tag} {number}"
+    )
+
+
+async def _stored_lines(js: JetStreamContext, node: str, tag: str) -> Counter[str]:
+    """How many times each kernel line with `tag` is stored on LANES_TELEMETRY as the node's evidence."""
+    stored: Counter[str] = Counter()
+    async for msg in iter_stream(js, Selection(TELEMETRY.name, f"lanes.tel.{node}.>")):
+        event = decode(msg.subject, msg.headers, msg.data)
+        lines = getattr(event.data, "lines", ())
+        stored.update(line for line in lines if tag in line)
+    return stored
+
+
+@pytest.mark.real_servers
+@pytest.mark.slow
+async def test_the_follower_outlives_a_stopped_bus_and_every_line_arrives_exactly_once(tmp_path: Path) -> None:
+    tag = f"lanes-bus-stopped-{uuid.uuid4().hex[:8]}"
+    node = "node-1"
+    # Longer than a publish may take before it gives up (every try timed out): the follower meets failures.
+    outage_s = PUBLISH_TRIES * PUBLISH_TRY_S + 4
+    with RestartableNats(tmp_path / "nats") as nats:
+        nc = await connect_nats(nats.url, name="tests")
+        js = nc.jetstream()
+        await provision_streams(js)
+        agent_args = ("agent", "--node", node, "--state-dir", str(tmp_path / "agent"), "--kernel-log", str(KMSG))
+        try:
+            async with lanes_process(*agent_args, "--heartbeat", "1", env={"NATS_URL": nats.url}) as agent:
+                # The follower reads from the moment it opens the log: warm-up lines until one arrives.
+                async def following() -> bool:
+                    _write(_xid_line(f"{tag}-warm-up", 0))
+                    return bool(await _stored_lines(js, node, f"{tag}-warm-up"))
+
+                await eventually(following, timeout_s=60, what="the follower reading the kernel log")
+                _write(_xid_line(tag, 1))
+                await eventually(
+                    lambda: _has(js, node, tag, 1), timeout_s=30, what="the line written before the outage"
+                )
+
+                nats.stop()  # the process ends: every publish fails, reconnects are refused
+                for number in (2, 3, 4):
+                    _write(_xid_line(tag, number))
+                await asyncio.sleep(outage_s)
+                _write(_xid_line(tag, 5))
+                nats.start()
+                _write(_xid_line(tag, 6))  # read by a follower that is still running
+
+                await eventually(lambda: _has(js, node, tag, 6), timeout_s=120, what="every line after the outage")
+                assert agent.returncode is None
+                stored = await _stored_lines(js, node, f"{tag} ")
+        finally:
+            await nc.close()
+    assert stored == Counter({_xid_line(tag, number): 1 for number in range(1, 7)})
+
+
+async def _has(js: JetStreamContext, node: str, tag: str, count: int) -> bool:
+    return len(await _stored_lines(js, node, f"{tag} ")) >= count
