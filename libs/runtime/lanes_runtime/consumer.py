@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import time
 from collections import Counter
@@ -68,6 +67,7 @@ from lanes_runtime.delivery import (
     sequence_and_deliveries,
 )
 from lanes_runtime.failures import classify, is_infrastructure
+from lanes_runtime.health import DatabaseWatch, Readiness, describe
 from lanes_runtime.metrics import ConsumerMetrics
 from lanes_runtime.store import Db
 from lanes_runtime.tracing import event_span, sdk_configured, traced
@@ -266,9 +266,8 @@ class EventConsumer:
         self.spec = spec
         self._handler = handler
         self.outcomes: Counter[Outcome] = Counter()
-        self.ready = True
-        """False while a server it depends on is unavailable (the service reports not ready)."""
         self._metrics = metrics or ConsumerMetrics.for_consumer(spec.durable)
+        self._readiness = Readiness(spec.durable, self._metrics.ready)
         self._in_hand = InHand()
         """Messages fetched (the batch at work and the one fetched ahead) and not yet settled."""
         self._tracing = sdk_configured()
@@ -281,6 +280,14 @@ class EventConsumer:
     def name(self) -> str:
         """The durable consumer name."""
         return self.spec.durable
+
+    @property
+    def ready(self) -> bool:
+        """True from the start; False while a server it depends on is unavailable, and once it failed.
+
+        The `lanes_consumer_ready` gauge always says the same: both are set in one place (`Readiness`).
+        """
+        return self._readiness.ready
 
     async def provision(self) -> None:
         """Create the durable consumer, or bring an existing one to this spec (idempotent).
@@ -302,26 +309,29 @@ class EventConsumer:
         next_prune = time.monotonic() + _PRUNE_EVERY_S
         working = _InFlight(self.spec.in_flight)
         try:
-            not_ready = functools.partial(self._set_ready, ready=False)
-            batches = pull_batches(
-                sub, self.spec.batch, stop, consumer=self.name, on_unavailable=not_ready, in_hand=self._in_hand
-            )
-            async for msgs in batches:
-                if msgs:
-                    await working.start(self.process_batch(msgs, stop))
-                if time.monotonic() >= next_prune:
-                    next_prune = time.monotonic() + _PRUNE_EVERY_S
-                    with contextlib.suppress(Exception):  # bookkeeping: it is tried again at the next turn
-                        await prune_processed(self._pool, self.spec.durable, self.spec.retention_s)
-                if self.spec.ordered:
-                    try:
-                        await self._hold_through_outages(self.fold, stop)
-                    except StoppedError:
-                        pass
-                    except Exception:  # noqa: BLE001 - the staged events stay; the next turn folds them again
-                        self._log.exception("fold failed; trying again")
-                        await asyncio.sleep(self.spec.delay_after(1))
-            await working.drain()
+            async with DatabaseWatch.watching(self._pool, self._readiness):
+                batches = pull_batches(
+                    sub, self.spec.batch, stop, consumer=self.name, readiness=self._readiness, in_hand=self._in_hand
+                )
+                async for msgs in batches:
+                    if msgs:
+                        await working.start(self.process_batch(msgs, stop))
+                    if time.monotonic() >= next_prune:
+                        next_prune = time.monotonic() + _PRUNE_EVERY_S
+                        with contextlib.suppress(Exception):  # bookkeeping: it is tried again at the next turn
+                            await prune_processed(self._pool, self.spec.durable, self.spec.retention_s)
+                    if self.spec.ordered:
+                        try:
+                            await self._hold_through_outages(self.fold, stop)
+                        except StoppedError:
+                            pass
+                        except Exception:  # noqa: BLE001 - the staged events stay; the next turn folds them again
+                            self._log.exception("fold failed; trying again")
+                            await asyncio.sleep(self.spec.delay_after(1))
+                await working.drain()
+        except Exception as exc:
+            self._readiness.failed(describe(exc))
+            raise
         finally:
             working.cancel()
             with contextlib.suppress(Exception):
@@ -372,17 +382,12 @@ class EventConsumer:
         """
 
         def on_hold(_: Exception, __: float) -> None:
-            self._set_ready(ready=False)
             self.outcomes[Outcome.HELD] += len(items)
             self._metrics.held.inc(len(items))
 
-        result = await hold_through_outages(attempt, self.spec, held=self._in_hand, stop=stop, on_hold=on_hold)
-        self._set_ready(ready=True)
-        return result
-
-    def _set_ready(self, *, ready: bool) -> None:
-        self.ready = ready
-        self._metrics.ready.set(1 if ready else 0)
+        return await hold_through_outages(
+            attempt, self.spec, held=self._in_hand, stop=stop, on_hold=on_hold, readiness=self._readiness
+        )
 
     async def _transact(self, items: list[_Item]) -> tuple[list[decision.Outcome], set[str]]:
         """The whole batch in one transaction: its outcomes, and the events whose outputs it put in the outbox.

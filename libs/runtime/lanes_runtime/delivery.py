@@ -6,7 +6,7 @@ They differ in what they do with a batch, not in how they take it or give it bac
 here once:
 
 - `pull_batches`: fetch from a durable pull consumer until stopped; a fetch that fails because the bus is
-  away took nothing, so it is tried again after a pause.
+  away took nothing, so it is tried again after a pause (the loop not ready meanwhile).
 - `BatchPull`: a pull consumer's batches taken from one inbox subscription, a batch at a time (nats-py's
   `fetch` waits for each message in a task of its own).
 - `hold_through_outages`: run an attempt until no server is unavailable, keeping the held messages in
@@ -37,6 +37,7 @@ from lanes_contract.codec import MSG_ID_HEADER
 from lanes_contract.streams import DEAD
 from lanes_runtime import decision
 from lanes_runtime.failures import is_infrastructure
+from lanes_runtime.health import Readiness, describe
 
 if TYPE_CHECKING:
     from lanes_runtime.consumer import ConsumerSpec
@@ -270,30 +271,33 @@ async def pull_batches(
     stop: asyncio.Event,
     *,
     consumer: str,
-    on_unavailable: Callable[[], None] | None = None,
+    readiness: Readiness | None = None,
     in_hand: InHand | None = None,
 ) -> AsyncIterator[list[Msg]]:
     """Yield fetched batches until `stop` is set; an empty list when a fetch waited and found nothing.
+
+    A fetch that fails because the bus is away makes the loop's `readiness` (its own when none is given) not
+    ready until a fetch goes through again; the outage is logged there, once.
 
     With `in_hand`, the next batch is fetched while the caller works on the one yielded, so the fetch's round
     trip overlaps that work. Every fetched message goes into `in_hand` as it arrives: a caller holding a batch
     through an outage keeps the batch ahead in progress too, which would otherwise time out and come back,
     spending a delivery on nothing. Once `stop` is set, the batch already fetched ahead is still yielded.
     """
+    servers = readiness or Readiness(consumer)
 
     async def fetch() -> list[Msg]:
         while not stop.is_set():
             try:
                 msgs = await sub.fetch(size, FETCH_WAIT_S)
             except TimeoutError:
-                return []
+                msgs = []
             except NatsError as exc:
                 # Disconnected or reconnecting: nothing was taken, so nothing is lost; try again shortly.
-                log.warning("fetch failed; retrying", consumer=consumer, error=str(exc) or type(exc).__name__)
-                if on_unavailable is not None:
-                    on_unavailable()
+                servers.unavailable(_FETCH, describe(exc))
                 await asyncio.sleep(REFETCH_AFTER_S)
                 continue
+            servers.answered(_FETCH)
             if in_hand is not None:
                 in_hand.add(msgs)
             return msgs
@@ -315,6 +319,10 @@ async def pull_batches(
             ahead.cancel()
 
 
+_FETCH = "fetch"
+"""The cause a failing fetch reports to the loop's readiness."""
+
+
 async def hold_through_outages(
     attempt: Callable[[], Awaitable[_T]],
     spec: ConsumerSpec,
@@ -322,31 +330,34 @@ async def hold_through_outages(
     held: Iterable[InProgress] = (),
     stop: asyncio.Event | None = None,
     on_hold: Callable[[Exception, float], None] | None = None,
+    readiness: Readiness | None = None,
 ) -> _T:
     """Run `attempt` until no server is unavailable, pausing with `decide`'s backoff between tries.
 
-    Any other failure is raised to the caller, which decides about the message. Raises StoppedError when
-    `stop` is set during a pause.
+    Meanwhile the loop's `readiness` (its own when none is given) is not ready, and the outage is logged
+    there: one warning when it starts, one line when it ends, not one per try. Any other failure is raised to
+    the caller, which decides about the message. Raises StoppedError when `stop` is set during a pause.
     """
+    servers = readiness or Readiness(spec.durable)
+    cause = object()  # this hold's own: batches held side by side each wait on their own answer
     outages = 0
     while True:
         try:
-            return await attempt()
+            result = await attempt()
         except Exception as exc:
             if not is_infrastructure(exc):
+                servers.answered(cause)  # the server answered, with a failure about the work
                 raise
             outages += 1
             hold = decision.decide(decision.Unavailable(str(exc), outages), 0, spec)
             assert isinstance(hold, decision.Hold)  # noqa: S101 - decide's rule for Unavailable
-            log.warning(
-                "server unavailable; holding",
-                consumer=spec.durable,
-                error=f"{type(exc).__name__}: {exc}",
-                pause_s=hold.delay_s,
-            )
+            servers.unavailable(cause, describe(exc))
             if on_hold is not None:
                 on_hold(exc, hold.delay_s)
             await keep_in_progress(held, hold.delay_s, spec.ack_wait_s, stop)
+            continue
+        servers.answered(cause)
+        return result
 
 
 async def keep_in_progress(

@@ -12,6 +12,10 @@ appended only right after the chain head (stream sequence head + 1). A message p
 is still out for redelivery) is sent back to wait for the gap to fill, never appended over it. An outage
 (PostgreSQL or NATS unavailable) holds the batch in place with backoff, as the consumer runtime does;
 any other error sends the batch back. There is no max_deliver: the copy may stall, loudly, but never skip.
+
+It reports as the services' consumers do: the `lanes_consumer_*` metrics under its durable name (links
+appended count as processed, messages already recorded as duplicates, those sent back as retries), and a
+readiness that the runtime's database probe and outage hold keep (`lanes_runtime.health`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 
 import asyncpg
 import structlog
@@ -30,8 +35,10 @@ from lanes_audit.adapters import repository
 from lanes_audit.adapters.signing import Signer
 from lanes_audit.domain.chain import Link, canonical_bytes, link_hash
 from lanes_contract.streams import AUDIT, JOBS
-from lanes_runtime.consumer import ConsumerSpec
+from lanes_runtime.consumer import ConsumerSpec, Outcome
 from lanes_runtime.delivery import BatchPull, hold_through_outages, pull_batches, settle
+from lanes_runtime.health import DatabaseWatch, Readiness, describe
+from lanes_runtime.metrics import ConsumerMetrics
 
 log = structlog.get_logger(__name__)
 RETRY_DELAY_S = 1.0
@@ -58,6 +65,13 @@ class AuditRecorder:
         self._signer = signer or Signer.from_env()
         self._checkpoint_every = checkpoint_every
         self.recorded = 0
+        self._metrics = ConsumerMetrics.for_consumer(durable)
+        self._readiness = Readiness(durable, self._metrics.ready)
+
+    @property
+    def ready(self) -> bool:
+        """True from the start; False while PostgreSQL or NATS is unavailable, and once the recorder failed."""
+        return self._readiness.ready
 
     def config(self) -> ConsumerConfig:
         """Every message of the jobs stream, from the first, acknowledged one by one."""
@@ -80,9 +94,13 @@ class AuditRecorder:
         await self.provision()
         sub = await BatchPull.bind(self._nc, JOBS.name, self.name)
         try:
-            async for msgs in pull_batches(sub, 500, stop, consumer=self.name):
-                if msgs:
-                    await self.record(msgs)
+            async with DatabaseWatch.watching(self._pool, self._readiness):
+                async for msgs in pull_batches(sub, 500, stop, consumer=self.name, readiness=self._readiness):
+                    if msgs:
+                        await self.record(msgs)
+        except Exception as exc:
+            self._readiness.failed(describe(exc))
+            raise
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -90,8 +108,20 @@ class AuditRecorder:
     async def record(self, msgs: list[Msg]) -> None:
         """Append a batch's contiguous run in one transaction, then acknowledge it; send back what waits."""
         ordered = sorted(msgs, key=lambda m: m.metadata.sequence.stream)
+        self._metrics.batch_size.observe(len(ordered))
+        self._metrics.pending.set(ordered[-1].metadata.num_pending or 0)
+
+        def on_hold(_: Exception, __: float) -> None:
+            self._metrics.held.inc(len(ordered))
+
         try:
-            head_seq = await hold_through_outages(lambda: self._append_signed(ordered), _HOLD_SPEC, held=ordered)
+            head_seq, appended = await hold_through_outages(
+                lambda: self._append_signed(ordered),
+                _HOLD_SPEC,
+                held=ordered,
+                on_hold=on_hold,
+                readiness=self._readiness,
+            )
         except Exception as exc:  # noqa: BLE001 - nothing was committed: send the batch back
             log.warning("audit batch failed; redelivering", error=f"{type(exc).__name__}: {exc}", size=len(msgs))
             await self._send_back(ordered)
@@ -99,6 +129,8 @@ class AuditRecorder:
         recorded = [m for m in ordered if m.metadata.sequence.stream <= head_seq]
         for msg in recorded:
             await settle(msg.ack())  # a lost ack means a redelivery, which is recognised
+        self._metrics.count(Outcome.PROCESSED, appended)
+        self._metrics.count(Outcome.DUPLICATE, len(recorded) - appended)  # recorded before a lost ack or a crash
         waiting = ordered[len(recorded) :]
         if waiting:
             log.info("audit: waiting for a gap to fill", head=head_seq, next=waiting[0].metadata.sequence.stream)
@@ -107,18 +139,25 @@ class AuditRecorder:
     async def _send_back(self, msgs: list[Msg]) -> None:
         for msg in msgs:
             await settle(msg.nak(delay=RETRY_DELAY_S))
+        self._metrics.count(Outcome.RETRY, len(msgs))
 
-    async def _append_signed(self, msgs: list[Msg]) -> int:
-        """Append what follows the chain head and publish the checkpoints signed on the way; the new head."""
-        head_seq, checkpoints = await self._append(msgs)
+    async def _append_signed(self, msgs: list[Msg]) -> tuple[int, int]:
+        """Append what follows the chain head and publish the checkpoints signed on the way.
+
+        Returns the new head's stream sequence and how many links were appended.
+        """
+        started = time.perf_counter()
+        head_seq, appended, checkpoints = await self._append(msgs)
+        self._metrics.commit_seconds.observe(time.perf_counter() - started)
         for checkpoint in checkpoints:
             await self._publish_checkpoint(*checkpoint)
-        return head_seq
+        return head_seq, appended
 
-    async def _append(self, msgs: list[Msg]) -> tuple[int, list[tuple[int, bytes, bytes]]]:
+    async def _append(self, msgs: list[Msg]) -> tuple[int, int, list[tuple[int, bytes, bytes]]]:
         """Append the messages that follow the chain head without a gap.
 
-        Returns the new head's stream sequence and the checkpoints signed on the way.
+        Returns the new head's stream sequence, how many links were appended and the checkpoints signed on
+        the way.
         """
         async with self._pool.acquire() as conn, conn.transaction():
             await repository.lock_chain(conn)
@@ -137,7 +176,7 @@ class AuditRecorder:
                 links.append(Link(position, seq, canonical, previous, link_hash(previous, canonical)))
                 previous, last_seq = links[-1].hash, seq
             if not links:
-                return last_seq, []
+                return last_seq, 0, []
             await repository.append(conn, JOBS.name, links)
             self.recorded += len(links)
             signed = []
@@ -145,7 +184,7 @@ class AuditRecorder:
                 signature = self._signer.sign(mark.position, mark.hash)
                 await repository.add_checkpoint(conn, mark.position, mark.hash, self._signer.public_key, signature)
                 signed.append((mark.position, mark.hash, signature))
-            return last_seq, signed
+            return last_seq, len(links), signed
 
     async def _first_seq(self) -> int:
         info = await self._js.stream_info(JOBS.name)

@@ -9,18 +9,16 @@ tick, which publishes what the outbox still holds (same ids: JetStream keeps one
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import asyncpg
-import structlog
 from nats.aio.client import Client as NatsClient
 
 from lanes_contract.client import publish_encoded
 from lanes_contract.codec import EncodedEvent
 from lanes_recovery.adapters import repository
 from lanes_recovery.service_layer.handlers import Recovery
+from lanes_runtime.health import tick_until_stopped
 
-log = structlog.get_logger(__name__)
 TIMERS = "recovery-timers"
 
 
@@ -43,14 +41,11 @@ class RecoveryTimers:
         _ = self._recovery.policy
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Fire due timers every tick until `stop` is set; a failed tick is logged and tried again."""
-        while not stop.is_set():
-            try:
-                await self.tick()
-            except Exception:  # a tick that failed is redone at the next one: nothing is lost
-                log.exception("recovery timers: tick failed; retrying")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=self._tick_s)
+        """Fire due timers every tick until `stop` is set; a failed tick is redone at the next one.
+
+        Nothing is lost. A database outage is logged once when it starts and once when it ends.
+        """
+        await tick_until_stopped(self.name, self.tick, stop, every_s=self._tick_s)
 
     async def tick(self) -> int:
         """Publish what the outbox holds, then fire every due timer; return how many events were published."""

@@ -9,12 +9,10 @@ contract, and closes the window in the same transaction as the settled finding i
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
 import asyncpg
-import structlog
 from nats.aio.client import Client as NatsClient
 
 from lanes_contract.client import publish_encoded
@@ -22,9 +20,9 @@ from lanes_contract.codec import encode
 from lanes_contract.events import SettleWindowEnded, SettleWindowEndedData, utc_now
 from lanes_contract.ids import derived_event_id
 from lanes_contract.streams import JOBS
+from lanes_runtime.health import tick_until_stopped
 from lanes_telemetry.adapters import repository
 
-log = structlog.get_logger(__name__)
 SOURCE = "lanes/telemetry"
 
 
@@ -61,14 +59,12 @@ class SettleTimers:
         """Nothing to create: the windows live in telemetry's tables."""
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Close due windows every tick until `stop` is set; a failed tick is logged and tried again."""
-        while not stop.is_set():
-            try:
-                await self.tick()
-            except Exception:  # the next tick re-sends: ids are derived, nothing is duplicated
-                log.exception("settle timers: tick failed; retrying")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=self._tick_s)
+        """Close due windows every tick until `stop` is set; a failed tick is tried again at the next one.
+
+        The next tick re-sends: ids are derived, nothing is duplicated. A database outage is logged once when
+        it starts and once when it ends.
+        """
+        await tick_until_stopped(self.name, self.tick, stop, every_s=self._tick_s)
 
     async def tick(self) -> int:
         """Publish the end of every due window; return how many."""
