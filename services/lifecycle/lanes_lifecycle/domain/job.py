@@ -578,6 +578,8 @@ _FINDING_CAUSES = {
     Lane.PLATFORM: FailureCause.PLATFORM_ACTION,
 }
 """The cause a telemetry finding names, by the lane of its elected first error."""
+_EXPLAINS_NOTHING = frozenset({"unexplained_exit"})
+"""First errors that only repeat an exit status (telemetry found nothing that says why): the exits' cause stands."""
 _NOT_REFINED = frozenset({FailureCause.NORMAL_COMPLETION, FailureCause.USER_CANCEL})
 
 
@@ -589,7 +591,7 @@ def _with_finding(attempt: Attempt, event: JobFinding) -> Attempt:
     found = {
         "finding_version": event.data.version,
         "finding_event_id": event.id,
-        "finding_cause": _FINDING_CAUSES[first.lane] if first else None,
+        "finding_cause": _FINDING_CAUSES[first.lane] if first and first.category not in _EXPLAINS_NOTHING else None,
         "finding_summary": (first.summary or first.category) if first else None,
     }
     return _refined(attempt.model_copy(update=found))

@@ -2,6 +2,8 @@
 
 When 255 ranks time out together, the timeouts are consequences. The election:
 
+0. reads only evidence recent enough to explain the attempt's end: a cause logged long before the first
+   exit (a harmless exception minutes earlier, a GPU error the job survived) did not end it,
 1. attributes evidence to ranks (a kernel OOM kill names a pid; torchelastic names the rank of that pid),
 2. separates causes (process death, Xid, ECC, link down, exception...) from consequences (collective
    timeouts, peer-closed sockets, aborts, SIGTERMs sent by torchrun to the survivors),
@@ -12,6 +14,10 @@ When 255 ranks time out together, the timeouts are consequences. The election:
 4. when no cause exists, reads the hang itself: the rank that never enqueued the collective the others
    wait on, a node that reported nothing, the peer every socket error names; only then the network,
 5. groups the consequences, names the stage, lists the missing evidence per lane, and the owner to call.
+
+An exit status that nothing else explains (no error line, no kernel, agent or network evidence) is elected
+as an `unexplained_exit` in the platform lane, never as the node's fault: a script that exits 3 without a
+word says nothing about its host, and the finding names the evidence that would explain it.
 
 Pure: evidence in, finding out.
 """
@@ -40,7 +46,19 @@ from lanes_evidence.evidence import LANE_OF_CATEGORY, Evidence
 C = EvidenceCategory
 DEFAULT_SKEW_TOLERANCE = timedelta(seconds=2)
 """Causes closer than this (after clock-offset correction) are treated as simultaneous."""
+DEFAULT_CAUSE_WINDOW = timedelta(seconds=300)
+"""How long before an attempt's first exit evidence may still explain it (LANES_CAUSE_WINDOW_S).
+
+Five minutes: a failing rank takes its peers down within seconds (a crash, a kill) or after their
+collective timeout, and that timeout stretches the window by itself (see `_window_start`), so the default
+only has to cover the slow ways to die that report no timeout: a checkpoint write that fails after minutes
+of retries, an OOM after a slow leak past its first warning. Anything older (an exception a server logged
+and survived, an Xid the job outlived) did not end the attempt.
+"""
+UNEXPLAINED_EXIT = "unexplained_exit"
+"""The category of a first error that is only an exit status: no evidence says why the rank exited."""
 _MAX_CHAIN = 6
+_LISTED_NODES = 8
 _SIGKILL, _SIGABRT, _SIGTERM, _SIGINT = 9, 6, 15, 2
 _FIRST_COLLECTIVE_MAX_SEQ = 1
 
@@ -126,12 +144,21 @@ def elect_first_error(
     world: World | None = None,
     skew_tolerance: timedelta = DEFAULT_SKEW_TOLERANCE,
     version: int = 1,
+    ended_at: datetime | None = None,
+    cause_window: timedelta = DEFAULT_CAUSE_WINDOW,
 ) -> JobFindingData:
-    """Elect the first error among `evidence` (any order), for a job placed as `world` says."""
+    """Elect the first error among `evidence` (any order), for a job placed as `world` says.
+
+    `ended_at`: when the attempt began to end (its first rank exit). Evidence from more than `cause_window`
+    before it (stretched by the longest collective timeout reported) is not read: it did not end the attempt.
+    None (an offline analysis that knows no exit): every piece of evidence is read.
+    """
     world = world or World()
     # A canonical order first: the finding must not depend on the order evidence arrived in.
     chosen = sorted((e for e in evidence if e.category not in NOT_ELECTED), key=_evidence_key)
     items = sorted(_correct_clocks(_attribute(chosen, world)), key=_canonical)
+    if ended_at is not None:
+        items = _recent(items, ended_at, cause_window)
     consequence_seen = _first_consequence_time(items)
     causes = [item for item in items if _is_cause(item, consequence_seen)]
     progress = _progress_by_rank(items)
@@ -233,6 +260,31 @@ def _correct_clocks(evidence: list[Evidence]) -> list[_Item]:
         _Item(e, None if e.time is None else e.time - timedelta(milliseconds=offsets.get(e.node or "", 0.0)))
         for e in evidence
     ]
+
+
+def _recent(items: list[_Item], ended_at: datetime, cause_window: timedelta) -> list[_Item]:
+    """The items recent enough to explain an attempt that began to end at `ended_at` (undated ones too)."""
+    start = _window_start(items, ended_at, cause_window)
+    return [item for item in items if item.at is None or item.at >= start]
+
+
+def _window_start(items: list[_Item], ended_at: datetime, cause_window: timedelta) -> datetime:
+    """The earliest moment a cause may date from: the window before the end, stretched by a collective timeout.
+
+    Ranks that report a collective timeout waited that long (Timeout(ms)) for a peer before they gave up
+    and exited: what stopped the peer happened up to that long before, so the window covers it too. Only
+    timeouts reported inside the plain window count, so an old one cannot stretch the window to itself.
+    """
+    start = ended_at - cause_window
+    waited = [
+        item.evidence.data.timeout_ms
+        for item in items
+        if item.evidence.category is C.COLLECTIVE_TIMEOUT
+        and item.evidence.data.timeout_ms is not None
+        and item.at is not None
+        and item.at >= start
+    ]
+    return start - timedelta(milliseconds=max(waited)) if waited else start
 
 
 def _first_consequence_time(items: list[_Item]) -> dict[tuple[str | None, int | None], datetime]:
@@ -427,16 +479,31 @@ def _cause_of(winner: _Item, chain: list[_Item], rank_of_rankless: int | None) -
         # Node-level evidence (an Xid, an OOM kill): the rank of the same story on that node, if one.
         ranks = {c.evidence.rank for c in chain if c.evidence.rank is not None and c.evidence.node == e.node}
         rank = min(ranks) if len(ranks) == 1 else rank_of_rankless
-    lane = LANE_OF_CATEGORY[e.category]
+    lines = tuple(line for c in chain for line in c.evidence.data.lines)[: _MAX_CHAIN * 4]
+    if _is_bare_exit_status(e):
+        # The rank chose its exit status and said nothing about why: no evidence blames its node.
+        who = f"rank {rank}" if rank is not None else "a rank"
+        summary = f"{who} exited with status {e.data.exit_code} and no evidence explains it" + (
+            f" ({e.node})" if e.node else ""
+        )
+        return FindingCause(
+            category=UNEXPLAINED_EXIT, lane=Lane.PLATFORM, node=e.node, rank=rank, time=e.time, summary=summary,
+            evidence=lines,
+        )  # fmt: skip
     return FindingCause(
         category=e.category.value,
-        lane=lane,
+        lane=LANE_OF_CATEGORY[e.category],
         node=e.node,
         rank=rank,
         time=e.time,
         summary=_describe(replace(e, rank=rank)),
-        evidence=tuple(line for c in chain for line in c.evidence.data.lines)[: _MAX_CHAIN * 4],
+        evidence=lines,
     )
+
+
+def _is_bare_exit_status(e: Evidence) -> bool:
+    """An exit by status, not by signal: the process's own choice, which says nothing about its node."""
+    return e.category is C.PROCESS_EXITED and e.data.signal is None and e.data.exit_code not in {None, 0}
 
 
 def _describe(e: Evidence) -> str:
@@ -488,6 +555,11 @@ def _explain_hang(items: list[_Item], world: World) -> tuple[FindingCause | None
     # Who stayed silent about the hang: a rank the teardown stopped said nothing, whatever its exit.
     spoke = [i for i in items if _said_something(i)]
     silent = _silent_nodes(spoke, world)
+    if len(silent) > 1 and _has_consequences(items):
+        # Several nodes said nothing (yet): which of them the others wait on is a guess, so none is named.
+        listed = ", ".join(sorted(silent)[:_LISTED_NODES]) + (", ..." if len(silent) > _LISTED_NODES else "")
+        summary = f"{len(silent)} nodes reported nothing while the others waited ({listed}): none is named yet"
+        return FindingCause(category="silent_node", lane=Lane.HOST, summary=summary), 0.25
     if silent and _has_consequences(items):
         node = min(silent)
         ranks = sorted(r for r, n in world.ranks.items() if n == node)
@@ -500,7 +572,7 @@ def _explain_hang(items: list[_Item], world: World) -> tuple[FindingCause | None
             node=node,
             rank=ranks[0] if len(ranks) == 1 else None,
             summary=summary,
-        ), 0.4 if len(silent) == 1 else 0.25
+        ), 0.4
     if timeouts:
         # A rank whose node reports while it says nothing (no timeout of its own, while the others time
         # out waiting for it) never reached the collective: the laggard, seen by its silence.
@@ -759,6 +831,16 @@ def _missing(items: list[_Item], world: World, first: FindingCause | None) -> li
             missing.append(
                 MissingEvidence(lane=Lane.HOST, node=first.node, what=f"kernel log of {where}: who killed the process")
             )
+    if first is not None and first.category == UNEXPLAINED_EXIT:
+        who = f"rank {first.rank}" if first.rank is not None else "the rank"
+        missing.append(
+            MissingEvidence(
+                lane=Lane.ALGORITHM,
+                node=first.node,
+                rank=first.rank,
+                what=f"an error line in {who}'s own output saying why it exited (none was read)",
+            )
+        )
     if first is not None and first.category == "collective_not_enqueued" and first.rank is not None:
         missing.append(
             MissingEvidence(

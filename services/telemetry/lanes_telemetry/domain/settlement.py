@@ -10,6 +10,9 @@ finding says whether it is **settled**:
 - the settle window ran out (it starts when the attempt ended): then the finding settles on what arrived,
   and says what never did.
 
+Only evidence from the cause window before the attempt's first exit is elected (a server's harmless
+exception sixteen minutes before its agent restarted did not end the attempt; the agent's fault did).
+
 The lifecycle's own facts are evidence too: each rank's exit code or signal joins the election, so a rank
 killed by signal 9 is a host-lane candidate ("killed by SIGKILL: OOM killer or operator; kernel log
 pending") long before its kernel line arrives, and it outranks any "silent node" guess about the others.
@@ -25,7 +28,7 @@ from datetime import datetime, timedelta
 
 from lanes_contract.events import EvidenceCategory, EvidenceData, JobFindingData
 from lanes_evidence.evidence import Evidence
-from lanes_telemetry.domain.election import World, elect_first_error, may_be_cause
+from lanes_telemetry.domain.election import DEFAULT_CAUSE_WINDOW, World, elect_first_error, may_be_cause
 
 C = EvidenceCategory
 SIGKILL = 9
@@ -66,6 +69,13 @@ class AttemptStory:
     """Evidence items received per rank (every category, raw lines included)."""
     window_ended: bool = False
     window: timedelta = DEFAULT_SETTLE_WINDOW
+    cause_window: timedelta = DEFAULT_CAUSE_WINDOW
+    """How long before the attempt's first exit evidence may still explain it (see `elect_first_error`)."""
+
+    @property
+    def ended_at(self) -> datetime | None:
+        """When the attempt began to end: its first rank exit, whatever its status (None: no exit yet)."""
+        return min((ex.time for ex in self.exits.values()), default=None)
 
 
 @dataclass(frozen=True)
@@ -148,7 +158,13 @@ def waiting_for(story: AttemptStory) -> tuple[str, ...]:
 
 def settled_finding(story: AttemptStory, *, version: int = 1) -> JobFindingData:
     """Elect the first error over the evidence and the failed exits, and say whether it is settled."""
-    finding = elect_first_error([*story.evidence, *exit_evidence(story)], world=story.world, version=version)
+    finding = elect_first_error(
+        [*story.evidence, *exit_evidence(story)],
+        world=story.world,
+        version=version,
+        ended_at=story.ended_at,
+        cause_window=story.cause_window,
+    )
     settled = settlement(story)
     return finding.model_copy(
         update={"settled": settled.settled, "settle_reason": settled.reason, "waiting_for": settled.waiting_for}

@@ -15,9 +15,10 @@ from lanes_contract.streams import JOBS, TELEMETRY
 from lanes_runtime.consumer import ConsumerSpec
 from lanes_runtime.service import RunnerContext, ServiceDefinition
 from lanes_runtime.store import migrations_of
+from lanes_telemetry.domain.election import DEFAULT_CAUSE_WINDOW
 from lanes_telemetry.domain.settlement import DEFAULT_SETTLE_WINDOW
 from lanes_telemetry.entrypoints.timers import SettleTimers
-from lanes_telemetry.service_layer.handlers import Telemetry, handle_evidence
+from lanes_telemetry.service_layer.handlers import Telemetry
 
 JOB_FACTS = ("placed", "resources_released", "rank_started", "rank_exited", "state_changed", "settle_window_ended")
 """The subject names (`lanes.job.*.<name>`) telemetry folds."""
@@ -29,6 +30,7 @@ PLACEMENTS = ConsumerSpec(
     durable="telemetry-placements", stream=JOBS, subjects=tuple(f"lanes.job.*.{name}" for name in JOB_FACTS)
 )
 SETTLE_WINDOW_ENV = "LANES_SETTLE_WINDOW_S"
+CAUSE_WINDOW_ENV = "LANES_CAUSE_WINDOW_S"
 
 
 def configured_window() -> timedelta:
@@ -37,15 +39,25 @@ def configured_window() -> timedelta:
     return DEFAULT_SETTLE_WINDOW if not value else timedelta(seconds=float(value))
 
 
+def configured_cause_window() -> timedelta:
+    """The cause window: LANES_CAUSE_WINDOW_S (seconds before an attempt's first exit), else 300 s."""
+    value = os.environ.get(CAUSE_WINDOW_ENV)
+    return DEFAULT_CAUSE_WINDOW if not value else timedelta(seconds=float(value))
+
+
 def telemetry_service(
     settle_window: timedelta | None = None,
     *,
+    cause_window: timedelta | None = None,
     events: ConsumerSpec = EVENTS,
     facts: ConsumerSpec = PLACEMENTS,
     tick_s: float = 0.25,
 ) -> ServiceDefinition:
-    """The telemetry service with a settle window (default: LANES_SETTLE_WINDOW_S, else 5 s)."""
-    telemetry = Telemetry(settle_window or configured_window())
+    """The telemetry service with its settle and cause windows.
+
+    Defaults: LANES_SETTLE_WINDOW_S, else 5 s; LANES_CAUSE_WINDOW_S, else 300 s.
+    """
+    telemetry = Telemetry(settle_window or configured_window(), cause_window=cause_window or configured_cause_window())
 
     def timers(ctx: RunnerContext) -> SettleTimers:
         return SettleTimers(ctx.nc, ctx.pool, tick_s=tick_s)
@@ -53,7 +65,7 @@ def telemetry_service(
     return ServiceDefinition(
         name="telemetry",
         migrations=migrations_of("lanes_telemetry.adapters"),
-        consumers=((events, handle_evidence), (facts, telemetry.handle_job_event)),
+        consumers=((events, telemetry.handle_evidence), (facts, telemetry.handle_job_event)),
         runners=(timers,),
     )
 

@@ -50,6 +50,7 @@ from lanes_runtime.consumer import Caused, HandlerContext
 from lanes_telemetry.adapters.repository import PostgresTelemetryStore
 from lanes_telemetry.domain.election import (
     ALWAYS_REELECT_UP_TO,
+    DEFAULT_CAUSE_WINDOW,
     World,
     may_be_cause,
     worth_reelecting,
@@ -98,7 +99,9 @@ async def handle_evidence(event: Event, ctx: HandlerContext) -> Sequence[Event]:
     return await Telemetry().handle_evidence(event, ctx)
 
 
-async def _evidence(event: Event, store: TelemetryStore, ctx: HandlerContext) -> Sequence[Event]:
+async def _evidence(
+    event: Event, store: TelemetryStore, ctx: HandlerContext, cause_window: timedelta = DEFAULT_CAUSE_WINDOW
+) -> Sequence[Event]:
     """Store one piece of evidence, correlate it, and return its job copy and any new finding."""
     if event.node is None or not hasattr(event.data, "category"):
         return ()
@@ -127,7 +130,7 @@ async def _evidence(event: Event, store: TelemetryStore, ctx: HandlerContext) ->
     copies = await _copy_to_timeline(
         ctx, store, [_Copy(event, job_id, attempt, StoredEvidence(event.id, event.lane.value, evidence))]
     )
-    return [*copies, *await _reelect(ctx, store, event, job_id, attempt, [evidence])]
+    return [*copies, *await _reelect(ctx, store, event, job_id, attempt, [evidence], cause_window=cause_window)]
 
 
 async def _lock_node(ctx: HandlerContext, store: TelemetryStore, node: str) -> None:
@@ -251,14 +254,20 @@ class Telemetry:
     """Telemetry's two handlers, on a store (the port) and under a settle window."""
 
     def __init__(
-        self, settle_window: timedelta = DEFAULT_SETTLE_WINDOW, *, store: StoreFactory = PostgresTelemetryStore
+        self,
+        settle_window: timedelta = DEFAULT_SETTLE_WINDOW,
+        *,
+        store: StoreFactory = PostgresTelemetryStore,
+        cause_window: timedelta = DEFAULT_CAUSE_WINDOW,
     ) -> None:
         self.settle_window = settle_window
+        self.cause_window = cause_window
+        """How long before an attempt's first exit evidence may still explain it."""
         self._store = store
 
     async def handle_evidence(self, event: Event, ctx: HandlerContext) -> Sequence[Event]:
         """Store one piece of evidence, correlate it, and return its job copy and any new finding."""
-        return await _evidence(event, self._store(ctx.conn), ctx)
+        return await _evidence(event, self._store(ctx.conn), ctx, self.cause_window)
 
     async def handle_job_event(self, event: Event, ctx: HandlerContext) -> Sequence[Event]:
         """Fold one job fact; re-elect when it can change the finding or settle it."""
@@ -278,18 +287,20 @@ class Telemetry:
             ex = RankExit(event.rank, event.node, data.exit_code, killed, event.time, data.evidence, event.id)
             await store.save_exit(job_id, attempt, ex)
             if may_explain(ex) or _election_pending(ctx, job_id, attempt) or await store.load_finding(job_id, attempt):
-                return await _reelect(ctx, store, event, job_id, attempt, force=True)
+                return await _reelect(ctx, store, event, job_id, attempt, force=True, cause_window=self.cause_window)
             return ()
         if isinstance(event, JobStateChanged) and event.data.to_state is JobState.FAILED:
             await store.attempt_ended(job_id, attempt, event.time, self.settle_window)
             return ()
         if isinstance(event, SettleWindowEnded):
             await store.end_window(job_id, attempt)
-            return await _reelect(ctx, store, event, job_id, attempt, force=True)
-        return await _placements(event, store, ctx)
+            return await _reelect(ctx, store, event, job_id, attempt, force=True, cause_window=self.cause_window)
+        return await _placements(event, store, ctx, self.cause_window)
 
 
-async def _placements(event: Event, store: TelemetryStore, ctx: HandlerContext) -> Sequence[Event]:
+async def _placements(
+    event: Event, store: TelemetryStore, ctx: HandlerContext, cause_window: timedelta
+) -> Sequence[Event]:
     if isinstance(event, ResourcesReleased):
         await store.release(event.job_key, event.attempt, event.time)
         return ()
@@ -308,7 +319,8 @@ async def _placements(event: Event, store: TelemetryStore, ctx: HandlerContext) 
     copies = await _copy_to_timeline(
         ctx, store, [_Copy(event, job_id, attempt, stored, key=stored.event_id) for stored in recognised]
     )
-    return [*copies, *await _reelect(ctx, store, event, job_id, attempt, [s.evidence for s in late])]
+    new = [s.evidence for s in late]
+    return [*copies, *await _reelect(ctx, store, event, job_id, attempt, new, cause_window=cause_window)]
 
 
 @dataclass(frozen=True)
@@ -414,6 +426,7 @@ async def _reelect(  # noqa: PLR0917 - the election's inputs, as _maybe_reelect 
     new: Sequence[Evidence] = (),
     *,
     force: bool = False,
+    cause_window: timedelta = DEFAULT_CAUSE_WINDOW,
 ) -> Sequence[Event]:
     """Elect over `new` evidence (or at all, when `force`): at once, or in a batch once per attempt.
 
@@ -424,7 +437,9 @@ async def _reelect(  # noqa: PLR0917 - the election's inputs, as _maybe_reelect 
     """
     if not ctx.scope.deferred:
         return await (
-            _elect(store, cause, job_id, attempt) if force else _maybe_reelect(store, cause, job_id, attempt, new)
+            _elect(store, cause, job_id, attempt, cause_window)
+            if force
+            else _maybe_reelect(store, cause, job_id, attempt, new, cause_window)
         )
     elections: dict[tuple[str, int], _PendingElection] | None = ctx.scope.cache.get(_ELECTIONS)
     if elections is None:
@@ -437,9 +452,9 @@ async def _reelect(  # noqa: PLR0917 - the election's inputs, as _maybe_reelect 
             # transactions electing the same attempts (replicas, batches in flight) wait rather than deadlock.
             for (job, number), pending in sorted(scope.cache.pop(_ELECTIONS).items()):
                 events = await (
-                    _elect(store, pending.cause, job, number)
+                    _elect(store, pending.cause, job, number, cause_window)
                     if pending.force
-                    else _maybe_reelect(store, pending.cause, job, number, pending.new)
+                    else _maybe_reelect(store, pending.cause, job, number, pending.new, cause_window)
                 )
                 found += [(pending.cause, event) for event in events]
             return found
@@ -452,8 +467,8 @@ async def _reelect(  # noqa: PLR0917 - the election's inputs, as _maybe_reelect 
     return ()
 
 
-async def _maybe_reelect(
-    store: TelemetryStore, cause: Event, job_id: str, attempt: int, new: Sequence[Evidence]
+async def _maybe_reelect(  # noqa: PLR0917 - the election's inputs, as _elect takes them
+    store: TelemetryStore, cause: Event, job_id: str, attempt: int, new: Sequence[Evidence], cause_window: timedelta
 ) -> Sequence[Event]:
     considered = [item for item in new if item.category.value not in NOT_ELECTED]
     if not considered:
@@ -469,10 +484,12 @@ async def _maybe_reelect(
     elect = elect or any(worth_reelecting(evidence_count=count, new_reporters=n, world_size=world_size) for n in passed)
     if not elect:
         return ()
-    return await _elect(store, cause, job_id, attempt)
+    return await _elect(store, cause, job_id, attempt, cause_window)
 
 
-async def _elect(store: TelemetryStore, cause: Event, job_id: str, attempt: int) -> Sequence[Event]:
+async def _elect(
+    store: TelemetryStore, cause: Event, job_id: str, attempt: int, cause_window: timedelta
+) -> Sequence[Event]:
     """Re-elect the attempt's finding over its evidence and exits; publish it if it changed."""
     await store.lock_attempt(job_id, attempt)
     story = AttemptStory(
@@ -481,6 +498,7 @@ async def _elect(store: TelemetryStore, cause: Event, job_id: str, attempt: int)
         exits=await store.exits_of(job_id, attempt),
         heard=await store.heard_per_rank(job_id, attempt),
         window_ended=await store.window_ended(job_id, attempt),
+        cause_window=cause_window,
     )
     finding = settled_finding(story)
     first = finding.first_error
