@@ -57,6 +57,14 @@ class InMemoryRecoveryStore:
     async def mark_escalated(self, decision_id: str, at: datetime) -> None:
         self.escalated[decision_id] = at
 
+    async def cordoned_since(self, since: datetime) -> frozenset[str]:
+        return frozenset(
+            node
+            for d in self.decisions.values()
+            if d.time >= since and d.id not in self.superseded_by
+            for node in d.data.cordon
+        )
+
 
 class FakeDigests:
     """The `Digests` port: every checkpoint unchecked, except paths held back as "still being hashed"."""

@@ -82,6 +82,25 @@ async def mark_escalated(conn: Db, decision_id: str, at: datetime) -> None:
     await conn.execute("UPDATE recovery_decisions SET escalated_at = $2 WHERE decision_id = $1", decision_id, at)
 
 
+_CORDON_BUDGET_LOCK = 0x4C414E45_43424744
+"""The transaction lock that serialises cordon budget counts (one decision counts and records at a time)."""
+
+
+async def cordoned_since(conn: Db, since: datetime) -> frozenset[str]:
+    """The nodes cordoned by decisions in force since `since`, under a lock held until this transaction ends.
+
+    Decisions are rare, and each takes its job's row lock before this one (never the other way round), so
+    serialising them here costs nothing and cannot deadlock.
+    """
+    await conn.execute("SELECT pg_advisory_xact_lock($1)", _CORDON_BUDGET_LOCK)
+    rows = await conn.fetch(
+        """SELECT DISTINCT jsonb_array_elements_text(decision -> 'cordon') AS node FROM recovery_decisions
+           WHERE decided_at >= $1 AND superseded_by IS NULL""",
+        since,
+    )
+    return frozenset(row["node"] for row in rows)
+
+
 async def due_jobs(conn: Executor, now: datetime, limit: int = 100) -> list[str]:
     """Jobs whose next timer has fired (not locked by another recovery process)."""
     rows = await conn.fetch(
@@ -168,3 +187,7 @@ class PostgresRecoveryStore:
     async def mark_escalated(self, decision_id: str, at: datetime) -> None:
         """See `RecoveryStore.mark_escalated`."""
         await mark_escalated(self._conn, decision_id, at)
+
+    async def cordoned_since(self, since: datetime) -> frozenset[str]:
+        """See `RecoveryStore.cordoned_since`."""
+        return await cordoned_since(self._conn, since)

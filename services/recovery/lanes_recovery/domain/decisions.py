@@ -2,13 +2,20 @@
 
 `decide_failure` applies the policy rule for the attempt's first error, then the guards that make a
 failure non-recoverable whatever the rule says: retry budget spent, crash loop (the same first error on
-the same node, or from the same checkpoint, `crash_loop_count` times), and for training a checkpoint gate
-that refused every recorded checkpoint (a version mismatch). It returns a `Plan`: the decision's data and
-the actions that go with it (cordon, replica out of rotation, hold, the retry still owed).
+the same node, or from the same checkpoint, `crash_loop_count` times), for training a checkpoint gate
+that refused every recorded checkpoint (a version mismatch), and the cordon budget: a decision that would
+cordon one node more than the policy allows within its window waits for a person instead. It returns a
+`Plan`: the decision's data and the actions that go with it (cordon, replica out of rotation, hold, the
+retry still owed).
+
+A node is cordoned only on host or network evidence about it: a first error that is only an exit status or
+a signal, an unexplained exit or a hang everyone waited in (`NO_NODE_EVIDENCE`) cordons nothing, whatever
+the rule says, and the decision says so.
 """
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -32,7 +39,15 @@ from lanes_recovery.domain.knowledge import (
     PendingRetry,
     SavedCheckpoint,
 )
-from lanes_recovery.domain.policy import NEVER_PLACED, NO_FINDING, Effective, Policy, Rule
+from lanes_recovery.domain.policy import (
+    NEVER_PLACED,
+    NO_FINDING,
+    NO_NODE_EVIDENCE,
+    CordonBudget,
+    Effective,
+    Policy,
+    Rule,
+)
 
 RECOVERY = "lanes/recovery"
 ATTEMPT_REQUESTED = "io.lanes.job.attempt_requested.v1"
@@ -145,8 +160,17 @@ class _Assessment:
         return f"{self.first.label}{where}" + (f" ({self.first.summary})" if self.first.summary else "")
 
 
-def assess(knowledge: JobKnowledge, facts: AttemptFacts, policy: Policy, verified: Verified) -> _Assessment:
-    """Apply the policy rule, then the guards that make a failure non-recoverable whatever the rule says."""
+def assess(
+    knowledge: JobKnowledge,
+    facts: AttemptFacts,
+    policy: Policy,
+    verified: Verified,
+    recently_cordoned: AbstractSet[str] = frozenset(),
+) -> _Assessment:
+    """Apply the policy rule, then the guards that make a failure non-recoverable whatever the rule says.
+
+    `recently_cordoned`: the nodes recovery cordoned within the policy's cordon budget window.
+    """
     spec = _spec(knowledge)
     first = assumed_first_error(facts)
     position, rule = policy.rule_for(spec.workload_class, first.lane, first.category)
@@ -161,6 +185,10 @@ def assess(knowledge: JobKnowledge, facts: AttemptFacts, policy: Policy, verifie
         stop = f"retry budget spent: {facts.number - 1} of {budget} retries used"
     else:
         stop = crash_loop(knowledge, facts, first, limits.crash_loop_count)
+    node = cordoned_node(first, rule)
+    if stop is None and node is not None:
+        stop = over_budget(node, recently_cordoned, policy.defaults.cordon_budget)
+    refused_cordon = _no_node_evidence(first, rule)
     checkpoint = None
     resume_step: int | None = None
     notes: tuple[str, ...] = ()
@@ -179,6 +207,7 @@ def assess(knowledge: JobKnowledge, facts: AttemptFacts, policy: Policy, verifie
             notes = ("the job never recorded a checkpoint: it resumes from the start",)
     elif spec.workload_class in {WorkloadClass.EVALUATION, WorkloadClass.BATCH}:
         resume_step = 0
+    notes = (refused_cordon, *notes) if refused_cordon else notes
     return _Assessment(spec, first, rule, limits, why, owner_lane, stop, checkpoint, resume_step, notes)
 
 
@@ -190,9 +219,14 @@ def decide_failure(
     *,
     now: datetime,
     decision_id: str,
+    recently_cordoned: AbstractSet[str] = frozenset(),
 ) -> Plan:
-    """Decide how a failed attempt recovers (or that it waits for its owner)."""
-    a = assess(knowledge, facts, policy, verified)
+    """Decide how a failed attempt recovers (or that it waits for its owner).
+
+    `recently_cordoned`: the nodes recovery cordoned within the cordon budget's window (every job's decisions
+    in force), which the budget counts this decision's cordon against.
+    """
+    a = assess(knowledge, facts, policy, verified, recently_cordoned)
     owner = owner_of(a.spec, a.owner_lane)
     base: dict[str, Any] = {
         "finding_id": facts.finding.id if facts.finding else (facts.ended_by or decision_id),
@@ -395,13 +429,44 @@ def _spec(knowledge: JobKnowledge) -> JobSpec:
     return knowledge.spec
 
 
-def _cordons(job_id: str, facts: AttemptFacts, first: FirstError, rule: Rule, owner: str) -> tuple[Cordon, ...]:
+def cordoned_node(first: FirstError, rule: Rule) -> str | None:
+    """The node the rule cordons for this first error: only on host or network evidence about that node."""
     if not rule.cordon or not first.node or not is_valid_token(first.node):
-        return ()
-    if first.lane not in {Lane.HOST, Lane.NETWORK}:
+        return None
+    if first.lane not in {Lane.HOST, Lane.NETWORK} or first.category in NO_NODE_EVIDENCE:
+        return None
+    return first.node
+
+
+def over_budget(node: str, recently_cordoned: AbstractSet[str], budget: CordonBudget) -> str | None:
+    """Why cordoning `node` needs a person: it would exceed the cordon budget (None: within it).
+
+    A node already cordoned within the window costs nothing more; any other counts one.
+    """
+    if node in recently_cordoned or len(recently_cordoned) < budget.max_nodes:
+        return None
+    return (
+        f"cordon budget spent: recovery cordoned {len(recently_cordoned)} node(s) within the last "
+        f"{budget.window_s:g} s ({', '.join(sorted(recently_cordoned)) or 'none'}; at most {budget.max_nodes} "
+        f"without a person's approval), so {node} is not cordoned automatically"
+    )
+
+
+def _no_node_evidence(first: FirstError, rule: Rule) -> str | None:
+    """What the decision says when its rule would cordon, but the first error is no evidence about the node."""
+    if not rule.cordon or not first.node or first.lane not in {Lane.HOST, Lane.NETWORK}:
+        return None
+    if first.category not in NO_NODE_EVIDENCE:
+        return None
+    return f"{first.node} is not cordoned: {first.label} is no host or network evidence about it"
+
+
+def _cordons(job_id: str, facts: AttemptFacts, first: FirstError, rule: Rule, owner: str) -> tuple[Cordon, ...]:
+    node = cordoned_node(first, rule)
+    if node is None:
         return ()
     reason = f"recovery of {job_id} attempt {facts.number}: {first.summary or first.label}; owner {owner}"
-    return (Cordon(node=first.node, lane=first.lane, reason=reason),)
+    return (Cordon(node=node, lane=first.lane, reason=reason),)
 
 
 def _replica_out(spec: JobSpec, found: str) -> ReplicaOut | None:

@@ -20,6 +20,10 @@ NO_FINDING = "unknown"
 """The category recovery assumes (lane platform) for a failed attempt no finding explained in time."""
 NEVER_PLACED = "never_placed"
 """The category (lane platform) of an attempt that failed before it was placed, e.g. rejected."""
+NO_NODE_EVIDENCE = frozenset({"process_exited", "unexplained_exit", "collective_hang", NO_FINDING, NEVER_PLACED})
+"""First errors that say nothing about their node's host or network, whatever their lane: an exit status or a
+signal alone (the kernel line that would say who sent it never came), an exit nothing explains, a hang in
+which every rank waited. A rule's `cordon` never applies to them."""
 
 ACTIONS_OF_CLASS: dict[WorkloadClass, frozenset[RecoveryAction]] = {
     WorkloadClass.TRAINING: frozenset({RecoveryAction.RESUME, RecoveryAction.MANUAL}),
@@ -44,6 +48,17 @@ class Backoff(_Model):
     def delay_s(self, retries_used: int) -> float:
         """The wait before the retry that follows `retries_used` earlier retries."""
         return float(min(self.base_s * self.factor**retries_used, self.max_s))
+
+
+class CordonBudget(_Model):
+    """At most `max_nodes` nodes cordoned by recovery within `window_s` without a person's approval.
+
+    Whatever a rule says, recovery never empties the cluster on its own: a decision that would cordon one
+    node more waits for its owner instead (the manual path), and its reason says the budget is spent.
+    """
+
+    max_nodes: int = Field(default=3, ge=0, le=10_000)
+    window_s: float = Field(default=3600.0, gt=0, le=30 * 86_400)
 
 
 class Limits(_Model):
@@ -79,6 +94,9 @@ class Defaults(_Model):
     digest_max_bytes: int = Field(default=64 << 30, ge=1, description="A checkpoint larger than this is unverified.")
     digest_timeout_s: float = Field(
         default=60.0, gt=0, le=3600, description="A checkpoint not hashed within this is unverified."
+    )
+    cordon_budget: CordonBudget = Field(
+        default=CordonBudget(), description="How many nodes recovery may cordon in a window without a person."
     )
     unrecorded_versions: Literal["refuse", "accept"] = Field(
         default="refuse", description="A checkpoint that does not record a version the spec sets: refuse or accept it."

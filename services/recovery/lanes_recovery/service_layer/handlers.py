@@ -173,7 +173,15 @@ class Recovery:
                     known = known.model_copy(update={"recheck_at": now + DIGEST_RECHECK})
                     break
                 decision_id = derived_event_id(str(facts.ended_by), _type_of(RecoveryDecided), "decision")
-                plan = decide_failure(known, facts, self.policy, verified, now=now, decision_id=decision_id)
+                plan = decide_failure(
+                    known,
+                    facts,
+                    self.policy,
+                    verified,
+                    now=now,
+                    decision_id=decision_id,
+                    recently_cordoned=await self._recently_cordoned(store, now),
+                )
                 known = known.with_attempt(facts.model_copy(update={"decided": True}))
                 known, published = await self._carry_out(store, known, plan, decision_id, facts.number, now)
                 outputs.extend(published)
@@ -187,6 +195,10 @@ class Recovery:
         known, escalation = await self._escalation(store, known, now)
         outputs.extend(escalation)
         return known, outputs
+
+    async def _recently_cordoned(self, store: RecoveryStore, now: datetime) -> frozenset[str]:
+        """The nodes the cordon budget counts: cordoned by any decision in force within its window."""
+        return await store.cordoned_since(now - timedelta(seconds=self.policy.defaults.cordon_budget.window_s))
 
     def _verified_now(self, known: JobKnowledge) -> Verified | None:
         """The checkpoint gate if every digest is in, else None (the missing ones are being computed)."""
@@ -259,7 +271,15 @@ class Recovery:
                     lane=s.decided_on.lane, data=ready,
                 )
             )  # fmt: skip
-        plan = decide_failure(known, facts, self.policy, await self._verified(known), now=now, decision_id=decision_id)
+        plan = decide_failure(
+            known,
+            facts,
+            self.policy,
+            await self._verified(known),
+            now=now,
+            decision_id=decision_id,
+            recently_cordoned=await self._recently_cordoned(store, now),
+        )
         known, published = await self._carry_out(store, known, plan, decision_id, attempt, now)
         return known, [*outputs, *published]
 

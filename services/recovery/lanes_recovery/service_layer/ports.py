@@ -47,6 +47,13 @@ class RecoveryStore(Protocol):
         """Note that a manual decision's deadline passed and was escalated."""
         ...
 
+    async def cordoned_since(self, since: datetime) -> frozenset[str]:
+        """The nodes cordoned by decisions in force made since `since` (any job), held still until the commit.
+
+        Two decisions counting against the cordon budget at once must not both take its last place.
+        """
+        ...
+
 
 StoreFactory = Callable[[Db], RecoveryStore]
 """Opens the store on a transaction's connection."""
