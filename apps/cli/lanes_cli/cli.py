@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -14,6 +15,10 @@ import asyncpg
 import typer
 import uvloop
 from pydantic import ValidationError
+from rich.markup import escape
+
+# Typer carries its own copy of click: its exceptions are the ones a command line raises.
+from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
 
 from lanes_agent.faults import kernel_faults_unavailable
 from lanes_agent.launcher import LocalLauncher
@@ -44,6 +49,7 @@ from lanes_cli.console import (
     err,
     fail,
     load_settings,
+    one_line,
     out,
     require,
     run_async,
@@ -371,8 +377,30 @@ app.add_typer(slurm_cli.app, name="slurm")
 
 
 def main() -> None:
-    """Entry point of the `lanes` script."""
+    """Entry point of the `lanes` script: every error is one line on stderr (exit codes: lanes_cli.console)."""
     try:
-        app()
+        code = app(standalone_mode=False)
     except KeyboardInterrupt:
         sys.exit(130)
+    except NoArgsIsHelpError as exc:  # the help is already printed
+        sys.exit(exc.exit_code)
+    except UsageError as exc:
+        where = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx is not None else ""
+        err.print(f"[red]error:[/red] {escape(one_line(exc.format_message()))}{escape(where)}", highlight=False)
+        sys.exit(EXIT_BAD_INPUT)
+    except ClickException as exc:
+        err.print(f"[red]error:[/red] {escape(one_line(exc.format_message()))}", highlight=False)
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        sys.exit(130)
+    except Exception as exc:
+        # A bug, not a user's mistake: still one line (the traceback with LANES_LOG_LEVEL=debug).
+        if os.environ.get("LANES_LOG_LEVEL", "").lower() == "debug":
+            raise
+        err.print(
+            f"[red]error:[/red] {escape(one_line(f'unexpected {type(exc).__name__}: {exc}'))} "
+            "(a bug in lanes; LANES_LOG_LEVEL=debug shows where)",
+            highlight=False,
+        )
+        sys.exit(EXIT_FAILED)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -7,6 +7,7 @@ Exit codes: 0 success, 1 the work itself failed, 2 bad input (usage, spec file),
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import threading
@@ -16,6 +17,7 @@ from typing import NoReturn, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from lanes_contract.errors import InvalidEventError, LanesError, ServerUnavailableError, UnsupportedServerError
 from lanes_contract.ids import is_valid_token
@@ -24,14 +26,29 @@ from lanes_runtime.settings import Settings
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOT_FOUND, EXIT_SERVER = 1, 2, 3, 4
 out = Console()
-err = Console(stderr=True)
+# Never wrapped: an error is one line whatever the width of the terminal, or of none (rich assumes 80).
+err = Console(stderr=True, soft_wrap=True)
 _T = TypeVar("_T")
 
 
+def one_line(message: str) -> str:
+    """The message on one line: every run of whitespace (a newline in an exception's text too) one space."""
+    return " ".join(message.split())
+
+
 def fail(message: str, code: int) -> NoReturn:
-    """Print a one-line error on stderr and exit with `code`."""
-    err.print(f"[red]error:[/red] {message}", highlight=False)
+    """Print a one-line error on stderr and exit with `code` (the message is text, never rich markup)."""
+    err.print(f"[red]error:[/red] {escape(one_line(message))}", highlight=False)
     raise typer.Exit(code)
+
+
+def print_big_json(value: object) -> None:
+    """JSON on stdout, indented like `out.print_json`, for a document that may be large.
+
+    Rich colours JSON by running its highlighter over the text, which takes minutes and gigabytes for a
+    100,000-line document (a 65,536-node topology); this writes the same text without colours.
+    """
+    typer.echo(json.dumps(value, indent=2, ensure_ascii=False))
 
 
 def load_settings(*, quiet: bool = False) -> Settings:

@@ -1,6 +1,6 @@
-"""Reading the files a user hands the CLI (job specs, drill plans): bounded, text only, strict YAML.
+"""Reading the files a user hands the CLI (job specs, drill plans, topologies): bounded, text only, strict YAML.
 
-Each problem is one line on stderr and exit code 2, naming the file.
+Each problem is one line on stderr and exit code 2, naming the file. The bounds are in `lanes_cli.limits`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import yaml
 from pydantic import ValidationError
 
 from lanes_cli.console import EXIT_BAD_INPUT, fail
+from lanes_cli.limits import MAX_SPEC_BYTES, InputLimitError, check_yaml_shape
 
-MAX_SPEC_BYTES = 1024 * 1024
-"""A job spec is a page of YAML; anything larger is a mistake (or an attack), refused before parsing."""
+__all__ = ["MAX_SPEC_BYTES", "UniqueKeyLoader", "load_yaml", "read_text_file", "validation_problems"]
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
@@ -32,34 +32,37 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def read_spec_text(path: Path) -> str:
-    """The text of a spec file: a regular file, at most MAX_SPEC_BYTES, UTF-8 text; else exit 2 saying why."""
+def read_text_file(path: Path, *, max_bytes: int = MAX_SPEC_BYTES, what: str = "a job spec is YAML or JSON") -> str:
+    """The text of a regular file of at most `max_bytes`, UTF-8; else exit 2 saying why (`what` says what it is)."""
     try:
         if not path.exists():
             fail(f"cannot read {path}: no such file or directory", EXIT_BAD_INPUT)
         if not path.is_file():
-            what = "a directory" if path.is_dir() else "not a regular file"
-            fail(f"{path} is {what}; a job spec is a YAML or JSON file", EXIT_BAD_INPUT)
+            kind = "a directory" if path.is_dir() else "not a regular file"
+            fail(f"{path} is {kind}; {what}", EXIT_BAD_INPUT)
         with path.open("rb") as handle:
-            raw = handle.read(MAX_SPEC_BYTES + 1)
+            raw = handle.read(max_bytes + 1)
     except OSError as exc:
         fail(f"cannot read {path}: {exc.strerror}", EXIT_BAD_INPUT)
-    if len(raw) > MAX_SPEC_BYTES:
-        fail(f"{path} is larger than {MAX_SPEC_BYTES // 1024} KiB; a job spec is a page of YAML", EXIT_BAD_INPUT)
+    if len(raw) > max_bytes:
+        fail(f"{path} is larger than the limit of {max_bytes // 1024} KiB; {what}", EXIT_BAD_INPUT)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         text = "\x00"
     if "\x00" in text:
-        fail(f"{path} is not a text file (binary content); a job spec is YAML or JSON", EXIT_BAD_INPUT)
+        fail(f"{path} is not a text file (binary content); {what}", EXIT_BAD_INPUT)
     return text
 
 
 def load_yaml(path: Path) -> Any:
     """The file's YAML (or JSON) document, with no key given twice; else exit 2 saying why."""
-    text = read_spec_text(path)
+    text = read_text_file(path)
     try:
-        return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        check_yaml_shape(text)
+        return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass, its shape bounded
+    except InputLimitError as exc:
+        fail(f"{path}: {exc}", EXIT_BAD_INPUT)
     except yaml.YAMLError as exc:
         fail(f"{path} is not valid YAML: {' '.join(str(exc).split())}", EXIT_BAD_INPUT)
 

@@ -9,7 +9,19 @@ from typing import Annotated, Any
 import asyncpg
 import typer
 
-from lanes_cli.console import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_NOT_FOUND, fail, load_settings, out, require, run_async
+from lanes_cli.console import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_NOT_FOUND,
+    fail,
+    load_settings,
+    out,
+    print_big_json,
+    require,
+    run_async,
+)
+from lanes_cli.input_files import read_text_file
+from lanes_cli.limits import MAX_TOPOLOGY_BYTES
 from lanes_cli.node_health import node_health
 from lanes_cli.scheduling import leaked_allocations
 from lanes_cli.timeline import read_stream
@@ -48,9 +60,8 @@ app = typer.Typer(help="The cluster model: import it from Slurm, Kubernetes, nvi
 SOURCE = "lanes/topology"
 
 
-def read_cluster(path: Path, fmt: str, *, node: str | None = None, defaults: dict[str, Any] | None = None) -> Cluster:
-    """Parse a topology file in one of FORMATS; raises TopologyFormatError naming the line."""
-    text = path.read_text()
+def parse_cluster(text: str, fmt: str, *, node: str | None = None, defaults: dict[str, Any] | None = None) -> Cluster:
+    """Parse a topology in one of FORMATS; raises TopologyFormatError naming the line."""
     if fmt == "slurm":
         return parse_slurm(text, defaults=defaults)
     if fmt == "labels":
@@ -65,10 +76,9 @@ def read_cluster(path: Path, fmt: str, *, node: str | None = None, defaults: dic
 def _parse(path: Path, fmt: str, node: str | None, defaults: dict[str, Any]) -> Cluster:
     if fmt not in FORMATS:
         fail(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}", EXIT_BAD_INPUT)
+    text = read_text_file(path, max_bytes=MAX_TOPOLOGY_BYTES, what=f"a topology file is text ({fmt} format)")
     try:
-        return read_cluster(path, fmt, node=node, defaults=defaults)
-    except OSError as exc:
-        fail(f"cannot read {path}: {exc.strerror}", EXIT_BAD_INPUT)
+        return parse_cluster(text, fmt, node=node, defaults=defaults)
     except TopologyFormatError as exc:
         fail(f"{path}: {exc}", EXIT_BAD_INPUT)
 
@@ -130,7 +140,7 @@ def import_(  # noqa: PLR0917 - typer maps each parameter to an option
     cluster = _parse(file, fmt, node, defaults)
     summary = {"nodes": len(cluster.nodes), "gpus": sum(n.gpus for n in cluster.nodes)}
     if dry_run:
-        out.print_json(json.dumps(summary | {"cluster": [node_json(n) for n in cluster.nodes]}))
+        print_big_json(summary | {"cluster": [node_json(n) for n in cluster.nodes]})
         return
     nats_url = require(settings.nats_url, "NATS_URL")
 

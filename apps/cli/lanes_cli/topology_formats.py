@@ -9,7 +9,8 @@
 - `nvidia-smi topo -m`: one node's GPU-to-GPU links (NVLink islands) and GPU-to-NIC affinity.
 - The native inventory: `lanes_contract.topology.Cluster` as YAML or JSON.
 
-Every parse error names the line and what was expected there.
+Every parse error names the line and what was expected there. Every input is bounded (`lanes_cli.limits`):
+hosts are counted before a hostlist is expanded, and YAML's depth and aliases are checked before it is built.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from lanes_cli.limits import MAX_HOSTLIST_DIGITS, MAX_HOSTS, InputLimitError, check_yaml_shape
 from lanes_contract.errors import LanesError
 from lanes_contract.ids import is_valid_token
 from lanes_contract.topology import Cluster, Node
@@ -40,27 +42,70 @@ class TopologyFormatError(LanesError, ValueError):
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 
 
+_Piece = tuple[str, str, list[tuple[str, str]]] | str
+"""A hostlist part: a plain name, or (prefix, suffix, [(low, high), ...]) with the numbers as written."""
+
+
 def expand_hostlist(expression: str, *, line: int | None = None) -> list[str]:
-    """`gpu[001-003,007],cpu1` -> gpu001 gpu002 gpu003 gpu007 cpu1 (zero padding kept)."""
+    """`gpu[001-003,007],cpu1` -> gpu001 gpu002 gpu003 gpu007 cpu1 (zero padding kept).
+
+    The hosts are counted first: an expression naming more than MAX_HOSTS is refused before any is built.
+    """
+    pieces, count = _hostlist_pieces(expression, line)
+    if count > MAX_HOSTS:
+        raise TopologyFormatError(
+            line, f"hostlist {_head(expression)} names {count} hosts, more than the limit of {MAX_HOSTS}"
+        )
     hosts: list[str] = []
+    for piece in pieces:
+        if isinstance(piece, str):
+            hosts.append(piece)
+            continue
+        prefix, suffix, bounds_of = piece
+        for low, high in bounds_of:
+            width = len(low) if low.startswith("0") else 0
+            hosts.extend(f"{prefix}{str(i).zfill(width)}{suffix}" for i in range(int(low), int(high) + 1))
+    return hosts
+
+
+def hostlist_size(expression: str, *, line: int | None = None) -> int:
+    """How many names `expand_hostlist` would give, without building them (errors as it raises them)."""
+    return _hostlist_pieces(expression, line)[1]
+
+
+def _hostlist_pieces(expression: str, line: int | None) -> tuple[list[_Piece], int]:
+    pieces: list[_Piece] = []
+    count = 0
     for part in _split_top_level(expression, line):
         match = re.fullmatch(r"([^\[\]]*)\[([^\[\]]+)\]([^\[\]]*)", part)
         if match is None:
             if "[" in part or "]" in part or not part:
-                raise TopologyFormatError(line, f"bad hostlist {part!r}: expected name or prefix[a-b,c]")
-            hosts.append(part)
+                raise TopologyFormatError(line, f"bad hostlist {_head(part)}: expected name or prefix[a-b,c]")
+            pieces.append(part)
+            count += 1
             continue
         prefix, ranges, suffix = match.groups()
+        bounds_of = []
         for item in ranges.split(","):
             bounds = _RANGE.match(item.strip())
             if bounds is None:
-                raise TopologyFormatError(line, f"bad range {item!r} in {part!r}: expected N or N-M")
+                raise TopologyFormatError(line, f"bad range {_head(item)} in {_head(part)}: expected N or N-M")
             low, high = bounds.group(1), bounds.group(2) or bounds.group(1)
+            if max(len(low), len(high)) > MAX_HOSTLIST_DIGITS:
+                raise TopologyFormatError(
+                    line, f"range {_head(item)}: numbers longer than the limit of {MAX_HOSTLIST_DIGITS} digits"
+                )
             if int(high) < int(low):
                 raise TopologyFormatError(line, f"range {item!r} in {part!r} runs backwards")
-            width = len(low) if low.startswith("0") else 0
-            hosts.extend(f"{prefix}{str(i).zfill(width)}{suffix}" for i in range(int(low), int(high) + 1))
-    return hosts
+            count += int(high) - int(low) + 1
+            bounds_of.append((low, high))
+        pieces.append((prefix, suffix, bounds_of))
+    return pieces, count
+
+
+def _head(text: str, chars: int = 60) -> str:
+    """A long input quoted in a message by its start only."""
+    return repr(text if len(text) <= chars else text[:chars] + "...")
 
 
 def _split_top_level(expression: str, line: int | None) -> list[str]:
@@ -159,6 +204,7 @@ def parse_slurm(  # noqa: PLR0912 - one branch per kind of line keeps the gramma
     parent_of: dict[str, str] = {}
     switches: dict[str, int] = {}
     children: dict[str, tuple[list[str], int]] = {}
+    budget = _NameBudget()
     for number, fields in lines:
         if "switchname" in fields:
             unknown = set(fields) - _TREE_KEYS
@@ -169,13 +215,13 @@ def parse_slurm(  # noqa: PLR0912 - one branch per kind of line keeps the gramma
                 raise TopologyFormatError(number, f"switch {name} is already defined on line {switches[name]}")
             switches[name] = number
             if "nodes" in fields:
-                for host in expand_hostlist(fields["nodes"], line=number):
+                for host in budget.expand(fields["nodes"], number):
                     if host in leaf_of:
                         other, where = leaf_of[host]
                         raise TopologyFormatError(number, f"node {host} is already under switch {other} (line {where})")
                     leaf_of[_token(host, number, "node name")] = (name, number)
             elif "switches" in fields:
-                children[name] = (expand_hostlist(fields["switches"], line=number), number)
+                children[name] = (budget.expand(fields["switches"], number), number)
             else:
                 raise TopologyFormatError(number, f"switch {name}: expected Nodes= or Switches=")
         elif "blockname" in fields:
@@ -185,7 +231,7 @@ def parse_slurm(  # noqa: PLR0912 - one branch per kind of line keeps the gramma
             name = _token(fields["blockname"], number, "block name")
             if "nodes" not in fields:
                 raise TopologyFormatError(number, f"block {name}: expected Nodes=")
-            for host in expand_hostlist(fields["nodes"], line=number):
+            for host in budget.expand(fields["nodes"], number):
                 if host in block_of:
                     raise TopologyFormatError(number, f"node {host} is already in block {block_of[host][0]}")
                 block_of[_token(host, number, "node name")] = (name, number)
@@ -218,6 +264,21 @@ def parse_slurm(  # noqa: PLR0912 - one branch per kind of line keeps the gramma
             )
         )
     return Cluster(nodes=tuple(nodes))
+
+
+class _NameBudget:
+    """The names all the hostlists of one file expand to: together at most MAX_HOSTS."""
+
+    def __init__(self) -> None:
+        self.used = 0
+
+    def expand(self, expression: str, line: int) -> list[str]:
+        self.used += hostlist_size(expression, line=line)
+        if self.used > MAX_HOSTS:
+            raise TopologyFormatError(
+                line, f"the file's hostlists name more than the limit of {MAX_HOSTS} hosts and switches"
+            )
+        return expand_hostlist(expression, line=line)
 
 
 def _token(value: str, line: int, what: str) -> str:
@@ -270,10 +331,16 @@ _LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _map
 
 def _load_yaml_documents(text: str) -> list[Any]:
     try:
+        check_yaml_shape(text)
+    except InputLimitError as exc:
+        raise TopologyFormatError(None, str(exc)) from exc
+    try:
         return [doc for doc in yaml.load_all(text, Loader=_LineLoader) if doc is not None]
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark
         raise TopologyFormatError(mark.line + 1 if mark else None, f"not valid YAML: {exc.problem}") from exc
+    except yaml.YAMLError as exc:  # a reader error: a character YAML does not allow
+        raise TopologyFormatError(None, f"not valid YAML: {' '.join(str(exc).split())}") from exc
 
 
 def _strip_lines(value: Any) -> Any:

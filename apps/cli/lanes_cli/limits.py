@@ -1,0 +1,127 @@
+"""Every bound the `lanes` command puts on what a user hands it, in one place.
+
+Each is checked before any work that grows with the input (reading, parsing, expanding a hostlist or a
+rank range, building YAML objects), and the message of a refusal names the bound, so a user who meets one
+knows which it is. Pure: no I/O here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import yaml
+
+from lanes_contract.errors import LanesError
+
+# --- sizes of the files read whole -------------------------------------------------------------------
+
+MAX_SPEC_BYTES = 1024 * 1024
+"""A job spec or drill plan is a page of YAML; anything larger is a mistake (or an attack)."""
+MAX_TOPOLOGY_BYTES = 32 * 1024 * 1024
+"""A topology file: `kubectl get nodes -o yaml` of a 10,000-node cluster is about 30 MiB."""
+MAX_IMPORT_BYTES = 64 * 1024 * 1024
+"""An NDJSON file for `lanes import`: 256 maximal events, or a few hundred thousand ordinary ones."""
+
+# --- YAML and JSON structure -------------------------------------------------------------------------
+
+MAX_YAML_DEPTH = 64
+"""Nesting of mappings and lists; a spec or an inventory nests a handful of levels."""
+MAX_YAML_NODES = 2_000_000
+"""Scalars, mappings and lists in one document, counted with every alias expanded."""
+MAX_YAML_EXPANSION = 10
+"""How many times aliases may repeat what a file writes (a YAML "billion laughs" repeats it billions of times)."""
+_SMALL_DOCUMENT_NODES = 1_000
+"""Below this many written nodes the expansion bound counts as if this many were written."""
+
+# --- counts and ranges -------------------------------------------------------------------------------
+
+MAX_HOSTS = 65_536
+"""Hosts one topology file may name: more than the largest GPU cluster has nodes."""
+MAX_HOSTLIST_DIGITS = 9
+"""Digits of a number in a hostlist range (`gpu[000000001-000000002]`)."""
+MAX_RANKS = 65_536
+"""Ranks of a job, as a job spec's `workers`: `lanes run --ranks` and `--world-size` stay below it."""
+MAX_STREAM_SEQUENCE = 2**64 - 1
+"""JetStream sequences are unsigned 64-bit integers."""
+MIN_YEAR, MAX_YEAR = 1970, 9998
+"""Years `lanes analyze --year` accepts: a log older than Unix time or a year Python cannot hold is a typo."""
+MAX_UTC_OFFSET_HOURS = 14.0
+"""Clocks run from UTC-12 to UTC+14; `--utc-offset` is within 14 hours of UTC."""
+
+
+class InputLimitError(LanesError, ValueError):
+    """An input beyond one of the bounds above; the message names the bound."""
+
+
+def check_count(what: str, count: int, limit: int) -> None:
+    """Refuse `count` items of `what` beyond `limit`, before any of them is built."""
+    if count > limit:
+        msg = f"{what}: {count} is more than the limit of {limit}"
+        raise InputLimitError(msg)
+
+
+def check_utc_offset(hours: float) -> float:
+    """An offset in hours a clock can have, or InputLimitError (also for nan and inf)."""
+    if not (math.isfinite(hours) and abs(hours) <= MAX_UTC_OFFSET_HOURS):
+        msg = f"--utc-offset {hours}: expected hours from -{MAX_UTC_OFFSET_HOURS:g} to {MAX_UTC_OFFSET_HOURS:g}"
+        raise InputLimitError(msg)
+    return hours
+
+
+@dataclass
+class _Open:
+    anchor: str | None
+    nodes_before: int
+
+
+def check_yaml_shape(text: str) -> None:
+    """Refuse YAML (or JSON) nested deeper than MAX_YAML_DEPTH or whose aliases expand it too far.
+
+    Reads the parser's events only (PyYAML's parser keeps an explicit stack, so any depth is safe to
+    read): nothing is composed or constructed until the shape is known to be bounded. Syntax errors are
+    left for the loader to report with its line.
+    """
+    sizes: dict[str, int] = {}
+    stack: list[_Open] = []
+    written = expanded = 0
+    try:
+        for event in _events(text):
+            if isinstance(event, yaml.AliasEvent):
+                expanded += sizes.get(event.anchor or "", 1)
+            elif isinstance(event, yaml.ScalarEvent):
+                written += 1
+                expanded += 1
+                if event.anchor:
+                    sizes[event.anchor] = 1
+            elif isinstance(event, yaml.CollectionStartEvent):
+                written += 1
+                expanded += 1
+                stack.append(_Open(event.anchor, expanded))
+                if len(stack) > MAX_YAML_DEPTH:
+                    where = f" (line {event.start_mark.line + 1})" if event.start_mark else ""
+                    msg = f"nested more than the limit of {MAX_YAML_DEPTH} levels{where}"
+                    raise InputLimitError(msg)
+            elif isinstance(event, yaml.CollectionEndEvent) and stack:
+                opened = stack.pop()
+                if opened.anchor:
+                    sizes[opened.anchor] = expanded - opened.nodes_before + 1
+            allowed = min(MAX_YAML_NODES, MAX_YAML_EXPANSION * max(written, _SMALL_DOCUMENT_NODES))
+            if expanded > allowed:
+                msg = (
+                    f"aliases expand the document past {allowed} nodes (at most {MAX_YAML_EXPANSION} times "
+                    f"what is written, and {MAX_YAML_NODES} in all)"
+                )
+                raise InputLimitError(msg)
+    except yaml.YAMLError:
+        return
+
+
+def _events(text: str) -> Iterator[yaml.Event]:
+    loader = yaml.SafeLoader(text)
+    try:
+        while loader.check_event():
+            yield loader.get_event()  # type: ignore[no-untyped-call]
+    finally:
+        loader.dispose()
