@@ -204,6 +204,10 @@ async def test_tenants_need_their_key_are_limited_and_named_in_provenance(
 
         await eventually(routable, what="the replica to be routable")
         assert (await readiness(session, url))[0] == 401  # no admin key
+        async with session.get(f"{url}/v1/models") as response:
+            assert response.status == 401  # what is served is told only to a tenant or the admin
+        async with session.get(f"{url}/v1/models", headers={"Authorization": "Bearer team-key"}) as response:
+            assert model in {m["id"] for m in (await response.json())["data"]}
         assert (await chat(session, url, model))[0] == 401
         assert (await chat(session, url, model, headers={"Authorization": "Bearer guess"}))[0] == 401
         team = {"Authorization": "Bearer team-key"}

@@ -121,7 +121,10 @@ def unknown_version(model: str, version: str, known: tuple[str, ...]) -> Refusal
     return Refusal(404, "version_not_found", f"{model}@{version} has no replica (versions of {model}: {listed})")
 
 
+MODEL_NOT_FOUND = "model_not_found"
+
+
 def unknown_model(model: str, known: tuple[str, ...]) -> Refusal:
     """The 404 for a model no inference job serves."""
     listed = ", ".join(known) or "none"
-    return Refusal(404, "model_not_found", f"model {model!r} is not served here (models: {listed})")
+    return Refusal(404, MODEL_NOT_FOUND, f"model {model!r} is not served here (models: {listed})")

@@ -32,6 +32,7 @@ from lanes_router.adapters.metrics import RouterMetrics
 from lanes_router.domain.health import Outcome, counts_against_replica
 from lanes_router.domain.replicas import Replica, ReplicaRegistry
 from lanes_router.domain.requests import (
+    MODEL_NOT_FOUND,
     VERSION_HEADER,
     BadRequestError,
     InferenceRequest,
@@ -58,6 +59,10 @@ def _client_gone(request: web.Request) -> bool:
 def error_body(http_status: int, error_type: str, message: str) -> dict[str, Any]:
     """The OpenAI error shape: `{"error": {"message", "type", "param", "code"}}`."""
     return {"error": {"message": message, "type": error_type, "param": None, "code": http_status}}
+
+
+UNKNOWN_MODEL = "(not served)"
+"""The one metrics label of every request for a model that is not served, whatever name it gave."""
 
 
 def error_response(http_status: int, error_type: str, message: str, retry_after_s: int | None = None) -> web.Response:
@@ -92,6 +97,7 @@ class _Served:
     finished: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    model_unknown: bool = False
 
 
 class _StreamMeter:
@@ -210,7 +216,12 @@ class RouterHttp:
             return refused
         return web.Response(text=self._metrics.render(), content_type="text/plain", charset="utf-8")
 
-    async def _models(self, _request: web.Request) -> web.Response:
+    async def _models(self, request: web.Request) -> web.Response:
+        # With tenants configured, what is served is told only to a tenant or the admin.
+        if self._tenants is not None:
+            key = bearer_key(request.headers.get("Authorization"))
+            if self._tenants.tenant_of(key) is None and not self._tenants.is_admin(key):
+                return refusal_response(UNAUTHENTICATED)
         data = []
         for model in self._registry.models():
             replicas = self._registry.of_model(model)
@@ -272,13 +283,20 @@ class RouterHttp:
         finally:
             self._metrics.in_flight -= 1
             served.finished = time.perf_counter()
-            self._submit(lambda: self._provenance(served))
+            if served.model_unknown:
+                # A name is anyone's to make up: its 404 is counted under one label and leaves no event, so
+                # made-up names grow neither /metrics nor LANES_REQUESTS.
+                latency_s = served.finished - served.started
+                self._metrics.request_done(UNKNOWN_MODEL, served.status, served.http_status, latency_s, None)
+            else:
+                self._submit(lambda: self._provenance(served))
 
     async def _route(self, request: web.Request, parsed: InferenceRequest, served: _Served) -> web.StreamResponse:
         tried: set[str] = set()
         while len(served.attempts) < self._config.max_attempts:
             granted = await self._dispatcher.acquire(parsed, frozenset(tried))
             if isinstance(granted, Refusal):
+                served.model_unknown = granted.error_type == MODEL_NOT_FOUND
                 # After failed tries the protection mode still answers (no other replica has room), and the
                 # message says what the tries met.
                 message = granted.message + (f"; {_last_failure(served)}" if served.attempts else "")
