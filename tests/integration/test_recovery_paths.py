@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +48,12 @@ from lanes_contract.events import (
     JobStateChanged,
     Lane,
     ManualAction,
+    NodeStateChanged,
     PlatformEvidence,
     ProcessEvidence,
     RankAssignment,
+    RankExited,
+    RankExitedData,
     RecoveryAction,
     RecoveryDecided,
     RecoveryEscalated,
@@ -60,8 +64,11 @@ from lanes_contract.events import (
     ResumeRequested,
     RetryRequested,
     TransitionRejected,
+    utc_now,
 )
 from lanes_contract.jobs import JobSpec, JobState, ProtectionMode, ServingSpec, WorkloadClass
+from lanes_contract.topology import NodeState
+from lanes_recovery.domain.policy import CordonBudget
 from lanes_recovery.entrypoints.timers import RecoveryTimers
 from lanes_recovery.service_layer.handlers import Recovery
 from lanes_runtime.settings import ServerUrls
@@ -426,3 +433,97 @@ async def _fail_with(  # noqa: PLR0917 - a failure story's parameters, named at 
     await wait_for(client, job_id, JobStateChanged, data__to_state=JobState.FAILED, attempt=attempt)
     released = ResourcesReleasedData(nodes=("n-1", "n-2"), gpus=2)
     await client.publish(ResourcesReleased(source="tests", jobid=job_id, attempt=attempt, data=released))
+
+
+# --- evidence with a time bound, and a cordon budget ---------------------------------------------
+
+_SERVER_TRACEBACK = (
+    "ERROR:    Exception in ASGI application",
+    "Traceback (most recent call last):",
+    '  File "/usr/lib/python3.11/site-packages/starlette/responses.py", line 264, in __call__',
+    "    await wrap(partial(self.stream_response, send))",
+    "ConnectionResetError: [Errno 104] Connection reset by peer",
+)
+
+
+async def test_an_exception_sixteen_minutes_before_the_agent_lost_the_replica_is_not_its_first_error(
+    own_urls: ServerUrls, unique: str
+) -> None:
+    job_id = f"serve-{unique}"
+    serving = ServingSpec(model="tiny-chat", version="v7", protection=ProtectionMode.QUEUE, retry_after_s=3)
+    replica_spec = JobSpec(
+        name="tiny-chat", workload_class=WorkloadClass.INFERENCE, workers=1, gpus_per_worker=4, serving=serving
+    )
+    async with stack(own_urls, policy(), "scheduler", "lifecycle", "telemetry") as conns:
+        client = LanesClient(conns.nc, "tests")
+        await register_nodes(conns, client, NODES)
+        await submit(client, job_id, replica_spec)
+        placed = (await wait_for(client, job_id, JobPlaced, attempt=1))[0]
+        replica = ScriptedLauncher(client, placed)
+        await replica.start()
+        node = replica.node_of(0)
+        keys: dict[str, Any] = {"source": f"agent/{node}", "jobid": job_id, "attempt": 1, "rank": 0, "node": node}
+        # The server logged a harmless exception when the router was killed, sixteen minutes ago ...
+        exception = EvidenceData(
+            category=EvidenceCategory.PYTHON_EXCEPTION,
+            summary="ConnectionResetError: [Errno 104] Connection reset by peer",
+            error_type="ConnectionResetError",
+            lines=_SERVER_TRACEBACK,
+        )
+        await client.publish(ProcessEvidence(data=exception, time=utc_now() - timedelta(minutes=16), **keys))
+        # ... and kept serving until its node agent restarted now and lost it.
+        lost = "the agent restarted while this rank (pid 1000) ran; nothing read its output, so it was killed"
+        fault = EvidenceData(
+            category=EvidenceCategory.AGENT_FAULT, summary=f"rank 0 was lost by its agent: {lost}", origin="agent"
+        )
+        await client.publish(PlatformEvidence(data=fault, **keys))
+        exited = RankExitedData(exit_code=None, evidence=2, lost=lost)
+        await client.publish(RankExited(data=exited, lane=Lane.PLATFORM, **keys))
+
+        decided = (await wait_for(client, job_id, RecoveryDecided))[0]
+        assert (decided.data.action, decided.data.first_error) == (
+            RecoveryAction.REPLACE_REPLICA, "platform/agent_fault",
+        )  # fmt: skip
+        assert decided.data.settled
+        assert decided.data.cordon == ()
+        used = next(f for f in await events_of(client, job_id, JobFinding) if f.id == decided.data.finding_id)
+        assert used.data.first_error is not None
+        assert used.data.first_error.category == "agent_fault"
+        assert not [g for g in used.data.consequences if g.category == "python_exception"]
+        await wait_for(client, job_id, JobPlaced, attempt=2)
+
+
+async def test_the_cordon_budget_holds_and_the_next_node_waits_for_a_person(own_urls: ServerUrls, unique: str) -> None:
+    one_node = policy(cordon_budget=CordonBudget(max_nodes=1, window_s=3600))
+    single = spec(workers=1)
+    jobs = (f"first-{unique}", f"second-{unique}")
+    async with stack(own_urls, one_node, "scheduler", "lifecycle", "telemetry") as conns:
+        client = LanesClient(conns.nc, "tests")
+        await register_nodes(conns, client, NODES)
+        decided: list[RecoveryDecided] = []
+        for job_id in jobs:
+            await submit(client, job_id, single)
+            placed = (await wait_for(client, job_id, JobPlaced, attempt=1))[0]
+            run = ScriptedLauncher(client, placed)
+            await run.start()
+            await _evidence(
+                client, HostEvidence, run.node_of(0), category=EvidenceCategory.GPU_XID,
+                summary="Xid 79: GPU has fallen off the bus", xid=79,
+            )  # fmt: skip
+            await run.exit(0, exit_code=None, signal=signal.SIGBUS)
+            decided.append((await wait_for(client, job_id, RecoveryDecided))[0])
+
+        first, second = (d.data for d in decided)
+        assert (first.action, first.first_error, len(first.cordon)) == (RecoveryAction.RESUME, "host/gpu_xid", 1)
+        assert (second.action, second.first_error, second.cordon) == (RecoveryAction.MANUAL, "host/gpu_xid", ())
+        assert "cordon budget spent: recovery cordoned 1 node(s) within the last 3600 s" in second.reason
+        assert second.owner == "hal"
+        held = (await wait_for(client, jobs[1], HoldRequested))[0]
+        assert held.data.owner == "hal"
+        cordoned = [
+            e
+            for node in NODES
+            for e in await node_events(client, node)
+            if isinstance(e, NodeStateChanged) and e.data.state is NodeState.CORDONED
+        ]
+        assert [e.node for e in cordoned] == list(first.cordon)
