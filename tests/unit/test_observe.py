@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from lanes_cli.limits import MAX_RANKS
 from lanes_contract.codec import decode_structured
 from lanes_contract.events import (
     Event,
@@ -37,7 +38,7 @@ NOW = datetime(2026, 12, 3, 7, 0, tzinfo=UTC)
 
 def test_identity_comes_from_slurm_environment() -> None:
     env = {"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "1", "SLURMD_NODENAME": "gpu-7.cluster", "SLURM_PROCID": "3"}
-    identity = identity_from(["python", "train.py"], env)
+    identity = identity_from(["python", "train.py"], env, max_ranks=MAX_RANKS)
     assert (identity.job_id, identity.attempt, identity.node, identity.ranks) == ("slurm-42", 2, "gpu-7", (3,))
     assert identity.source == "lanes-run/gpu-7"
 
@@ -45,16 +46,18 @@ def test_identity_comes_from_slurm_environment() -> None:
 def test_identity_of_torchrun_and_srun_and_flags() -> None:
     torchrun = ["torchrun", "--nnodes=2", "--nproc-per-node", "4", "--node-rank=1", "train.py"]
     assert launcher_kind(torchrun) == "torchrun"
-    assert identity_from(torchrun, {}, job="j").ranks == (4, 5, 6, 7)
-    assert identity_from(["srun", "-n", "3", "a.out"], {}, job="j").ranks == (0, 1, 2)
-    flagged = identity_from(["x"], {"RANK": "9"}, job="j", attempt=4, node="n-1", ranks="0-1,5", world_size=8)
+    assert identity_from(torchrun, {}, job="j", max_ranks=MAX_RANKS).ranks == (4, 5, 6, 7)
+    assert identity_from(["srun", "-n", "3", "a.out"], {}, job="j", max_ranks=MAX_RANKS).ranks == (0, 1, 2)
+    flagged = identity_from(
+        ["x"], {"RANK": "9"}, job="j", attempt=4, node="n-1", ranks="0-1,5", world_size=8, max_ranks=MAX_RANKS
+    )
     assert (flagged.attempt, flagged.node, flagged.ranks, flagged.world_size) == (4, "n-1", (0, 1, 5), 8)
     with pytest.raises(ValueError, match="ranks"):
-        parse_ranks("a-b")
+        parse_ranks("a-b", max_ranks=MAX_RANKS)
 
 
 def test_srun_task_exits_name_the_failed_task_and_the_others_exited_zero() -> None:
-    report = RunReport(identity_from(["srun", "-n", "3", "x"], {}, job="j", node="n1"))
+    report = RunReport(identity_from(["srun", "-n", "3", "x"], {}, job="j", node="n1", max_ranks=MAX_RANKS))
     report.feed("stderr", "srun: error: n1: task 2: Exited with exit code 3")
     report.feed("stderr", "srun: error: n1: task 0: Killed")
     exits = [e for e in report.rank_exits(3) if isinstance(e, RankExited)]
@@ -62,7 +65,7 @@ def test_srun_task_exits_name_the_failed_task_and_the_others_exited_zero() -> No
 
 
 def test_torchelastic_summary_names_the_failed_rank_first_and_the_gang_was_stopped() -> None:
-    identity = identity_from(["torchrun", "--nproc-per-node=4", "t.py"], {}, job="j", node="n1")
+    identity = identity_from(["torchrun", "--nproc-per-node=4", "t.py"], {}, job="j", node="n1", max_ranks=MAX_RANKS)
     report = RunReport(identity)
     summary = [
         "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
@@ -103,7 +106,9 @@ def _watchdog_timeout(*, rank: int, seq: int) -> str:
 
 
 def test_each_exit_counts_the_evidence_its_rank_published_so_telemetry_waits_for_it() -> None:
-    report = RunReport(identity_from(["torchrun", "--nproc-per-node=3", "t.py"], {}, job="j", node="n1"))
+    report = RunReport(
+        identity_from(["torchrun", "--nproc-per-node=3", "t.py"], {}, job="j", node="n1", max_ranks=MAX_RANKS)
+    )
     output = [
         "[rank1]: Traceback (most recent call last):",
         '[rank1]:   File "t.py", line 3, in <module>',
@@ -118,7 +123,7 @@ def test_each_exit_counts_the_evidence_its_rank_published_so_telemetry_waits_for
 
 
 def test_a_plain_command_is_one_rank_with_the_command_status() -> None:
-    report = RunReport(identity_from(["python", "x.py"], {}, job="j", node="n1"))
+    report = RunReport(identity_from(["python", "x.py"], {}, job="j", node="n1", max_ranks=MAX_RANKS))
     (exit_event,) = report.rank_exits(-9)
     assert isinstance(exit_event, RankExited)
     assert (exit_event.rank, exit_event.data.signal) == (0, 9)

@@ -47,6 +47,21 @@ class Outbox:
         with self.path.open("ab") as handle:
             handle.write(lines)
 
+    def size(self) -> int:
+        """The file's length in bytes (0 when it does not exist): a mark `take_back` returns to."""
+        try:
+            return self.path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def take_back(self, mark: int) -> None:
+        """Cut what was appended since `size()` returned `mark` (never sent: no sender ran in between)."""
+        if mark == 0:
+            self.path.unlink(missing_ok=True)
+            return
+        with self.path.open("r+b") as handle:
+            handle.truncate(mark)
+
     def lines(self) -> list[bytes]:
         """The events waiting, as stored lines (none when the file does not exist)."""
         try:

@@ -46,18 +46,44 @@ _RETRY_S = 2.0
 _LONGEST_RETRY_S = 60.0
 
 
-def parse_ranks(text: str) -> tuple[int, ...]:
-    """`0-3`, `0,2,5` or `4-7,12` as rank numbers."""
-    ranks: list[int] = []
+def parse_ranks(text: str, *, max_ranks: int) -> tuple[int, ...]:
+    """`0-3`, `0,2,5` or `4-7,12` as rank numbers, each below `max_ranks` (checked before any is listed)."""
+    bounds: list[tuple[int, int]] = []
     for part in text.split(","):
         found = _RANK_RANGE.match(part.strip())
-        if found is None:
-            msg = f"ranks {text!r}: expected numbers and ranges such as 0-3,8"
+        if found is None or max(len(found[1]), len(found[2] or "")) > len(str(max_ranks)):
+            if found is None:
+                msg = f"ranks {_quoted(text)}: expected numbers and ranges such as 0-3,8"
+            else:
+                msg = f"ranks {_quoted(text)}: rank numbers are below the limit of {max_ranks}"
             raise ValueError(msg)
         first = int(found[1])
         last = int(found[2]) if found[2] else first
-        ranks.extend(range(first, last + 1))
-    return tuple(dict.fromkeys(ranks))
+        if last < first:
+            msg = f"ranks {_quoted(part.strip())}: the range runs backwards (write {last}-{first})"
+            raise ValueError(msg)
+        if last >= max_ranks:
+            msg = f"ranks {_quoted(text)}: rank {last} is beyond the limit of {max_ranks} ranks (0-{max_ranks - 1})"
+            raise ValueError(msg)
+        bounds.append((first, last))
+    if sum(last - first + 1 for first, last in bounds) > max_ranks:
+        msg = f"ranks {_quoted(text)}: more than the limit of {max_ranks} ranks"
+        raise ValueError(msg)
+    return tuple(dict.fromkeys(rank for first, last in bounds for rank in range(first, last + 1)))
+
+
+def _quoted(text: str, chars: int = 60) -> str:
+    """A long input quoted in a message by its start only."""
+    return repr(text if len(text) <= chars else text[:chars] + "...")
+
+
+def _number(value: str, where: str, *, below: int) -> int:
+    """A count or rank from a launcher's arguments or the environment, below `below`; else ValueError naming where."""
+    text = value.strip()
+    if not text.isdigit() or len(text) > len(str(below)) or int(text) >= below:
+        msg = f"{where}={_quoted(value)}: expected a whole number below the limit of {below}"
+        raise ValueError(msg)
+    return int(text)
 
 
 def _option(command: Sequence[str], *names: str) -> str | None:
@@ -113,8 +139,12 @@ def identity_from(
     ranks: str | None = None,
     world_size: int | None = None,
     register: bool | None = None,
+    max_ranks: int,
 ) -> RunIdentity:
-    """The run's identity: flags first, then what a scheduler put in the environment, then defaults."""
+    """The run's identity: flags first, then what a scheduler put in the environment, then defaults.
+
+    Rank numbers stay below `max_ranks`, counted before any list is built; a bad one is a ValueError.
+    """
     kind = launcher_kind(command)
     slurm_id = env.get("SLURM_JOB_ID")
     node_name = observed.token(node or env.get("SLURMD_NODENAME") or socket.gethostname(), fallback="localhost")
@@ -123,17 +153,33 @@ def identity_from(
     number = attempt or int(env.get("SLURM_RESTART_COUNT", "0") or 0) + 1
     chosen: tuple[int, ...]
     if ranks:
-        chosen = parse_ranks(ranks)
+        chosen = parse_ranks(ranks, max_ranks=max_ranks)
     elif kind == "torchrun":
-        per_node = int(_option(command, "--nproc-per-node", "--nproc_per_node") or 1)
-        node_rank = int(_option(command, "--node-rank", "--node_rank") or env.get("SLURM_NODEID", "0") or 0)
+        per_node = _number(
+            _option(command, "--nproc-per-node", "--nproc_per_node") or "1", "--nproc-per-node", below=max_ranks + 1
+        )
+        node_rank = _number(
+            _option(command, "--node-rank", "--node_rank") or env.get("SLURM_NODEID", "0") or "0",
+            "--node-rank",
+            below=max_ranks,
+        )
+        if (node_rank + 1) * per_node > max_ranks:
+            last = (node_rank + 1) * per_node - 1
+            msg = f"torchrun's ranks {node_rank * per_node}-{last}: beyond the limit of {max_ranks} ranks"
+            raise ValueError(msg)
         chosen = tuple(range(node_rank * per_node, (node_rank + 1) * per_node))
     elif kind == "srun":
-        tasks = int(_option(command, "-n", "--ntasks") or env.get("SLURM_NTASKS", "1") or 1)
+        tasks = _number(
+            _option(command, "-n", "--ntasks") or env.get("SLURM_NTASKS", "1") or "1", "--ntasks", below=max_ranks + 1
+        )
         chosen = tuple(range(tasks))
     else:
-        chosen = (int(env.get("RANK") or env.get("SLURM_PROCID") or 0),)
-    world = world_size or int(env.get("WORLD_SIZE") or env.get("SLURM_NTASKS") or 0) or max(chosen) + 1
+        chosen = (_number(env.get("RANK") or env.get("SLURM_PROCID") or "0", "RANK", below=max_ranks),)
+    if not chosen:
+        msg = "no ranks: the launcher's arguments name none"
+        raise ValueError(msg)
+    declared = env.get("WORLD_SIZE") or env.get("SLURM_NTASKS")
+    world = world_size or (_number(declared, "WORLD_SIZE", below=max_ranks + 1) if declared else 0) or max(chosen) + 1
     slurm = {key: value for key, value in env.items() if key.startswith("SLURM_")} if slurm_id else {}
     return RunIdentity(
         job_id=job_id,
@@ -292,6 +338,14 @@ class RunResult:
     error: str | None
 
 
+class CommandNotStartedError(Exception):
+    """The wrapped command could not be started (not found, not executable); nothing of it was reported."""
+
+    def __init__(self, program: str, cause: OSError) -> None:
+        super().__init__(f"cannot run {program}: {cause.strerror or cause}")
+        self.cause = cause
+
+
 def exit_status(returncode: int) -> int:
     """The status to exit with: the command's own, or 128+N when signal N killed it (as a shell reports it)."""
     return 128 - returncode if returncode < 0 else returncode
@@ -309,13 +363,8 @@ async def run_wrapped(
     """Run the command; report it; return its status once its events are published or safely buffered."""
     sender = Sender(outbox, nats_url, name=f"lanes-run-{identity.node}")
     wake = asyncio.Event()
-    if identity.register:
-        chosen = placement or [RankAssignment(rank=r, node=identity.node, gpus=()) for r in identity.ranks]
-        outbox.append(registration(identity, chosen))
     started = utc_now()
-    proc = await asyncio.create_subprocess_exec(
-        *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-    )
+    proc = await _start(command, identity, outbox, placement)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread: nothing to forward
@@ -367,6 +416,27 @@ async def run_wrapped(
         await asyncio.wait_for(sender.send(), timeout=final_flush_s)
     await sender.close()
     return RunResult(exit_status(returncode), len(outbox.lines()), outbox.path, sender.last_error)
+
+
+async def _start(
+    command: Sequence[str], identity: RunIdentity, outbox: Outbox, placement: Sequence[RankAssignment] | None
+) -> asyncio.subprocess.Process:
+    """The command started, its registration in the outbox first.
+
+    Written before the command starts, the registration stops a run whose outbox cannot be written before
+    it begins; a command that cannot start takes it back (no sender has run: nothing was sent).
+    """
+    mark = outbox.size()
+    if identity.register:
+        chosen = placement or [RankAssignment(rank=r, node=identity.node, gpus=()) for r in identity.ranks]
+        outbox.append(registration(identity, chosen))
+    try:
+        return await asyncio.create_subprocess_exec(
+            *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        )
+    except OSError as exc:
+        outbox.take_back(mark)
+        raise CommandNotStartedError(command[0], exc) from exc
 
 
 def default_outbox(identity: RunIdentity, env: Mapping[str, str]) -> Path:

@@ -10,10 +10,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import yaml
+from annotated_types import Le
 
 from lanes_contract.errors import LanesError
+from lanes_contract.jobs import JobSpec
 
 # --- sizes of the files read whole -------------------------------------------------------------------
 
@@ -41,8 +44,8 @@ MAX_HOSTS = 65_536
 """Hosts one topology file may name: more than the largest GPU cluster has nodes."""
 MAX_HOSTLIST_DIGITS = 9
 """Digits of a number in a hostlist range (`gpu[000000001-000000002]`)."""
-MAX_RANKS = 65_536
-"""Ranks of a job, as a job spec's `workers`: `lanes run --ranks` and `--world-size` stay below it."""
+MAX_RANKS = cast("int", next(bound.le for bound in JobSpec.model_fields["workers"].metadata if isinstance(bound, Le)))
+"""Ranks of a job, as a job spec's `workers` allows (65,536): `lanes run --ranks` and `--world-size` too."""
 MAX_STREAM_SEQUENCE = 2**64 - 1
 """JetStream sequences are unsigned 64-bit integers."""
 MIN_YEAR, MAX_YEAR = 1970, 9998

@@ -8,9 +8,10 @@ from typing import Annotated
 
 import typer
 
-from lanes_cli.console import EXIT_BAD_INPUT, err, fail, load_settings, run_async
+from lanes_cli.console import EXIT_BAD_INPUT, checked_job_id, err, fail, load_settings, run_async
+from lanes_cli.limits import MAX_RANKS
 from lanes_observe.outbox import Outbox
-from lanes_observe.wrap import default_outbox, identity_from, run_wrapped, slurm_placement
+from lanes_observe.wrap import CommandNotStartedError, default_outbox, identity_from, run_wrapped, slurm_placement
 
 
 def run(  # noqa: PLR0917 - typer maps each option to a parameter
@@ -21,7 +22,9 @@ def run(  # noqa: PLR0917 - typer maps each option to a parameter
     ranks: Annotated[
         str | None, typer.Option(help="Ranks this command runs, e.g. 0-3 (default: from torchrun/srun or $RANK).")
     ] = None,
-    world_size: Annotated[int | None, typer.Option(min=1, help="Ranks in the whole job (default: env).")] = None,
+    world_size: Annotated[
+        int | None, typer.Option(min=1, max=MAX_RANKS, help="Ranks in the whole job (default: env).")
+    ] = None,
     register: Annotated[
         bool, typer.Option("--register/--no-register", help="Publish the job's submission and placement.")
     ] = True,
@@ -36,9 +39,19 @@ def run(  # noqa: PLR0917 - typer maps each option to a parameter
     """
     settings = load_settings(quiet=True)
     env = dict(os.environ)
+    if job is not None:
+        checked_job_id(job)
     try:
         identity = identity_from(
-            command, env, job=job, attempt=attempt, node=node, ranks=ranks, world_size=world_size, register=register
+            command,
+            env,
+            job=job,
+            attempt=attempt,
+            node=node,
+            ranks=ranks,
+            world_size=world_size,
+            register=register,
+            max_ranks=MAX_RANKS,
         )
     except ValueError as exc:
         fail(str(exc), EXIT_BAD_INPUT)
@@ -46,8 +59,11 @@ def run(  # noqa: PLR0917 - typer maps each option to a parameter
     placement = slurm_placement(identity) if identity.register else None
     try:
         result = run_async(lambda: run_wrapped(command, identity, box, settings.nats_url, placement=placement))
-    except FileNotFoundError as exc:
-        fail(f"cannot run {command[0]}: {exc.strerror}", 127)
+    except CommandNotStartedError as exc:
+        # As a shell says it: 127 for a command not found, 126 for one found but not executable.
+        fail(f"{exc}; nothing was reported", 127 if isinstance(exc.cause, FileNotFoundError) else 126)
+    except OSError as exc:
+        fail(f"cannot write the outbox {box.path}: {exc.strerror or exc}", EXIT_BAD_INPUT)
     if result.unsent:
         err.print(
             f"lanes run: Lanes unreachable ({result.error}); {result.unsent} events kept in {result.outbox}; "
