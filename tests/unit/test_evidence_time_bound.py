@@ -181,3 +181,38 @@ def test_a_hang_read_while_several_nodes_are_silent_names_none_of_them():
     first = elect_first_error(both, world=world).first_error
     assert first is not None
     assert (first.category, first.node) == ("silent_node", "node-3")
+
+
+def _oom_scenario() -> tuple[World, list[Evidence], dict[int, RankExit]]:
+    """The settled-recovery scenario before its kernel line: rank 2 (node-3) SIGKILLed, ranks 0 and 1 time out
+    and exit 1, each exit counting the one timeout line its rank printed."""
+    world = World(ranks={0: "node-1", 1: "node-2", 2: "node-3"})
+    killed = T0 + timedelta(seconds=3)
+    timeouts = [
+        e
+        for rank in (0, 1)
+        for e in parse_text(
+            _timeout_line(rank, killed + timedelta(seconds=1)),
+            SourceContext(origin=f"rank{rank}.log", node=f"node-{rank + 1}", rank=rank, year=2026, tz=UTC),
+        )
+    ]
+    exits = {
+        2: RankExit(2, "node-3", None, 9, killed, evidence=0, id="x2"),
+        0: RankExit(0, "node-1", 1, None, killed + timedelta(seconds=2), evidence=1, id="x0"),
+        1: RankExit(1, "node-2", 1, None, killed + timedelta(seconds=2), evidence=1, id="x1"),
+    }
+    return world, timeouts, exits
+
+
+@given(arrived=st.sets(st.sampled_from(["timeout-0", "timeout-1", "exit-0", "exit-1", "exit-2"])))
+def test_before_the_kernel_line_no_finding_blames_a_node_that_merely_waited(arrived: set[str]) -> None:
+    # Whatever part of the story has reached telemetry (a survivor's exit before its own timeout line, one
+    # timeout while two nodes are still silent), a finding may say where an exit happened, but only the killed
+    # rank's node is ever blamed in the host or network lane.
+    world, timeouts, exits = _oom_scenario()
+    evidence = [e for e in timeouts if f"timeout-{e.rank}" in arrived]
+    known = {rank: ex for rank, ex in exits.items() if f"exit-{rank}" in arrived}
+    heard = {e.rank: 1 for e in evidence if e.rank is not None}
+    first = settled_finding(AttemptStory(world=world, evidence=evidence, exits=known, heard=heard)).first_error
+    if first is not None and first.lane in {Lane.HOST, Lane.NETWORK}:
+        assert first.node in {None, "node-3"}, first
