@@ -16,30 +16,36 @@ import signal
 import sys
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import pytest
+from nats.js import JetStreamContext
 from support.cli import lanes_process, local_stack
 from support.waiting import eventually
 
 from lanes_agent.ledger import process_start
+from lanes_cli.agent_cli import durable_name
 from lanes_cli.demo import DEMO_NODES
 from lanes_cli.timeline import job_timeline
-from lanes_contract.client import LanesClient
-from lanes_contract.codec import decode
+from lanes_contract.client import LanesClient, connect_nats
+from lanes_contract.codec import MSG_ID_HEADER, decode
 from lanes_contract.events import (
     EvidenceCategory,
     JobFinding,
+    JobPlaced,
+    JobPlacedData,
     JobStateChanged,
     JobSubmitted,
     JobSubmittedData,
     Lane,
+    RankAssignment,
     RankExited,
 )
 from lanes_contract.jobs import FailureCause, JobSpec, JobState
-from lanes_contract.streams import DEAD, TELEMETRY
+from lanes_contract.streams import DEAD, JOBS, TELEMETRY
+from lanes_runtime.reader import Selection, iter_stream
 from lanes_runtime.service import Connections
 from lanes_runtime.settings import ServerUrls
 from lanes_sandbox.embedded import EmbeddedNats
@@ -286,6 +292,72 @@ async def test_an_agent_restarted_mid_job_neither_loses_nor_repeats_kernel_log_e
         await asyncio.sleep(1)  # anything repeated would have arrived by now, beside the second line
         found = await xid_lines()
     assert found == [13, 31]  # each line once, in order; none lost, none repeated
+
+
+async def _job_log(js: JetStreamContext, job_id: str) -> Counter[tuple[str, str]]:
+    """How many times LANES_JOBS stores each of the job's events, by (event name, event id)."""
+    stored: Counter[tuple[str, str]] = Counter()
+    async for msg in iter_stream(js, Selection(JOBS.name, f"lanes.job.{job_id}.>")):
+        stored[msg.subject.rsplit(".", 1)[1], (msg.headers or {})[MSG_ID_HEADER]] += 1
+    return stored
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGKILL], ids=["stopped", "killed"])
+async def test_an_agent_back_later_than_the_duplicate_window_stores_each_rank_event_once(
+    secured_nats: EmbeddedNats, tmp_path: Path, stop_signal: signal.Signals
+) -> None:
+    """The agent is stopped (or killed) with its ranks running and comes back after JetStream's duplicate
+    window: the lost ranks' settlement and the placement's redelivery report only what the log lacks."""
+    nc = await connect_nats(secured_nats.url, name="tests")
+    js = nc.jetstream()
+    # No service runs here to provision the streams back to their 10-minute window.
+    window_s = 1.0
+    config = (await js.stream_info(JOBS.name)).config
+    config.duplicate_window = window_s
+    await js.update_stream(config)
+    job_id = f"late-restart-{uuid.uuid4().hex[:6]}"
+    starts = tmp_path / "starts"
+    spec = JobSpec(name="long", workers=2, command=(sys.executable, "-c", _rank_program(starts, 600)))
+    client = LanesClient(nc, "tests")
+    await client.publish(JobSubmitted(source="tests", jobid=job_id, attempt=1, data=JobSubmittedData(spec=spec)))
+    nodes = sorted(DEMO_NODES)
+    assignments = tuple(RankAssignment(rank=rank, node=nodes[rank], gpus=(0,)) for rank in range(2))
+    placed = JobPlaced(source="tests", jobid=job_id, attempt=1, data=JobPlacedData(assignments=assignments))
+    await client.publish(placed)
+    state = tmp_path / "agent"
+
+    async def reported(name: str) -> int:
+        return sum(count for (kind, _), count in (await _job_log(js, job_id)).items() if kind == name)
+
+    try:
+        async with _agent(secured_nats.url, state) as first:
+            await eventually(
+                lambda: _equals(reported("rank_started"), 2), timeout_s=60, what="both ranks started and reported"
+            )
+            first.send_signal(stop_signal)  # the placement stays unacknowledged: it comes back to the next run
+            await first.wait()
+        await asyncio.sleep(2 * window_s)  # back later than the window: JetStream has forgotten every id
+
+        async with _agent(secured_nats.url, state):
+
+            async def placement_settled() -> bool:
+                info = await js.consumer_info(JOBS.name, durable_name(list(DEMO_NODES)))
+                done = info.num_pending == 0 and info.num_ack_pending == 0
+                return done and await reported("rank_exited") >= len(assignments)
+
+            await eventually(placement_settled, timeout_s=120, what="the placement redelivered and acknowledged")
+        stored = await _job_log(js, job_id)
+        assert (await js.stream_info(JOBS.name)).config.duplicate_window == window_s
+    finally:
+        await nc.close()
+    assert max(_started(starts).values()) == 1  # no rank ran twice
+    kinds = Counter(kind for kind, _ in stored.elements())
+    assert (kinds["rank_started"], kinds["rank_exited"]) == (2, 2)
+    assert [key for key, count in stored.items() if count > 1] == []
+
+
+async def _equals(value: Awaitable[int], expected: int) -> bool:
+    return await value == expected
 
 
 async def test_a_rank_that_cannot_start_fails_its_job_in_the_platform_lane_and_holds_no_gpu(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -84,3 +85,17 @@ def test_a_pid_reused_by_another_process_is_not_the_rank() -> None:
     finally:
         other.kill()
         other.wait()
+
+
+def test_the_events_sent_and_stored_survive_a_reopen_and_a_record_older_than_them_reads_with_none(
+    tmp_path: Path,
+) -> None:
+    ledger = RankLedger(tmp_path)
+    ledger.put(INTENT.sending("started-1").holding("started-1").sending("exited-1").sending("exited-1"))
+    record = RankLedger(tmp_path).get("placed-1", 3)
+    assert record is not None
+    assert (record.sent, record.stored) == (("started-1", "exited-1"), ("started-1",))
+
+    older = {"placement": "placed-1", "rank": 4, "job_id": "job-a", "attempt": 2, "node": "node-1"}
+    (tmp_path / "placed-1.r4.json").write_text(json.dumps(older | {"incarnation": "run-0", "pid": 7}))
+    assert ledger.get("placed-1", 4) == dataclasses.replace(INTENT, rank=4, incarnation="run-0", pid=7)

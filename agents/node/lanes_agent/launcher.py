@@ -10,8 +10,9 @@ failed, and SIGKILLs any still there after a grace period (`killed_after_grace_s
 Each rank runs at most once: its record in the agent's ledger (`ledger.py`) is written before the process
 starts, so a placement redelivered after an outage or after the agent's own restart re-publishes what
 happened instead of running the rank again, and a restarted agent settles the ranks its earlier self left.
-What it forgot with its memory (the job's spec, a stop already decided) it reads back from the log. Event
-ids derive from the placement, so whatever is published twice is stored once.
+What it forgot with its memory (the job's spec, a stop already decided) it reads back from the log. The
+ledger also says which of a rank's start, exit and fault the log holds, so a run however much later never
+publishes them again; event ids derive from the placement, so a repeat within JetStream's window is stored once.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from lanes_agent.cgroups import MemoryCgroups
 from lanes_agent.inventory import node_inventory
 from lanes_agent.ledger import RankLedger, RankRecord, process_start, reclaim
 from lanes_contract.client import publish_encoded
-from lanes_contract.codec import decode, encode
+from lanes_contract.codec import MSG_ID_HEADER, decode, encode
 from lanes_contract.errors import DecodeError, PoisonEventError
 from lanes_contract.events import (
     AgentHeartbeat,
@@ -262,8 +263,8 @@ class LocalLauncher:
     async def _report_settled(self, settled: list[RankRecord]) -> None:
         """Report the lost ranks now, from their placement on the log, rather than when it is redelivered.
 
-        Its redelivery (the earlier run never acknowledged it) reports them again, harmlessly; if the bus is
-        away now, that redelivery is what reports them.
+        Its redelivery (the earlier run never acknowledged it) finds them reported in the ledger and publishes
+        nothing twice; if the bus is away now, that redelivery is what reports them.
         """
         for record in settled:
             try:
@@ -413,7 +414,7 @@ class LocalLauncher:
         await self._report_exit(placed, assignment, record)
 
     async def _report_exit(self, placed: JobPlaced, assignment: RankAssignment, record: RankRecord) -> None:
-        """Publish the rank's start and exit (ids derive from the placement: a repeat is stored once).
+        """Publish the rank's start and exit, each unless the log holds it already (`_report_once`).
 
         A rank the agent could not start, or lost in its own restart, is the platform's fault: the agent says
         so as evidence in the platform lane, so the finding names it rather than the gang's consequences.
@@ -424,7 +425,7 @@ class LocalLauncher:
         rank_key = str(assignment.rank)
         if record.pid is not None:
             started = derive(RankStarted, placed, key=rank_key, data=RankStartedData(pid=record.pid), **keys)
-            await publish_encoded(self._js, encode(started), stream=JOBS.name)
+            record = await self._report_once(record, started, JOBS.name)
         fault = data.start_error or data.lost
         if fault is not None:
             what = "could not be started" if data.start_error else "was lost by its agent"
@@ -435,12 +436,11 @@ class LocalLauncher:
                 pid=record.pid,
             )
             found = Evidence(data=said, time=utc_now(), node=assignment.node)
-            await publish_encoded(
-                self._js, encode(_rank_evidence(placed, assignment, found, "agent_fault")), stream=TELEMETRY.name
-            )
+            fault_said = _rank_evidence(placed, assignment, found, "agent_fault")
+            record = await self._report_once(record, fault_said, TELEMETRY.name)
         lane = {"lane": Lane.PLATFORM} if fault is not None else {}
         exited = derive(RankExited, placed, key=rank_key, data=data, **lane, **keys)
-        await publish_encoded(self._js, encode(exited), stream=JOBS.name)
+        await self._report_once(record, exited, JOBS.name)
         if data.start_error is not None:
             msg_text = f"rank {assignment.rank} of job {placed.jobid} cannot be started on {assignment.node}: {fault}"
             raise PoisonEventError(msg_text)
@@ -504,7 +504,7 @@ class LocalLauncher:
             proc.terminate()
         rank_key = str(assignment.rank)
         started = derive(RankStarted, placed, key=rank_key, data=RankStartedData(pid=proc.pid), **keys)
-        await self._publish_held(started, JOBS.name)
+        record = await self._report_once(record, started, JOBS.name, held=True)
         # The local launcher's rendezvous is static: RANK and WORLD_SIZE are known when the process starts.
         met = derive(RendezvousDone, placed, key=rank_key, data=RendezvousDoneData(world_size=world), **keys)
         await self._publish_held(met, JOBS.name)
@@ -532,6 +532,46 @@ class LocalLauncher:
             MemoryCgroups.remove(group)
         log.info("rank finished", job_id=placed.jobid, rank=assignment.rank, node=assignment.node, exit_code=code)
         return ledger.put(dataclasses.replace(counted, exit=exit_data.model_dump(mode="json")))
+
+    async def _report_once(self, record: RankRecord, event: Event, stream: str, *, held: bool = False) -> RankRecord:
+        """Publish one of the rank's own events unless the log holds it; return the record that says it does.
+
+        The ledger decides, never JetStream's duplicate window: a later run (an agent restarted an hour on)
+        would otherwise store its start a second time. An event whose publishing began but was never
+        acknowledged (the agent died in between) is looked for on the log first. `held`: ride out outages
+        here, as a running rank's reports do; otherwise an outage is raised to the placement's handler.
+        """
+        assert self._ledger is not None  # noqa: S101 - set by run()
+        if event.id in record.stored:
+            return record
+        if event.id not in record.sent:
+            record = self._ledger.put(record.sending(event.id))
+        elif await self._holds(event, stream):
+            return self._ledger.put(record.holding(event.id))
+        if held:
+            await self._publish_held(event, stream)
+        else:
+            await publish_encoded(self._js, encode(event), stream=stream)
+        return self._ledger.put(record.holding(event.id))
+
+    async def _holds(self, event: Event, stream: str) -> bool:
+        """Whether the log holds `event`: its id among the messages on its subject in LANES_JOBS.
+
+        The subject holds only this job's events of that kind, so the walk is short. A telemetry subject
+        holds all of a node's evidence: that is not walked, and telemetry's consumer skips an id it has
+        processed.
+        """
+        if stream != JOBS.name:
+            return False
+        subject, after = event.nats_subject(), 0
+        while True:
+            try:
+                found = await self._js.get_msg(JOBS.name, seq=after + 1, subject=subject, next=True)
+            except NotFoundError:
+                return False
+            if (found.headers or {}).get(MSG_ID_HEADER) == event.id:
+                return True
+            after = found.seq or after + 1
 
     async def _publish_held(self, event: Event, stream: str) -> None:
         """Publish what a running rank reports; while the bus is away, keep trying (the rank runs on regardless).

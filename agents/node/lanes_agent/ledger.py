@@ -7,7 +7,11 @@ started" from "started by my earlier self", and runs the rank again, possibly on
 So the agent writes a rank's record *before* it starts the process (an intent), then its pid, then its exit.
 A restarted agent reads the records its earlier self left unfinished and settles them (`reclaim`): a rank
 still running is killed (nothing reads its output any more, and its gang has moved on), one already gone is
-reported lost. A redelivered placement then finds every rank's record finished and only re-publishes exits.
+reported lost. A redelivered placement then finds every rank's record finished and reports what is missing.
+
+The record also says which of the rank's own events (its start, its exit, the agent's fault) the log already
+holds: written before each publish (`sent`) and after JetStream acknowledges it (`stored`). A later run, however
+much later, never publishes a stored one again; JetStream's duplicate window only covers minutes.
 
 Records are keyed by the placement's event id, which no other placement shares, so a fresh bus (a new `lanes
 up`) never meets an old record of a job of the same name. Each write replaces the file atomically.
@@ -48,11 +52,23 @@ class RankRecord:
     """Evidence events published from its output so far."""
     exit: dict[str, Any] | None = None
     """Its `RankExitedData` (as JSON) once it has ended."""
+    sent: tuple[str, ...] = ()
+    """Ids of the rank's events whose publishing began: one not `stored` too may or may not be on the log."""
+    stored: tuple[str, ...] = ()
+    """Ids of the rank's events the log holds (JetStream acknowledged them, or they were found there)."""
 
     @property
     def key(self) -> str:
         """The record's file name."""
         return f"{self.placement}.r{self.rank}"
+
+    def sending(self, event_id: str) -> RankRecord:
+        """The record once the publishing of event `event_id` has begun."""
+        return self if event_id in self.sent else replace(self, sent=(*self.sent, event_id))
+
+    def holding(self, event_id: str) -> RankRecord:
+        """The record once the log is known to hold event `event_id`."""
+        return self if event_id in self.stored else replace(self, stored=(*self.stored, event_id))
 
 
 class RankLedger:
@@ -95,9 +111,11 @@ class RankLedger:
     @staticmethod
     def _read(path: Path) -> RankRecord | None:
         try:
-            return RankRecord(**json.loads(path.read_text()))
+            fields = json.loads(path.read_text())
         except FileNotFoundError:
             return None
+        # JSON gives lists; a record written before the agent kept them has none.
+        return RankRecord(**fields | {name: tuple(fields.get(name, ())) for name in ("sent", "stored")})
 
 
 def process_start(pid: int) -> int | None:
