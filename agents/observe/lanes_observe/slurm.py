@@ -313,14 +313,21 @@ class SlurmWatch:
     nodes: dict[str, tuple[NodeState, str, int]] = field(default_factory=dict)
 
     async def _json(self, *command: str) -> dict[str, Any]:
-        proc = await asyncio.create_subprocess_exec(
-            *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=self.env
-        )
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=self.env
+            )
+        except FileNotFoundError as exc:
+            msg = f"{command[0]} is not on PATH: the watch runs where Slurm's clients are installed"
+            raise RuntimeError(msg) from exc
         out, err = await proc.communicate()
         if proc.returncode != 0:
             msg = f"{' '.join(command)} failed ({proc.returncode}): {err.decode(errors='replace').strip()}"
             raise RuntimeError(msg)
-        parsed: dict[str, Any] = json.loads(out)
+        parsed = json.loads(out)
+        if not isinstance(parsed, dict):
+            msg = f"{' '.join(command)}: expected a JSON object, got {type(parsed).__name__}"
+            raise ValueError(msg)  # noqa: TRY004 - output a failed poll reports, as a malformed value
         return parsed
 
     async def poll_once(self) -> list[Event]:
@@ -329,14 +336,18 @@ class SlurmWatch:
         queue = await self._json("squeue", "--json", "--all")
         info = await self._json("sinfo", "--json")
         events: list[Event] = []
-        for raw in info.get("nodes") or ():
-            node = SlurmNode.from_json(raw)
-            self.nodes[node.name], found = observe_node(self.nodes.get(node.name), node)
-            events.extend(found)
-        for raw in sorted(queue.get("jobs") or (), key=lambda j: int(j["job_id"])):
-            job = SlurmJob.from_json(raw)
-            self.jobs[job.slurm_id], found = observe_job(self.jobs.get(job.slurm_id), job, now)
-            events.extend(found)
+        try:
+            for raw in info.get("nodes") or ():
+                node = SlurmNode.from_json(raw)
+                self.nodes[node.name], found = observe_node(self.nodes.get(node.name), node)
+                events.extend(found)
+            for raw in sorted(queue.get("jobs") or (), key=lambda j: int(j["job_id"])):
+                job = SlurmJob.from_json(raw)
+                self.jobs[job.slurm_id], found = observe_job(self.jobs.get(job.slurm_id), job, now)
+                events.extend(found)
+        except (KeyError, TypeError, AttributeError) as exc:  # another Slurm version's JSON: a failed poll
+            msg = f"squeue/sinfo --json: unexpected output ({type(exc).__name__}: {exc})"
+            raise ValueError(msg) from exc
         self.outbox.append(events)
         await self.sender.send()
         return events

@@ -24,6 +24,7 @@ import typer
 from rich.markup import escape
 
 from lanes_cli.console import EXIT_BAD_INPUT, EXIT_FAILED, fail, out
+from lanes_cli.limits import MAX_YEAR, MIN_YEAR, InputLimitError, check_utc_offset
 from lanes_contract.events import EvidenceCategory, JobFindingData
 from lanes_contract.ids import is_valid_token
 from lanes_evidence.evidence import Evidence
@@ -170,7 +171,11 @@ def analyze(
     as_json: Annotated[bool, typer.Option("--json", help="Print the finding as one JSON object.")] = False,
     year: Annotated[
         int | None,
-        typer.Option(help="Year for timestamps that carry none (default: the file's own, else its mtime's)."),
+        typer.Option(
+            min=MIN_YEAR,
+            max=MAX_YEAR,
+            help="Year for timestamps that carry none (default: the file's own, else its mtime's).",
+        ),
     ] = None,
     utc_offset: Annotated[
         float | None,
@@ -178,7 +183,10 @@ def analyze(
     ] = None,
 ) -> None:
     """Elect the first error in raw logs, offline; exit 1 when no first error can be elected."""
-    tz = None if utc_offset is None else timezone(timedelta(hours=utc_offset))
+    try:
+        tz = None if utc_offset is None else timezone(timedelta(hours=check_utc_offset(utc_offset)))
+    except InputLimitError as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
     evidence, world = load_evidence(files, year=year, tz=tz)
     finding = elect_first_error(evidence, world=world)
     if as_json:

@@ -15,7 +15,7 @@ import yaml
 
 from lanes_agent.launcher import LAUNCHER_INPUTS
 from lanes_cli.bootstrap import SERVICES
-from lanes_cli.console import EXIT_FAILED, err, fail, out
+from lanes_cli.console import EXIT_FAILED, cannot_write, err, fail, out, output_dir
 from lanes_contract.asyncapi import document
 from lanes_contract.identities import AGENT_ROLE
 
@@ -48,6 +48,7 @@ def asyncapi(
     check: Annotated[bool, typer.Option("--check", help="Write nothing; exit 1 if a document is out of date.")] = False,
 ) -> None:
     """Write each service's AsyncAPI 3.0 document (channels, messages, headers, payload schemas)."""
+    output_dir(directory, "--dir")
     texts = rendered()
     stale = [name for name, text in texts.items() if _read(directory / name) != text]
     if check:
@@ -56,10 +57,13 @@ def asyncapi(
             fail(f"out of date in {directory}: {', '.join(stale)}; run `{command}` to update", EXIT_FAILED)
         err.print(f"{directory}: up to date")
         return
-    directory.mkdir(parents=True, exist_ok=True)
-    for name, text in texts.items():
-        if name in stale:
-            (directory / name).write_text(text, encoding="utf-8")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        for name, text in texts.items():
+            if name in stale:
+                (directory / name).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        cannot_write(directory, exc)
     out.print(f"{directory}: {len(stale)} written, {len(texts) - len(stale)} unchanged", highlight=False)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from lanes_audit import views as audit
 from lanes_audit.views import (
@@ -25,6 +26,7 @@ from lanes_audit.views import (
     verify_chain,
 )
 from lanes_cli.console import EXIT_BAD_INPUT, EXIT_FAILED, fail, load_settings, out, require, run_async
+from lanes_cli.limits import excerpt
 from lanes_contract.client import connect_nats
 from lanes_contract.signing import KEYRING_ENV, Keyring, SignatureError
 from lanes_contract.streams import JOBS
@@ -114,6 +116,16 @@ async def verify(
     return Verdict(problem, len(links), len(checkpoints), later)
 
 
+def _public_key(text: str) -> bytes:
+    """An Ed25519 public key written as hex, or exit 2 saying what was expected."""
+    try:
+        key = bytes.fromhex(text)
+        Ed25519PublicKey.from_public_bytes(key)
+    except ValueError:
+        fail(f"--public-key {excerpt(text)}: expected an Ed25519 public key as 64 hex digits", EXIT_BAD_INPUT)
+    return key
+
+
 @app.command("verify")
 def verify_command(
     public_key: Annotated[str | None, typer.Option(help="Trusted Ed25519 public key (hex) of the checkpoints.")] = None,
@@ -124,10 +136,10 @@ def verify_command(
     ] = None,
 ) -> None:
     """Verify the audit chain and compare it with the stream; exit 1 at the first problem."""
+    trusted = _public_key(public_key) if public_key else None
     settings = load_settings(quiet=True)
     nats_url = require(settings.nats_url, "NATS_URL")
     database_url = require(settings.database_url, "DATABASE_URL")
-    trusted = bytes.fromhex(public_key) if public_key else None
     try:
         keyring = Keyring.load(keyring_file) if keyring_file is not None else None
     except SignatureError as exc:

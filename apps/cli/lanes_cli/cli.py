@@ -14,6 +14,8 @@ from typing import Annotated, Any
 import asyncpg
 import typer
 import uvloop
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
 from pydantic import ValidationError
 from rich.markup import escape
 
@@ -45,18 +47,21 @@ from lanes_cli.console import (
     EXIT_FAILED,
     EXIT_NOT_FOUND,
     as_utc,
+    cannot_write,
     checked_job_id,
     err,
     fail,
     load_settings,
     one_line,
     out,
+    output_file,
     require,
     run_async,
 )
 from lanes_cli.demo import DEMO_NODES, FaultPaths, local_nodes, register_nodes, run_demo
 from lanes_cli.html import render_page
 from lanes_cli.input_files import load_yaml, validation_problems
+from lanes_cli.limits import MAX_STREAM_SEQUENCE, excerpt
 from lanes_cli.render import render_demo, render_job
 from lanes_cli.replay import Pace, merged, selections, write_ndjson
 from lanes_cli.scheduling import scheduling_view
@@ -299,6 +304,8 @@ def timeline(
 ) -> None:
     """Read a job's timeline back from JetStream and show it grouped by lane (or as an HTML page)."""
     checked_job_id(job_id)
+    if html_file is not None:
+        output_file(html_file, "--html")
     settings = load_settings(quiet=True)
     nats_url = require(settings.nats_url, "NATS_URL")
 
@@ -314,7 +321,10 @@ def timeline(
         fail(f"unknown job {job_id!r}: no events on lanes.job.{job_id}.>", EXIT_NOT_FOUND)
     report = {"job_id": job_id, "timeline": [e.as_json() for e in entries]}
     if html_file is not None:
-        html_file.write_text(render_page(report))
+        try:
+            html_file.write_text(render_page(report))
+        except OSError as exc:
+            cannot_write(html_file, exc)
         err.print(f"wrote {html_file}")
     if as_json:
         out.print_json(json.dumps(report))
@@ -328,8 +338,12 @@ def replay(  # noqa: PLR0917 - typer maps each option to a parameter
     node: Annotated[str | None, typer.Option(help="One node's events and telemetry, merged by time.")] = None,
     subject: Annotated[str | None, typer.Option(help="Any subject filter, e.g. 'lanes.job.*.rank_exited'.")] = None,
     stream: Annotated[str | None, typer.Option(help="The stream to read (default: from the selection).")] = None,
-    from_seq: Annotated[int | None, typer.Option("--from-seq", min=1, help="Start at this stream sequence.")] = None,
-    to_seq: Annotated[int | None, typer.Option("--to-seq", min=1, help="Stop after this stream sequence.")] = None,
+    from_seq: Annotated[
+        int | None, typer.Option("--from-seq", min=1, max=MAX_STREAM_SEQUENCE, help="Start at this stream sequence.")
+    ] = None,
+    to_seq: Annotated[
+        int | None, typer.Option("--to-seq", min=1, max=MAX_STREAM_SEQUENCE, help="Stop after this stream sequence.")
+    ] = None,
     since: Annotated[datetime | None, typer.Option(help="Start at this time (RFC 3339).")] = None,
     until: Annotated[datetime | None, typer.Option(help="Stop after this time (RFC 3339).")] = None,
     pace: Annotated[str, typer.Option(help="instant, original, or xN (N times faster than original).")] = "instant",
@@ -347,8 +361,16 @@ def replay(  # noqa: PLR0917 - typer maps each option to a parameter
         pacing = Pace(pace)
     except ValueError as exc:
         fail(str(exc), EXIT_BAD_INPUT)
+    if from_seq is not None and to_seq is not None and from_seq > to_seq:
+        fail(f"--from-seq {from_seq} is after --to-seq {to_seq}: nothing lies between them", EXIT_BAD_INPUT)
+    since, until = as_utc(since), as_utc(until)
+    if since is not None and until is not None and since > until:
+        fail(
+            f"--since {since.isoformat()} is after --until {until.isoformat()}: nothing lies between them",
+            EXIT_BAD_INPUT,
+        )
     chosen = [
-        dataclasses.replace(selection, from_seq=from_seq, to_seq=to_seq, since=as_utc(since), until=as_utc(until))
+        dataclasses.replace(selection, from_seq=from_seq, to_seq=to_seq, since=since, until=until)
         for selection in chosen
     ]
 
@@ -356,6 +378,8 @@ def replay(  # noqa: PLR0917 - typer maps each option to a parameter
         nc = await connect_nats(nats_url, name="lanes-replay")
         try:
             js = nc.jetstream()
+            if stream is not None:
+                await _existing_stream(js, stream)
             total = sum([await count(js, selection) for selection in chosen])
             return await write_ndjson(merged(js, chosen), sys.stdout.buffer, pacing, total, validate=validate)
         finally:
@@ -364,6 +388,15 @@ def replay(  # noqa: PLR0917 - typer maps each option to a parameter
     written = run_async(run)
     if written == 0 and job:
         fail(f"unknown job {job!r}: no events on lanes.job.{job}.>", EXIT_NOT_FOUND)
+
+
+async def _existing_stream(js: JetStreamContext, name: str) -> None:
+    """Exit 2 naming the streams there are when `--stream` names none of them."""
+    try:
+        await js.stream_info(name)
+    except NotFoundError:
+        names = sorted([info.config.name or "" for info in await js.streams_info()])
+        fail(f"--stream {excerpt(name)}: no such stream; the streams are {', '.join(names)}", EXIT_BAD_INPUT)
 
 
 app.add_typer(audit_cli.app, name="audit")

@@ -13,12 +13,14 @@ import signal
 import threading
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import NoReturn, TypeVar
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
+from lanes_cli.limits import excerpt
 from lanes_contract.errors import InvalidEventError, LanesError, ServerUnavailableError, UnsupportedServerError
 from lanes_contract.ids import is_valid_token
 from lanes_runtime.log import configure_logging
@@ -89,8 +91,29 @@ def run_async(
 def checked_job_id(job_id: str) -> str:
     """A job id given on the command line, or exit 2: never a wildcard or anything else that is not an id."""
     if not is_valid_token(job_id):
-        fail(f"job id {job_id!r} must be 1-128 characters from A-Z a-z 0-9 _ - (no wildcards)", EXIT_BAD_INPUT)
+        fail(f"job id {excerpt(job_id)} must be 1-128 characters from A-Z a-z 0-9 _ - (no wildcards)", EXIT_BAD_INPUT)
     return job_id
+
+
+def output_file(path: Path, option: str) -> Path:
+    """A file the command will write, checked before any work: its directory exists and it is not one itself."""
+    if path.is_dir():
+        fail(f"{option} {path} is a directory; name a file", EXIT_BAD_INPUT)
+    if not path.parent.is_dir():
+        fail(f"{option} {path}: the directory {path.parent} does not exist", EXIT_BAD_INPUT)
+    return path
+
+
+def output_dir(path: Path, option: str) -> Path:
+    """A directory the command will write into (created if missing), checked before any work."""
+    if path.exists() and not path.is_dir():
+        fail(f"{option} {path} exists and is not a directory", EXIT_BAD_INPUT)
+    return path
+
+
+def cannot_write(path: Path, exc: OSError) -> NoReturn:
+    """The one-line error for a file or directory that could not be written (exit 2: the path given is bad)."""
+    fail(f"cannot write {exc.filename or path}: {exc.strerror or exc}", EXIT_BAD_INPUT)
 
 
 def require(value: str | None, name: str) -> str:

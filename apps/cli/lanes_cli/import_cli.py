@@ -15,6 +15,7 @@ import typer
 from nats.js import JetStreamContext
 
 from lanes_cli.console import EXIT_BAD_INPUT, fail, load_settings, out, require, run_async
+from lanes_cli.limits import MAX_IMPORT_BYTES
 from lanes_contract.client import connect_nats, publish_encoded
 from lanes_contract.codec import decode_structured, encode
 from lanes_contract.errors import DecodeError
@@ -23,13 +24,23 @@ from lanes_contract.streams import STREAM_OF_FAMILY, provision_streams
 
 
 def read_events(path: Path) -> list[Event]:
-    """Every event of an NDJSON file, or a one-line error naming the first bad line."""
+    """Every event of an NDJSON file, or a one-line error naming the first bad line.
+
+    At most MAX_IMPORT_BYTES are read: a longer file (or a device that never ends) is refused before any
+    event is decoded.
+    """
     try:
-        lines = path.read_bytes().splitlines()
+        with path.open("rb") as handle:
+            raw = handle.read(MAX_IMPORT_BYTES + 1)
     except OSError as exc:
         fail(f"cannot read {path}: {exc.strerror}", EXIT_BAD_INPUT)
+    if len(raw) > MAX_IMPORT_BYTES:
+        fail(
+            f"{path} is larger than the limit of {MAX_IMPORT_BYTES // (1024 * 1024)} MiB; import it in parts",
+            EXIT_BAD_INPUT,
+        )
     events = []
-    for number, line in enumerate(lines, start=1):
+    for number, line in enumerate(raw.splitlines(), start=1):
         if line.strip():
             try:
                 events.append(decode_structured(line))

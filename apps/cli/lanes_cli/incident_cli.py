@@ -9,7 +9,18 @@ from typing import Annotated, Any
 
 import typer
 
-from lanes_cli.console import EXIT_NOT_FOUND, checked_job_id, err, fail, load_settings, out, require, run_async
+from lanes_cli.console import (
+    EXIT_NOT_FOUND,
+    cannot_write,
+    checked_job_id,
+    err,
+    fail,
+    load_settings,
+    out,
+    output_dir,
+    require,
+    run_async,
+)
 from lanes_cli.incident import bundle, write_bundle
 from lanes_cli.timeline import entry_of, row_kind
 from lanes_contract.client import connect_nats
@@ -59,6 +70,8 @@ def incident(
 ) -> None:
     """The fault bundle of a job: first error, evidence per lane, decision chain, timings, requests touched."""
     checked_job_id(job_id)
+    if out_dir is not None:
+        output_dir(out_dir, "--out")
     settings = load_settings(quiet=True)
     nats_url = require(settings.nats_url, "NATS_URL")
     job, lines, requests = run_async(lambda: gather(nats_url, job_id))
@@ -66,7 +79,11 @@ def incident(
         fail(f"unknown job {job_id!r}: no events on lanes.job.{job_id}.>", EXIT_NOT_FOUND)
     summary = bundle(job, requests)
     if out_dir is not None:
-        for path in write_bundle(job, lines, out_dir, requests):
+        try:
+            written = write_bundle(job, lines, out_dir, requests)
+        except OSError as exc:
+            cannot_write(out_dir, exc)
+        for path in written:
             err.print(f"wrote {path}")
     if as_json or out_dir is None:
         out.print_json(json.dumps(summary))

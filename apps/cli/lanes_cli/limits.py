@@ -54,6 +54,15 @@ MAX_UTC_OFFSET_HOURS = 14.0
 """Clocks run from UTC-12 to UTC+14; `--utc-offset` is within 14 hours of UTC."""
 
 
+MAX_QUOTED_CHARS = 60
+"""How much of a long input a message quotes (a 10,000-character id is not repeated back whole)."""
+
+
+def excerpt(text: str) -> str:
+    """The input quoted for a message: whole if short, else its first MAX_QUOTED_CHARS characters and `...`."""
+    return repr(text if len(text) <= MAX_QUOTED_CHARS else text[:MAX_QUOTED_CHARS] + "...")
+
+
 class InputLimitError(LanesError, ValueError):
     """An input beyond one of the bounds above; the message names the bound."""
 
@@ -68,7 +77,7 @@ def check_count(what: str, count: int, limit: int) -> None:
 def check_utc_offset(hours: float) -> float:
     """An offset in hours a clock can have, or InputLimitError (also for nan and inf)."""
     if not (math.isfinite(hours) and abs(hours) <= MAX_UTC_OFFSET_HOURS):
-        msg = f"--utc-offset {hours}: expected hours from -{MAX_UTC_OFFSET_HOURS:g} to {MAX_UTC_OFFSET_HOURS:g}"
+        msg = f"--utc-offset {hours}: beyond the limit of {MAX_UTC_OFFSET_HOURS:g} hours from UTC"
         raise InputLimitError(msg)
     return hours
 

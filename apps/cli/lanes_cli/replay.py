@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from lanes_contract.codec import decode, structured_line, to_structured
 from lanes_contract.errors import DecodeError
-from lanes_contract.ids import validate_token
+from lanes_contract.ids import is_valid_token, validate_token
 from lanes_contract.streams import JOBS, NODES, TELEMETRY
 from lanes_runtime.reader import Selection, iter_stream
 
@@ -30,6 +30,9 @@ def selections(*, job: str | None, node: str | None, subject: str | None, stream
     chosen = [name for name, value in (("--job", job), ("--node", node), ("--subject", subject)) if value]
     if len(chosen) > 1:
         msg = f"choose one of --job, --node, --subject (got {', '.join(chosen)})"
+        raise ValueError(msg)
+    if stream is not None and not is_valid_token(stream):
+        msg = f"--stream {stream!r} is not a stream name: 1-128 characters from A-Z a-z 0-9 _ -"
         raise ValueError(msg)
     if job:
         return [Selection(JOBS.name, f"lanes.job.{validate_token(job)}.>")]

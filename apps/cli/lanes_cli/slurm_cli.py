@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from lanes_cli.console import err, load_settings, require, run_async
+from lanes_cli.console import EXIT_BAD_INPUT, err, fail, load_settings, require, run_async
 from lanes_observe.outbox import Outbox, Sender
 from lanes_observe.slurm import SOURCE, SlurmWatch
 from lanes_runtime.service import stop_on_signals
@@ -35,7 +35,10 @@ def watch(
         slurm = SlurmWatch(box, sender)
         try:
             if once:
-                events = await slurm.poll_once()
+                try:
+                    events = await slurm.poll_once()
+                except (RuntimeError, OSError, ValueError) as exc:  # as a polling watch logs and retries them
+                    fail(f"slurm poll failed: {exc}", EXIT_BAD_INPUT)
                 err.print(f"{len(events)} events; {len(box.lines())} waiting in {box.path}", highlight=False)
                 return
             stop = stop_on_signals()

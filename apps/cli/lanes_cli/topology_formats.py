@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from lanes_cli.limits import MAX_HOSTLIST_DIGITS, MAX_HOSTS, InputLimitError, check_yaml_shape
+from lanes_cli.limits import MAX_HOSTLIST_DIGITS, MAX_HOSTS, InputLimitError, check_yaml_shape, excerpt
 from lanes_contract.errors import LanesError
 from lanes_contract.ids import is_valid_token
 from lanes_contract.topology import Cluster, Node
@@ -54,7 +54,7 @@ def expand_hostlist(expression: str, *, line: int | None = None) -> list[str]:
     pieces, count = _hostlist_pieces(expression, line)
     if count > MAX_HOSTS:
         raise TopologyFormatError(
-            line, f"hostlist {_head(expression)} names {count} hosts, more than the limit of {MAX_HOSTS}"
+            line, f"hostlist {excerpt(expression)} names {count} hosts, more than the limit of {MAX_HOSTS}"
         )
     hosts: list[str] = []
     for piece in pieces:
@@ -80,7 +80,7 @@ def _hostlist_pieces(expression: str, line: int | None) -> tuple[list[_Piece], i
         match = re.fullmatch(r"([^\[\]]*)\[([^\[\]]+)\]([^\[\]]*)", part)
         if match is None:
             if "[" in part or "]" in part or not part:
-                raise TopologyFormatError(line, f"bad hostlist {_head(part)}: expected name or prefix[a-b,c]")
+                raise TopologyFormatError(line, f"bad hostlist {excerpt(part)}: expected name or prefix[a-b,c]")
             pieces.append(part)
             count += 1
             continue
@@ -89,11 +89,11 @@ def _hostlist_pieces(expression: str, line: int | None) -> tuple[list[_Piece], i
         for item in ranges.split(","):
             bounds = _RANGE.match(item.strip())
             if bounds is None:
-                raise TopologyFormatError(line, f"bad range {_head(item)} in {_head(part)}: expected N or N-M")
+                raise TopologyFormatError(line, f"bad range {excerpt(item)} in {excerpt(part)}: expected N or N-M")
             low, high = bounds.group(1), bounds.group(2) or bounds.group(1)
             if max(len(low), len(high)) > MAX_HOSTLIST_DIGITS:
                 raise TopologyFormatError(
-                    line, f"range {_head(item)}: numbers longer than the limit of {MAX_HOSTLIST_DIGITS} digits"
+                    line, f"range {excerpt(item)}: numbers longer than the limit of {MAX_HOSTLIST_DIGITS} digits"
                 )
             if int(high) < int(low):
                 raise TopologyFormatError(line, f"range {item!r} in {part!r} runs backwards")
@@ -101,11 +101,6 @@ def _hostlist_pieces(expression: str, line: int | None) -> tuple[list[_Piece], i
             bounds_of.append((low, high))
         pieces.append((prefix, suffix, bounds_of))
     return pieces, count
-
-
-def _head(text: str, chars: int = 60) -> str:
-    """A long input quoted in a message by its start only."""
-    return repr(text if len(text) <= chars else text[:chars] + "...")
 
 
 def _split_top_level(expression: str, line: int | None) -> list[str]:
