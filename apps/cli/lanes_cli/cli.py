@@ -66,7 +66,7 @@ from lanes_cli.render import render_demo, render_job
 from lanes_cli.replay import Pace, merged, selections, write_ndjson
 from lanes_cli.scheduling import scheduling_view
 from lanes_cli.stack import servers
-from lanes_cli.timeline import job_timeline
+from lanes_cli.timeline import job_header, job_timeline
 from lanes_cli.topology_cli import app as topology_app
 from lanes_contract.client import LanesClient, connect_nats
 from lanes_contract.events import JobSubmitted, JobSubmittedData
@@ -329,7 +329,7 @@ def timeline(
     if as_json:
         out.print_json(json.dumps(report))
     elif html_file is None:
-        render_job(out, {"job_id": job_id}, entries)
+        render_job(out, job_header(job_id, entries), entries)
 
 
 @app.command()

@@ -1,7 +1,8 @@
 """What every `lanes` command shares: consoles, one-line errors with exit codes, settings, async runner.
 
-Exit codes: 0 success, 1 the work itself failed, 2 bad input (usage, spec file), 3 unknown job,
-4 a server is unreachable or unsupported.
+Exit codes: 0 success, 1 the work itself failed, 2 bad input (usage, a file, a bound of lanes_cli.limits),
+3 unknown job or node, 4 a server is unreachable or unsupported; `lanes run` exits with its command's status
+(126 / 127 when the command cannot start), and Ctrl-C with 130.
 """
 
 from __future__ import annotations

@@ -23,7 +23,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lanes_agent.faults import KMSG, FaultError, inject
 from lanes_agent.ledger import process_start
-from lanes_cli.console import EXIT_BAD_INPUT, EXIT_FAILED, checked_job_id, fail, load_settings, out, require, run_async
+from lanes_cli.console import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_NOT_FOUND,
+    checked_job_id,
+    fail,
+    load_settings,
+    out,
+    require,
+    run_async,
+)
 from lanes_cli.drills import DrillReport, complete, drill_report
 from lanes_cli.input_files import load_yaml, validation_problems
 from lanes_cli.timeline import job_timeline, row_kind
@@ -61,6 +71,10 @@ async def _rows(js: JetStreamContext, job_id: str) -> list[Row]:
     return [entry.as_json() for entry in await job_timeline(js, job_id)]
 
 
+class UnknownJobError(FaultError):
+    """The job to drill has no events at all: a typo, not a job in the wrong state."""
+
+
 def running_rank(rows: list[Row], rank: int) -> tuple[int, str, int]:
     """The (attempt, node, pid) of `rank` in the job's running attempt, or a FaultError saying why not."""
     states = [row for row in rows if row_kind(row) == "state_changed"]
@@ -85,7 +99,11 @@ async def run_drill(
 ) -> DrillReport:
     """Inject one drill, then wait (at most `timeout_s`) for it to play out; its report either way."""
     js = client.js
-    attempt, node, pid = running_rank(await _rows(js, step.job), step.rank)
+    rows = await _rows(js, step.job)
+    if not rows:
+        msg = f"unknown job {step.job!r}: no events on lanes.job.{step.job}.>"
+        raise UnknownJobError(msg)
+    attempt, node, pid = running_rank(rows, step.rank)
     if process_start(pid) is None:  # checked before the drill is announced: no drill event for a fault never made
         msg = f"rank {step.rank}'s process {pid} is not running on this host (run the drill on the rank's node)"
         raise FaultError(msg)
@@ -160,6 +178,8 @@ def drill(  # noqa: PLR0917 - typer maps each option to a parameter
 
     try:
         reports = run_async(run_all)
+    except UnknownJobError as exc:
+        fail(str(exc), EXIT_NOT_FOUND)
     except FaultError as exc:
         fail(f"cannot drill: {exc}", EXIT_FAILED)
     except TimeoutError:

@@ -10,7 +10,7 @@ from nats.js import JetStreamContext
 
 from lanes_contract.codec import decode, format_time
 from lanes_contract.errors import DecodeError
-from lanes_contract.events import Event
+from lanes_contract.events import Event, JobStateChanged
 from lanes_contract.streams import JOBS
 from lanes_runtime.reader import Selection, iter_stream
 
@@ -65,6 +65,25 @@ def entry_of(msg: Msg) -> TimelineEntry:
         return TimelineEntry(seq, msg.subject, decode(msg.subject, msg.headers, msg.data))
     except DecodeError as exc:
         return TimelineEntry(seq, msg.subject, None, str(exc))
+
+
+def job_header(job_id: str, entries: list[TimelineEntry]) -> dict[str, Any]:
+    """The job's state and its attempts' states as the timeline's own transitions say (no projection needed).
+
+    The last `state_changed` of the job is its state; the last one of each attempt is that attempt's.
+    """
+    state: str | None = None
+    attempts: dict[int, str] = {}
+    for entry in entries:
+        if isinstance(entry.event, JobStateChanged):
+            state = entry.event.data.to_state.value
+            if entry.event.attempt is not None:
+                attempts[entry.event.attempt] = state
+    return {
+        "job_id": job_id,
+        "state": state,
+        "attempts": [{"number": number, "state": attempts[number]} for number in sorted(attempts)],
+    }
 
 
 async def read_stream(js: JetStreamContext, selection: Selection) -> list[TimelineEntry]:

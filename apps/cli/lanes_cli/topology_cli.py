@@ -21,7 +21,7 @@ from lanes_cli.console import (
     run_async,
 )
 from lanes_cli.input_files import read_text_file
-from lanes_cli.limits import MAX_TOPOLOGY_BYTES
+from lanes_cli.limits import MAX_TOPOLOGY_BYTES, excerpt
 from lanes_cli.node_health import node_health
 from lanes_cli.scheduling import leaked_allocations
 from lanes_cli.timeline import read_stream
@@ -51,7 +51,7 @@ from lanes_contract.events import (
 from lanes_contract.ids import derived_event_id, is_valid_token
 from lanes_contract.streams import BEATS, NODES
 from lanes_contract.topology import LEVELS, Cluster, Level, Node, NodeState
-from lanes_runtime.reader import Selection
+from lanes_runtime.reader import Selection, count
 from lanes_runtime.store import create_pool
 from lanes_scheduler import views as scheduler
 from lanes_scheduler.views import CapacityView
@@ -131,7 +131,7 @@ def import_(  # noqa: PLR0917 - typer maps each parameter to an option
     """Read a topology file and publish its nodes (and pools/quotas) to the timeline for the scheduler."""
     settings = load_settings(quiet=True)
     if node is not None and not is_valid_token(node):
-        fail(f"--node {node!r} must be 1-128 characters from A-Z a-z 0-9 _ -", EXIT_BAD_INPUT)
+        fail(f"--node {excerpt(node)} must be 1-128 characters from A-Z a-z 0-9 _ -", EXIT_BAD_INPUT)
     defaults = {
         k: v
         for k, v in {"gpus": gpus, "gpu_model": gpu_model, "gpu_memory_gib": gpu_memory, "pool": pool}.items()
@@ -164,14 +164,17 @@ def state(
     reason: Annotated[str, typer.Option(help="Why (shown to every job this blocks).")] = "",
     lane: Annotated[Lane, typer.Option(help="The lane that owns the change.")] = Lane.PLATFORM,
 ) -> None:
-    """Cordon, drain, mark unhealthy or make ready one node; waiting jobs see who and why."""
+    """Cordon, drain, mark unhealthy or make ready one node (one Lanes knows); waiting jobs see who and why."""
     settings = load_settings(quiet=True)
     if not is_valid_token(node):
-        fail(f"node {node!r} must be 1-128 characters from A-Z a-z 0-9 _ -", EXIT_BAD_INPUT)
+        fail(f"node {excerpt(node)} must be 1-128 characters from A-Z a-z 0-9 _ -", EXIT_BAD_INPUT)
     nats_url = require(settings.nats_url, "NATS_URL")
 
     async def publish() -> int:
         async with await LanesClient.connect(nats_url, source="lanes/cli") as client:
+            # Only a node Lanes has heard of (registered, or seen by an adapter): a typo must not publish.
+            if await count(client.js, Selection(NODES.name, f"lanes.node.{node}.>")) == 0:
+                fail(f"unknown node {node!r}: no events on lanes.node.{node}.>", EXIT_NOT_FOUND)
             data = NodeStateChangedData(state=new_state, reason=reason)
             return await client.publish(NodeStateChanged(source=client.source, node=node, lane=lane, data=data))
 
