@@ -77,11 +77,11 @@ def _quoted(text: str, chars: int = 60) -> str:
     return repr(text if len(text) <= chars else text[:chars] + "...")
 
 
-def _number(value: str, where: str, *, below: int) -> int:
-    """A count or rank from a launcher's arguments or the environment, below `below`; else ValueError naming where."""
+def _number(value: str, where: str, *, at_most: int) -> int:
+    """A count or rank from a launcher's arguments or the environment, at most `at_most`; else ValueError naming where."""
     text = value.strip()
-    if not text.isdigit() or len(text) > len(str(below)) or int(text) >= below:
-        msg = f"{where}={_quoted(value)}: expected a whole number below the limit of {below}"
+    if not text.isdigit() or len(text) > len(str(at_most)) or int(text) > at_most:
+        msg = f"{where}={_quoted(value)}: expected a whole number up to the limit of {at_most}"
         raise ValueError(msg)
     return int(text)
 
@@ -156,12 +156,12 @@ def identity_from(
         chosen = parse_ranks(ranks, max_ranks=max_ranks)
     elif kind == "torchrun":
         per_node = _number(
-            _option(command, "--nproc-per-node", "--nproc_per_node") or "1", "--nproc-per-node", below=max_ranks + 1
+            _option(command, "--nproc-per-node", "--nproc_per_node") or "1", "--nproc-per-node", at_most=max_ranks
         )
         node_rank = _number(
             _option(command, "--node-rank", "--node_rank") or env.get("SLURM_NODEID", "0") or "0",
             "--node-rank",
-            below=max_ranks,
+            at_most=max_ranks - 1,
         )
         if (node_rank + 1) * per_node > max_ranks:
             last = (node_rank + 1) * per_node - 1
@@ -170,16 +170,16 @@ def identity_from(
         chosen = tuple(range(node_rank * per_node, (node_rank + 1) * per_node))
     elif kind == "srun":
         tasks = _number(
-            _option(command, "-n", "--ntasks") or env.get("SLURM_NTASKS", "1") or "1", "--ntasks", below=max_ranks + 1
+            _option(command, "-n", "--ntasks") or env.get("SLURM_NTASKS", "1") or "1", "--ntasks", at_most=max_ranks
         )
         chosen = tuple(range(tasks))
     else:
-        chosen = (_number(env.get("RANK") or env.get("SLURM_PROCID") or "0", "RANK", below=max_ranks),)
+        chosen = (_number(env.get("RANK") or env.get("SLURM_PROCID") or "0", "RANK", at_most=max_ranks - 1),)
     if not chosen:
         msg = "no ranks: the launcher's arguments name none"
         raise ValueError(msg)
     declared = env.get("WORLD_SIZE") or env.get("SLURM_NTASKS")
-    world = world_size or (_number(declared, "WORLD_SIZE", below=max_ranks + 1) if declared else 0) or max(chosen) + 1
+    world = world_size or (_number(declared, "WORLD_SIZE", at_most=max_ranks) if declared else 0) or max(chosen) + 1
     slurm = {key: value for key, value in env.items() if key.startswith("SLURM_")} if slurm_id else {}
     return RunIdentity(
         job_id=job_id,

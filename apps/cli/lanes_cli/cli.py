@@ -409,10 +409,13 @@ app.command(context_settings={"allow_interspersed_args": False})(run_cli.run)
 app.add_typer(slurm_cli.app, name="slurm")
 
 
-def main() -> None:
-    """Entry point of the `lanes` script: every error is one line on stderr (exit codes: lanes_cli.console)."""
+def main(args: list[str] | None = None) -> None:
+    """Entry point of the `lanes` script (`args`: the command line, default sys.argv's); exits with its code.
+
+    Every error is one line on stderr, a usage error included (exit codes: lanes_cli.console).
+    """
     try:
-        code = app(standalone_mode=False)
+        code = app(args=args, prog_name="lanes", standalone_mode=False)
     except KeyboardInterrupt:
         sys.exit(130)
     except NoArgsIsHelpError as exc:  # the help is already printed
