@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from prometheus_client import REGISTRY, generate_latest
 from support.contract import submission
 from support.waiting import eventually
 
@@ -78,6 +79,20 @@ async def test_a_clean_copy_verifies_with_signed_checkpoints(
     untrusted = await verify(urls.nats_url, urls.database_url, stranger)
     assert untrusted.problem is not None
     assert "untrusted key" in untrusted.problem.detail
+
+
+async def test_the_recorder_exports_the_consumer_metrics_the_services_do(recorded: Signer, unique: str) -> None:
+    # The same `lanes_consumer_*` families as every service's consumer, under the recorder's durable name.
+    body = generate_latest(REGISTRY).decode()
+    durable = f"audit-{unique}"
+    processed = REGISTRY.get_sample_value("lanes_consumer_events_total", {"consumer": durable, "outcome": "processed"})
+    assert processed is not None
+    assert processed >= 13  # this test's 12 events and its undecodable message, and whatever came before
+    for family in ("lanes_consumer_batch_size", "lanes_consumer_handler_seconds", "lanes_consumer_commit_seconds"):
+        assert f'{family}_count{{consumer="{durable}"}}' in body
+    assert f'lanes_consumer_ready{{consumer="{durable}"}} 1.0' in body
+    assert f'lanes_consumer_pending{{consumer="{durable}"}}' in body
+    assert f'lanes_consumer_held_total{{consumer="{durable}"}}' in body
 
 
 async def test_the_table_refuses_changes(recorded: Signer, pool: asyncpg.Pool) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import subprocess
@@ -13,9 +14,11 @@ from pathlib import Path
 
 import asyncpg
 import pytest
-from nats.js.errors import APIError
+from nats.js.errors import APIError, NotFoundError
+from prometheus_client import REGISTRY
 from support.cli import run_lanes_async
 from support.contract import EFFECTS_DDL, effects, record_effect, spec_for, stored, submission
+from support.logs import OUTAGE_BEGAN, json_logs
 from support.waiting import eventually
 
 from lanes_contract.client import LanesClient, connect_nats
@@ -24,6 +27,7 @@ from lanes_contract.events import Event, JobSubmitted
 from lanes_contract.streams import DEAD, JOBS, provision_streams
 from lanes_runtime.consumer import EventConsumer, HandlerContext, Outcome, prune_processed
 from lanes_runtime.delivery import DEAD_CONSUMER, DEAD_REASON, DEAD_SEQUENCE, DEAD_STREAM, ORIGINAL_MSG_ID
+from lanes_runtime.health import PROBE_TIMEOUT_S
 from lanes_runtime.metrics import serve_metrics
 from lanes_runtime.settings import ServerUrls
 from lanes_runtime.store import apply_runtime_migrations, create_pool
@@ -499,3 +503,63 @@ async def test_an_ordered_fold_settles_a_failing_event_alone_and_counts_each_eve
     assert [await effects(pool, event.id) for event in events] == [1, 1, 1, 1, 0, 1]
     ((headers, _),) = await _dead_letters(lanes, spec.durable)
     assert "may never be applied" in headers[DEAD_REASON]
+
+
+def _ready_gauge(consumer: str) -> float | None:
+    return REGISTRY.get_sample_value("lanes_consumer_ready", {"consumer": consumer})
+
+
+async def test_an_idle_consumer_is_ready_from_its_start_and_its_gauge_says_so(
+    lanes: LanesClient, pool: asyncpg.Pool, unique: str
+) -> None:
+    # A restarted process has a fresh gauge; it used to read 0 until a batch went through.
+    consumer = EventConsumer(lanes._nc, pool, spec_for(f"idle-{unique}"), record_effect)
+    assert consumer.ready
+    assert _ready_gauge(consumer.name) == 1.0
+    stop, task = await _running(consumer)
+
+    async def idle_and_waiting_for_messages() -> bool:
+        try:
+            info = await lanes.js.consumer_info(JOBS.name, consumer.name)
+        except NotFoundError:
+            return False
+        return bool(info.num_waiting)  # its fetch waits on the server: the loop runs, with nothing to do
+
+    await eventually(idle_and_waiting_for_messages, what="the idle consumer's fetch waiting")
+    assert consumer.ready
+    assert _ready_gauge(consumer.name) == 1.0
+    await _stop(stop, task)
+    assert consumer.outcomes == {}
+
+
+async def test_a_consumer_that_fails_is_not_ready_for_good(lanes: LanesClient, pool: asyncpg.Pool, unique: str) -> None:
+    missing = dataclasses.replace(JOBS, name=f"NO_SUCH_STREAM_{unique}")
+    consumer = EventConsumer(lanes._nc, pool, spec_for(f"failing-{unique}", stream=missing), record_effect)
+    assert consumer.ready
+    with pytest.raises(NotFoundError):
+        await consumer.run(asyncio.Event())
+    assert not consumer.ready
+    assert _ready_gauge(consumer.name) == 0.0
+
+
+async def test_a_slow_but_healthy_batch_is_no_outage(
+    lanes: LanesClient, pool: asyncpg.Pool, unique: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The batch's transaction takes twice the database probe's timeout; the server answers the probe meanwhile.
+    slow_s = 2 * PROBE_TIMEOUT_S
+
+    async def slow(event: Event, ctx: HandlerContext) -> list[Event]:
+        await ctx.conn.execute("SELECT pg_sleep($1)", slow_s)
+        return list(await record_effect(event, ctx))
+
+    job_id = f"slow-{unique}"
+    consumer = EventConsumer(lanes._nc, pool, spec_for(job_id, ack_wait_s=30.0), slow)
+    with json_logs(capsys) as logs:
+        stop, task = await _running(consumer)
+        event = submission(job_id)
+        await lanes.publish(event)
+        await eventually(lambda: _processed(consumer, 1), timeout_s=slow_s + 20, what="the slow batch processed")
+        await _stop(stop, task)
+        assert not [line for line in logs.about(consumer.name) if line["event"] == OUTAGE_BEGAN]
+    assert consumer.ready
+    assert await effects(pool, event.id) == 1

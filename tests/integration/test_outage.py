@@ -10,15 +10,11 @@ projection equals a clean fold of the log and the audit chain verifies.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import signal
 import sys
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from support.cli import local_stack, run_lanes_async
+from support.freezing import frozen
 from support.waiting import eventually
 
 from lanes_contract.client import LanesClient
@@ -33,37 +29,6 @@ pytestmark = pytest.mark.real_servers
 
 JOBS = 10
 _RANK = "import time; print('lanes: communicator ready', flush=True); time.sleep(4)"
-
-
-def _tree(root: int) -> list[int]:
-    """`root` and every process descending from it (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(children.get(pid, []))
-    return found
-
-
-@contextlib.contextmanager
-def frozen(server: EmbeddedPostgres) -> Iterator[None]:
-    """Every process of the server stopped (SIGSTOP) inside the block, resumed (SIGCONT) on leaving it."""
-    assert server.pid is not None
-    pids = _tree(server.pid)
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
 
 
 @pytest.mark.slow

@@ -67,7 +67,7 @@ from lanes_runtime.delivery import (
     sequence_and_deliveries,
 )
 from lanes_runtime.failures import classify, is_infrastructure
-from lanes_runtime.health import DatabaseWatch, Readiness, describe
+from lanes_runtime.health import DatabaseWatch, Readiness
 from lanes_runtime.metrics import ConsumerMetrics
 from lanes_runtime.store import Db
 from lanes_runtime.tracing import event_span, sdk_configured, traced
@@ -298,7 +298,14 @@ class EventConsumer:
         await self._js.add_consumer(self.spec.stream.name, config=self.spec.config())
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Fetch and process batches until `stop` is set; capture max-delivery advisories meanwhile."""
+        """Fetch and process batches until `stop` is set; capture max-delivery advisories meanwhile.
+
+        A failure that ends the loop (not a handler's: those are settled inside) makes it not ready for good.
+        """
+        with self._readiness.failing_for_good():
+            await self._run(stop)
+
+    async def _run(self, stop: asyncio.Event) -> None:
         await self.provision()
         sub = await BatchPull.bind(self._nc, self.spec.stream.name, self.spec.durable)
         advisory = await self._nc.subscribe(
@@ -329,9 +336,6 @@ class EventConsumer:
                             self._log.exception("fold failed; trying again")
                             await asyncio.sleep(self.spec.delay_after(1))
                 await working.drain()
-        except Exception as exc:
-            self._readiness.failed(describe(exc))
-            raise
         finally:
             working.cancel()
             with contextlib.suppress(Exception):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterator
 from typing import TYPE_CHECKING, ClassVar
 
 import asyncpg
@@ -93,6 +93,15 @@ class Readiness:
         """The loop stopped on an error: not ready for good."""
         self._failure = error
         self._show()
+
+    @contextlib.contextmanager
+    def failing_for_good(self) -> Iterator[None]:
+        """Around a loop's run: an error that ends it makes it not ready for good (and is raised on)."""
+        try:
+            yield
+        except Exception as exc:
+            self.failed(describe(exc))
+            raise
 
     def _show(self) -> None:
         if self._gauge is not None:

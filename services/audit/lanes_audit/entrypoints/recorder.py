@@ -37,7 +37,7 @@ from lanes_audit.domain.chain import Link, canonical_bytes, link_hash
 from lanes_contract.streams import AUDIT, JOBS
 from lanes_runtime.consumer import ConsumerSpec, Outcome
 from lanes_runtime.delivery import BatchPull, hold_through_outages, pull_batches, settle
-from lanes_runtime.health import DatabaseWatch, Readiness, describe
+from lanes_runtime.health import DatabaseWatch, Readiness
 from lanes_runtime.metrics import ConsumerMetrics
 
 log = structlog.get_logger(__name__)
@@ -90,7 +90,11 @@ class AuditRecorder:
         await self._js.add_consumer(JOBS.name, config=self.config())
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Record batches until `stop` is set."""
+        """Record batches until `stop` is set; a failure that ends the loop makes it not ready for good."""
+        with self._readiness.failing_for_good():
+            await self._run(stop)
+
+    async def _run(self, stop: asyncio.Event) -> None:
         await self.provision()
         sub = await BatchPull.bind(self._nc, JOBS.name, self.name)
         try:
@@ -98,9 +102,6 @@ class AuditRecorder:
                 async for msgs in pull_batches(sub, 500, stop, consumer=self.name, readiness=self._readiness):
                     if msgs:
                         await self.record(msgs)
-        except Exception as exc:
-            self._readiness.failed(describe(exc))
-            raise
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
