@@ -10,13 +10,34 @@ against the service's role, so the two cannot drift apart silently.
 from __future__ import annotations
 
 import ast
+import inspect
 from pathlib import Path
 
 import pytest
 
+from lanes_agent.launcher import LAUNCHER_INPUTS
+from lanes_audit.entrypoints.recorder import AuditRecorder
+from lanes_cli.agent_cli import durable_name
+from lanes_cli.bootstrap import SERVICES
 from lanes_contract import events
 from lanes_contract.events import Event
-from lanes_contract.identities import SERVICE_NAMES, identity_named, may_publish
+from lanes_contract.identities import (
+    EPHEMERAL_CREATE,
+    JOB_API,
+    JOB_API_QUEUE,
+    LOCAL_LAUNCHER_DURABLE,
+    PLATFORM,
+    SERVICE_IDENTITIES,
+    SERVICE_NAMES,
+    Identity,
+    agent_identity,
+    identities,
+    identity_named,
+    may_publish,
+    nats_permissions,
+    subject_matches,
+)
+from lanes_lifecycle.entrypoints.job_api import API_PREFIX, QUEUE
 
 SERVICES_ROOT = Path(__file__).resolve().parents[2] / "services"
 CATALOGUE = {
@@ -60,3 +81,75 @@ def test_identity_may_publish_what_the_service_produces(service: str) -> None:
         if not may_publish(identity, f"lanes.{kind.family}.some-key.{kind.name}")
     )
     assert not refused, f"the {service} identity may not publish {refused}"
+
+
+# --- least privilege on the JetStream API ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("service", sorted(SERVICES))
+def test_every_durable_a_service_creates_is_in_its_identitys_list(service: str) -> None:
+    """A durable missing from the table fails only at run time, under auth; this keeps the two together."""
+    identity = identity_named(service)
+    assert identity is not None
+    durables = {spec.durable for spec, _ in SERVICES[service].consumers}
+    if service == "audit":
+        durables.add(inspect.signature(AuditRecorder).parameters["durable"].default)
+    assert durables <= set(identity.durables), f"{service} creates {sorted(durables - set(identity.durables))}"
+    assert durables <= set(PLATFORM.durables)
+
+
+def test_the_platform_owns_every_services_durables_and_the_in_process_launchers() -> None:
+    owned = {durable for identity in SERVICE_IDENTITIES for durable in identity.durables}
+    assert owned | {LAUNCHER_INPUTS.durable} == set(PLATFORM.durables)
+    assert LAUNCHER_INPUTS.durable == LOCAL_LAUNCHER_DURABLE
+
+
+def test_a_one_node_agent_owns_the_durable_lanes_agent_creates_for_it() -> None:
+    assert agent_identity("node-7").durables == (durable_name(["node-7"]),)
+
+
+def test_no_two_identities_own_the_same_durable() -> None:
+    owners = [
+        durable
+        for identity in identities(("node-1", "node-2"))
+        if identity is not PLATFORM
+        for durable in identity.durables
+    ]
+    assert len(owners) == len(set(owners))
+
+
+def test_only_the_lifecycle_serves_the_job_api_and_only_the_cli_asks_it() -> None:
+    assert (f"{API_PREFIX}.*", QUEUE) == (JOB_API, JOB_API_QUEUE)
+    servers = {i.name for i in identities(("node-1",)) if (JOB_API, JOB_API_QUEUE) in i.serves}
+    askers = {i.name for i in identities(("node-1",)) if JOB_API in i.requests}
+    assert servers == {"lifecycle", "platform"}
+    assert askers == {"cli", "platform"}
+
+
+def test_the_readers_are_exactly_those_that_replay_the_log() -> None:
+    """The unnamed consumer create takes the name from the body, so it could re-filter any consumer: the list of
+    identities that may send it is kept as short as the code allows, and widening it is a visible change."""
+    readers = {i.name for i in identities(("node-1",)) if i.reads}
+    assert readers == {"lifecycle", "router", "cli", "platform"}
+
+
+@pytest.mark.parametrize("identity", identities(("node-1",)), ids=lambda i: i.name)
+def test_no_identity_is_given_the_whole_jetstream_api_or_another_identitys_consumer(identity: Identity) -> None:
+    permissions = nats_permissions(identity)
+    publish = permissions["publish"]
+    subscribe = permissions["subscribe"]
+    assert isinstance(publish, dict)
+    assert isinstance(subscribe, dict)
+    allowed = publish["allow"]
+    assert "$JS.API.>" not in allowed
+    assert ">" not in subscribe["allow"]
+    others = {d for other in identities(("node-1",)) if other is not PLATFORM for d in other.durables} - set(
+        identity.durables
+    )
+    for durable in others:
+        for api in ("DELETE", "CREATE", "DURABLE.CREATE", "MSG.NEXT"):
+            subject = f"$JS.API.CONSUMER.{api}.LANES_JOBS.{durable}"
+            assert not any(subject_matches(pattern, subject) for pattern in allowed), (identity.name, subject)
+        assert not any(subject_matches(pattern, f"$JS.ACK.LANES_JOBS.{durable}.1.2.3.4.0") for pattern in allowed)
+    assert (EPHEMERAL_CREATE in allowed) is identity.reads
+    assert ("allow_responses" in permissions) is bool(identity.serves)

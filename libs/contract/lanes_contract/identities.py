@@ -65,9 +65,13 @@ DEAD_LETTERS = "lanes.dead.>"
 AUDIT_CHECKPOINTS = "lanes.audit.>"
 REQUESTS = "lanes.req.>"
 
-JS_API = "$JS.API.>"
-JS_ACKS = ("$JS.ACK.>", "$JS.FC.>")
 INBOXES = "_INBOX.>"
+JOB_API = "lanes.api.job.*"
+"""The job API's request subjects (`lanes.api.job.<operation>`): the CLI asks, the lifecycle answers."""
+JOB_API_QUEUE = "lanes-job-api"
+"""The queue group the job API's servers share, so each request is answered once."""
+API_SUBJECTS = "lanes.api.>"
+EVENT_SUBJECTS = "lanes.>"
 STREAM_ADMIN_APIS = (
     "$JS.API.STREAM.CREATE.>",
     "$JS.API.STREAM.UPDATE.>",
@@ -83,6 +87,50 @@ STREAM_ADMIN_APIS = (
     "$JS.API.ACCOUNT.PURGE.>",
 )
 """The JetStream API subjects that change or cut a stream; denied to everyone but the admin."""
+JS_READ_APIS = (
+    "$JS.API.INFO",
+    "$JS.API.STREAM.INFO.*",
+    "$JS.API.STREAM.NAMES",
+    "$JS.API.STREAM.LIST",
+    "$JS.API.STREAM.MSG.GET.*",
+    "$JS.API.DIRECT.GET.>",
+)
+"""What every identity may ask JetStream: the account, the streams, single stored messages (read-only)."""
+EPHEMERAL_CREATE = "$JS.API.CONSUMER.CREATE.*"
+"""The one subject that creates a consumer without naming it in the subject (an ephemeral ordered reader).
+
+The server takes the consumer's name from the request body here, and a body naming an existing consumer
+updates it (tested: `{"name": "audit", "filter_subjects": [...]}` re-filters the audit copy). A permission
+cannot look into a body, so only identities that must read the log through ordered consumers (`reads`) get
+it: never a node agent or an outside producer.
+"""
+ORDERED_READS = (EPHEMERAL_CREATE, "$JS.API.CONSUMER.INFO.*.*", "$JS.FC.>")
+"""A reader's rights: create its ordered consumers, ask how far they are (their names are the server's), and
+answer their flow control. It cannot delete them (names are random, so a delete right would cover every
+consumer): an ordered consumer lapses by itself after its inactivity threshold."""
+
+
+def consumer_apis(durable: str) -> tuple[str, ...]:
+    """The JetStream API subjects that create, read, delete and pull one durable consumer (on any stream).
+
+    Both create forms nats-py sends are covered: the legacy `DURABLE.CREATE.<stream>.<name>` and the named
+    `CREATE.<stream>.<name>[.<filter>]`. A consumer name is one subject token, so nothing here reaches
+    another name.
+    """
+    return (
+        f"$JS.API.CONSUMER.DURABLE.CREATE.*.{durable}",
+        f"$JS.API.CONSUMER.CREATE.*.{durable}",
+        f"$JS.API.CONSUMER.CREATE.*.{durable}.>",
+        f"$JS.API.CONSUMER.INFO.*.{durable}",
+        f"$JS.API.CONSUMER.DELETE.*.{durable}",
+        f"$JS.API.CONSUMER.MSG.NEXT.*.{durable}",
+        f"$JS.ACK.*.{durable}.>",
+    )
+
+
+def consumer_advisories(durable: str) -> tuple[str, ...]:
+    """The advisories a durable's own loop listens to (a message that ran out of deliveries)."""
+    return (f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.*.{durable}",)
 
 
 def subjects_of(*events: type[Event], key: str = "*") -> tuple[str, ...]:
@@ -114,11 +162,21 @@ USER_COMMANDS = (
 
 @dataclass(frozen=True)
 class Identity:
-    """A name the bus knows, and the subjects it may publish events on (beyond the JetStream API)."""
+    """A name the bus knows, the subjects it may publish events on, and what it may do on the JetStream API.
+
+    `durables`: the durable consumers it owns (create, read, delete, pull, ack; no other identity may touch
+    them). `reads`: whether it reads the log through ephemeral ordered consumers (`iter_stream`, the router's
+    registry feed). `requests`: core request subjects it may send (the job API). `serves`: the
+    (subject, queue group) pairs it answers, with the right to reply to each request once.
+    """
 
     name: str
     publishes: tuple[str, ...]
     description: str
+    durables: tuple[str, ...] = ()
+    reads: bool = False
+    requests: tuple[str, ...] = ()
+    serves: tuple[tuple[str, str], ...] = ()
 
     @property
     def source(self) -> str:
@@ -133,16 +191,21 @@ SERVICE_IDENTITIES = (
         "scheduler",
         (*subjects_of(JobPlaced, JobWaiting, JobRejected, ResourcesReleased), DEAD_LETTERS),
         "admission and placement: the only identity that places and releases",
+        durables=("scheduler-jobs", "scheduler-nodes"),
     ),
     Identity(
         "lifecycle",
         (*subjects_of(JobStateChanged, TransitionRejected, AttemptRequested, JobSubmitted), DEAD_LETTERS),
-        "job and attempt state machine (and the HTTP submit API)",
+        "job and attempt state machine (and the job API)",
+        durables=("lifecycle-jobs",),
+        reads=True,  # `lanes rebuild` replays the job stream into the projection
+        serves=((JOB_API, JOB_API_QUEUE),),
     ),
     Identity(
         "telemetry",
         (*subjects_of(JobEvidence, JobFinding, SettleWindowEnded), DEAD_LETTERS),
         "evidence correlation and first-error findings",
+        durables=("telemetry", "telemetry-placements"),
     ),
     Identity(
         "recovery",
@@ -162,19 +225,28 @@ SERVICE_IDENTITIES = (
             DEAD_LETTERS,
         ),
         "recovery decisions and the commands that carry them out",
+        durables=("recovery",),
     ),
     Identity(
         "router",
         (*subjects_of(ReplicaStateChanged), REQUESTS, DEAD_LETTERS),
         "replica health and per-request provenance",
+        reads=True,  # the replica registry is rebuilt from the log by ordered consumers
     ),
-    Identity("audit", (AUDIT_CHECKPOINTS, DEAD_LETTERS), "the hash-chained copy and its signed checkpoints"),
+    Identity(
+        "audit",
+        (AUDIT_CHECKPOINTS, DEAD_LETTERS),
+        "the hash-chained copy and its signed checkpoints",
+        durables=("audit",),
+    ),
 )
 PEOPLE_IDENTITIES = (
     Identity(
         "cli",
         (*subjects_of(*USER_COMMANDS, DrillInjected), *subjects_of(NodeRegistered, NodeStateChanged, ClusterPolicySet)),
         "an operator at the `lanes` CLI: submit, cancel, retry, hold, resume, cordon, topology import, drills",
+        reads=True,  # timeline, replay, audit verify, incident bundles
+        requests=(JOB_API,),
     ),
     Identity(
         "producer",
@@ -191,6 +263,11 @@ PEOPLE_IDENTITIES = (
 SERVICE_NAMES = tuple(identity.name for identity in SERVICE_IDENTITIES)
 
 
+def agent_durable(node: str) -> str:
+    """The durable consumer of a one-node agent (`lanes agent --node <node>`): its placements and commands."""
+    return f"{AGENT_PREFIX}{node}"
+
+
 def _agent_role(name: str, node: str) -> Identity:
     return Identity(
         name,
@@ -199,6 +276,8 @@ def _agent_role(name: str, node: str) -> Identity:
         if node != "*"
         else "a node agent: one identity per node (agent-<node>), each"
         " limited to its own node's evidence and heartbeat",
+        # An agent only pulls its own consumer: it never reads the log through ordered consumers.
+        durables=(agent_durable(node),) if node != "*" else (),
     )
 
 
@@ -213,14 +292,18 @@ AGENT_ROLE = _agent_role("agent", "*")
 Not a bus identity: no server has a user of that name."""
 
 
+LOCAL_LAUNCHER_DURABLE = "launcher-local"
+"""The durable of the in-process launcher of `lanes up` and `lanes demo` (agents/node `LAUNCHER_INPUTS`)."""
+_PLATFORM_PARTS = (*SERVICE_IDENTITIES, *PEOPLE_IDENTITIES)
 PLATFORM = Identity(
     "platform",
-    (
-        *dict.fromkeys(s for i in (*SERVICE_IDENTITIES, *PEOPLE_IDENTITIES) for s in i.publishes),
-        *subjects_of(AgentHeartbeat),
-    ),
+    (*dict.fromkeys(s for i in _PLATFORM_PARTS for s in i.publishes), *subjects_of(AgentHeartbeat)),
     "every service, the CLI and in-process agents in one process (`lanes up`, `lanes demo`): one process is"
     " one trust boundary, so it gets the union of their roles, but never stream management",
+    durables=(*dict.fromkeys(d for i in _PLATFORM_PARTS for d in i.durables), LOCAL_LAUNCHER_DURABLE),
+    reads=True,
+    requests=tuple(dict.fromkeys(r for i in _PLATFORM_PARTS for r in i.requests)),
+    serves=tuple(dict.fromkeys(q for i in _PLATFORM_PARTS for q in i.serves)),
 )
 
 
@@ -246,15 +329,40 @@ def identity_named(name: str) -> Identity | None:
 
 
 def nats_permissions(identity: Identity) -> dict[str, object]:
-    """The nats-server `permissions` block of an identity.
+    """The nats-server `permissions` block of an identity: least privilege on the JetStream API.
 
-    Its subjects, plus the JetStream API it needs to read and consume, with every API that changes or cuts
-    a stream denied (in NATS a deny beats an allow).
+    Publish: its event subjects and requests; the read-only JetStream API; its own durables' create, info,
+    delete, pull and ack subjects; ordered readers' create if it `reads`. Every API that changes or cuts a
+    stream is denied besides (in NATS a deny beats an allow). Subscribe: replies (`_INBOX.>`), live events,
+    its own durables' advisories; the API subjects only in the queue groups it serves, so no one else can
+    take (or overhear) a request. A server replies once to each request it received (`allow_responses`).
     """
-    return {
-        "publish": {"allow": [*identity.publishes, JS_API, *JS_ACKS], "deny": list(STREAM_ADMIN_APIS)},
-        "subscribe": {"allow": [">"]},
+    durables = [api for durable in identity.durables for api in consumer_apis(durable)]
+    publish = [
+        *identity.publishes,
+        *identity.requests,
+        *JS_READ_APIS,
+        *durables,
+        *(ORDERED_READS if identity.reads else ()),
+    ]
+    subscribe_allow = [
+        INBOXES,
+        EVENT_SUBJECTS,
+        *(advisory for durable in identity.durables for advisory in consumer_advisories(durable)),
+        *(f"{subject} {queue}" for subject, queue in identity.serves),
+    ]
+    subscribe: dict[str, list[str]] = {"allow": subscribe_allow}
+    if not identity.serves:
+        # A plain subscription to an API subject would overhear (and could answer) every request; a deny
+        # without a queue group also refuses every queue subscription to it.
+        subscribe["deny"] = [API_SUBJECTS]
+    permissions: dict[str, object] = {
+        "publish": {"allow": list(dict.fromkeys(publish)), "deny": list(STREAM_ADMIN_APIS)},
+        "subscribe": subscribe,
     }
+    if identity.serves:
+        permissions["allow_responses"] = True
+    return permissions
 
 
 def may_publish(identity: Identity, subject: str) -> bool:
