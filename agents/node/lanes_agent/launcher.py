@@ -88,6 +88,9 @@ from lanes_runtime.failures import classify
 
 _PIDS_KEPT = 65_536
 _KERNEL_LOG_POLL_S = 0.2
+_KERNEL_BACKLOG = 10_000
+"""Kernel records read but not yet published, at most. While the bus is away the follower keeps draining the
+kernel's ring buffer (which overwrites its oldest records) into memory; past this many, the ring keeps the rest."""
 _LINK_POLL_S = 0.2
 STOP_GRACE_S = 10.0
 """How long a stopped rank has between SIGTERM and SIGKILL."""
@@ -696,12 +699,16 @@ class LocalLauncher:
             await self._kernel_log_unreadable(path, exc)
             return
         booted = kmsg.boot_time()
+        backlog: asyncio.Queue[kmsg.KmsgRecord] = asyncio.Queue(maxsize=_KERNEL_BACKLOG)
+        publisher = asyncio.create_task(self._publish_kernel_records(backlog, boot, booted))
+        overwritten = 0
         try:
             while not stop.is_set():
                 for record in reader.available():
-                    await self._kernel_record(record, boot, booted)
-                    if self._kernel_log_position is not None:
-                        kmsg.Position(boot, record.sequence).save(self._kernel_log_position)
+                    await backlog.put(record)  # waits while the backlog is full: the ring holds the rest
+                if reader.lost > overwritten:
+                    log.warning("kernel log records overwritten before they were read", lost=reader.lost - overwritten)
+                    overwritten = reader.lost
                 await asyncio.sleep(_KERNEL_LOG_POLL_S)
         except OSError as exc:
             await self._kernel_log_unreadable(path, exc)
@@ -709,7 +716,30 @@ class LocalLauncher:
             log.exception("kernel log follower failed")
             raise
         finally:
+            # What is still in the backlog was never marked handled: the next run reads it again from the ring.
+            publisher.cancel()
+            await asyncio.gather(publisher, return_exceptions=True)
             reader.close()
+
+    async def _publish_kernel_records(
+        self, backlog: asyncio.Queue[kmsg.KmsgRecord], boot: str, booted: datetime
+    ) -> None:
+        """Publish the backlog's records in order, each held through outages, and store the position after each.
+
+        An outage holds the record at the head (one warning when it starts, one line when it ends); a record
+        the bus refuses for another reason is skipped with a warning, so one bad line never ends the follower.
+        """
+        while True:
+            record = await backlog.get()
+            try:
+                await self._kernel_record(record, boot, booted)
+            except Exception as exc:  # noqa: BLE001 - refused, not an outage: retrying would refuse it forever
+                log.warning("kernel line not published", sequence=record.sequence, error=f"{type(exc).__name__}: {exc}")
+            if self._kernel_log_position is not None:
+                try:
+                    kmsg.Position(boot, record.sequence).save(self._kernel_log_position)
+                except OSError as exc:  # the next run re-reads from the older position; ids dedupe what it repeats
+                    log.warning("kernel log position not stored", error=exc.strerror or str(exc))
 
     async def _kernel_record(self, record: kmsg.KmsgRecord, boot: str, booted: datetime) -> None:
         data = kmsg.kernel_evidence(record)
@@ -754,6 +784,7 @@ class LocalLauncher:
         """
         inventory = None
         beats = 0
+        unsent: set[str] = set()  # nodes whose last beat failed: an outage is said when it starts and ends
         while not stop.is_set():
             if beats % _INVENTORY_EVERY == 0:
                 inventory = await asyncio.to_thread(node_inventory, self._nvidia_smi)
@@ -772,7 +803,13 @@ class LocalLauncher:
                 try:
                     await publish_encoded(self._js, encode(beat), stream=BEATS.name)
                 except Exception as exc:  # noqa: BLE001 - the agent runs its ranks without the bus too
-                    log.warning("heartbeat not sent", node=node, error=str(exc) or type(exc).__name__)
+                    if node not in unsent:
+                        log.warning("heartbeats not sent", node=node, error=str(exc) or type(exc).__name__)
+                    unsent.add(node)
+                    continue
+                if node in unsent:
+                    unsent.discard(node)
+                    log.info("heartbeats sent again", node=node)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=self._heartbeat_s)
 
