@@ -20,7 +20,9 @@ replicas would.
 Every acknowledgement is chosen by `decision.decide`; this loop only carries it out. An infrastructure
 failure (a server unreachable or too slow) holds the batch: every message in hand (the batch and the one
 fetched ahead) is marked in progress, the consumer is marked not ready, and the batch is tried again with
-backoff, without spending a delivery.
+backoff, without spending a delivery. A `SELECT 1` probe also marks it not ready within seconds of PostgreSQL
+no longer answering, busy or idle, instead of when a statement times out; otherwise a consumer is ready from
+its start until it fails (`lanes_runtime.health`).
 If a delivery ends without any decision (the process died), JetStream's max-deliveries advisory is
 captured and the message dead-lettered from it.
 
