@@ -662,6 +662,19 @@ def test_a_finding_refines_the_cause_of_a_failed_attempt_and_keeps_what_the_exit
     assert newer.current.exit_cause is FailureCause.PLATFORM_ACTION
 
 
+def test_an_unexplained_exit_leaves_the_exits_cause_as_it_was():
+    view, _ = fold(*START, exited(1, exit_code=3), exited(0, exit_code=None, signal=15))
+    assert view.current.cause is FailureCause.USER_CODE_ERROR
+    first = FindingCause(
+        category="unexplained_exit", lane=Lane.PLATFORM, node="node-2", rank=1,
+        summary="rank 1 exited with status 3 and no evidence explains it (node-2)",
+    )  # fmt: skip
+    data = JobFindingData(version=1, first_error=first, stage="unknown", confidence=0.7)
+    after, _ = evolve(view, JobFinding(source="lanes/telemetry", data=data, **_keys(None, 15, {})))
+    assert after.current.cause is FailureCause.USER_CODE_ERROR  # neither a platform action nor the node's fault
+    assert after.current.finding_version == 1
+
+
 def test_a_finding_before_the_end_gives_the_same_attempt_as_after():
     ending = (exited(1, exit_code=None, signal=15), exited(0, exit_code=None, signal=15))
     found = finding(1, seconds=9)
