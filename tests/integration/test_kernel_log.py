@@ -16,10 +16,12 @@ from support.restartable_nats import RestartableNats
 from support.waiting import eventually
 
 from lanes_agent.kmsg import KmsgReader, Position, boot_id, boot_time
+from lanes_agent.launcher import LocalLauncher
 from lanes_contract.client import PUBLISH_TRIES, PUBLISH_TRY_S, connect_nats
 from lanes_contract.codec import decode
 from lanes_contract.streams import TELEMETRY, provision_streams
 from lanes_runtime.reader import Selection, iter_stream
+from lanes_sandbox.embedded import EmbeddedNats
 
 KMSG = Path("/dev/kmsg")
 pytestmark = pytest.mark.skipif(not os.access(KMSG, os.R_OK | os.W_OK), reason="needs a readable, writable /dev/kmsg")
@@ -123,3 +125,48 @@ async def test_the_follower_outlives_a_stopped_bus_and_every_line_arrives_exactl
 
 async def _has(js: JetStreamContext, node: str, tag: str, count: int) -> bool:
     return len(await _stored_lines(js, node, f"{tag} ")) >= count
+
+
+@pytest.mark.real_servers
+async def test_a_line_the_bus_refuses_is_skipped_and_the_follower_reads_on(
+    secured_nats: EmbeddedNats, tmp_path: Path
+) -> None:
+    # node-1's identity following the kernel log as node-2's: the bus refuses every line it publishes.
+    tag = f"lanes-refused-{uuid.uuid4().hex[:8]}"
+    nc = await connect_nats(secured_nats.url_for("agent-node-1"), name="agent-node-1")
+    position = tmp_path / "kmsg.position"
+    launcher = LocalLauncher(
+        nc,
+        frozenset({"node-2"}),
+        durable="agent-node-1",
+        kernel_log=KMSG,
+        kernel_log_position=position,
+        state_dir=tmp_path / "ranks",
+        heartbeat_s=60,
+    )
+    stop = asyncio.Event()
+    running = asyncio.create_task(launcher.run(stop))
+    ours = KmsgReader(KMSG, None, boot_id())
+    try:
+
+        async def following() -> bool:
+            _write(f"{tag} warm-up")  # a plain line: no evidence, but its position is stored
+            return Position.load(position) is not None
+
+        await eventually(following, timeout_s=30, what="the follower storing its position")
+        _write(_xid_line(tag, 1))
+        _write(_xid_line(tag, 2))
+        written = [r.sequence for r in ours.available() if r.text.startswith("NVRM") and tag in r.text]
+
+        async def past_both() -> bool:
+            stored = Position.load(position)
+            return stored is not None and stored.sequence >= written[-1]
+
+        await eventually(past_both, timeout_s=30, what="the follower past both refused lines")
+        assert len(written) == 2
+        assert not running.done()
+    finally:
+        ours.close()
+        stop.set()
+        await running
+        await nc.close()
