@@ -43,7 +43,7 @@ def test_ready_from_the_start_and_the_gauge_says_so(gauge: Gauge) -> None:
 def test_not_ready_until_the_last_waiting_cause_answers(gauge: Gauge, logs: JsonLogs) -> None:
     readiness = Readiness("unit-two-causes", gauge)
     readiness.unavailable("batch", "ConnectionRefusedError: database down")
-    readiness.unavailable("probe", "PostgreSQL did not answer SELECT 1 within 2 s")
+    readiness.unavailable("probe", "PostgreSQL did not answer SELECT 1 within 2.5 s")
     readiness.unavailable("batch", "ConnectionRefusedError: database down")
     readiness.answered("batch")
     assert not _shows(readiness, gauge)
