@@ -6,8 +6,8 @@ Writes into the output directory (created 0700; every file 0600):
 
 * `ca.pem`, `nats-cert.pem`, `nats-key.pem`: a private CA and the certificate every NATS node presents,
   to clients and on the cluster routes (SAN nats-1, nats-2, nats-3, localhost, 127.0.0.1);
-* `auth.conf`: the `authorization` block that `deploy/nats/nats.conf` includes, from the same identities
-  table as embedded mode (`lanes_contract.identities`);
+* `auth.conf`: the `authorization` block and `max_payload` that `deploy/nats/nats.conf` includes, from the
+  same identities table and stream limits as embedded mode (`lanes_contract.identities`, `.streams`);
 * `<identity>.env`: `NATS_URL` (tls://, that identity's user, all three nodes), `LANES_SIGNING_KEY_FILE`
   and `SSL_CERT_FILE` (the CA) for the container that runs as that identity;
 * `<identity>.key` and `keyring.json`: each identity's Ed25519 signing key and the public keyring.
@@ -32,6 +32,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from lanes_contract.identities import ADMIN, authorization_users, identities
 from lanes_contract.signing import EventSigner, Keyring
+from lanes_contract.streams import MAX_PAYLOAD_BYTES
 
 NATS_NODES = ("nats-1", "nats-2", "nats-3")
 IN_CONTAINER = Path("/run/lanes-secrets")
@@ -99,7 +100,9 @@ def generate(out: Path, nodes: tuple[str, ...] = (), *, hosts: tuple[str, ...] =
     names = [ADMIN, *(identity.name for identity in identities(nodes))]
     passwords = {name: secrets.token_urlsafe(24) for name in names}
     users = authorization_users(passwords, nodes)
-    _write(out / "auth.conf", f"authorization: {json.dumps({'users': users}, indent=2)}\n")
+    # The largest message any stream takes (a dead letter): bigger ones are refused before JetStream sees them.
+    settings = f"max_payload: {MAX_PAYLOAD_BYTES}\n"
+    _write(out / "auth.conf", f"{settings}authorization: {json.dumps({'users': users}, indent=2)}\n")
     keyring = Keyring({})
     for name in names:
         signer = EventSigner.generate(name)

@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Final, Self, TypeVar, cast
 from lanes_contract.client import connect_nats
 from lanes_contract.identities import ADMIN, authorization_users, identities
 from lanes_contract.signing import EventSigner, Keyring
-from lanes_contract.streams import provision_streams
+from lanes_contract.streams import MAX_PAYLOAD_BYTES, provision_streams
 from lanes_runtime.settings import ServerUrls
 from lanes_sandbox import _reaper
 
@@ -890,9 +890,11 @@ def _find_nats() -> _NatsBinary:
 class EmbeddedNats(_ServerBase):
     """A real ``nats-server`` with JetStream on a free loopback port.
 
-    ``url`` is ``nats://127.0.0.1:PORT``; ``monitor_url`` is the HTTP
-    monitoring endpoint (``/varz``, ``/healthz``, ``/jsz``); ``version`` is
-    the server version, e.g. ``"2.15.1"``.
+    ``url`` is ``nats://127.0.0.1:PORT``; ``version`` is the server version,
+    e.g. ``"2.15.1"``. The HTTP monitoring endpoint (``/varz``, ``/connz``,
+    ``/jsz``) is off unless ``monitor=True``: it has no authentication, and on
+    a shared machine anyone on loopback would read the users, connections and
+    subscriptions from it. With it on, ``monitor_url`` is its base URL.
     """
 
     _kind = "nats"
@@ -909,10 +911,12 @@ class EmbeddedNats(_ServerBase):
         provision: bool = True,
         passwords: dict[str, str] | None = None,
         cluster: ClusterRoutes | None = None,
+        monitor: bool = False,
     ) -> None:
         """Prepare (not start) a server; its fresh temp dir goes in ``base_dir``."""
         super().__init__(base_dir, log_to, startup_timeout=startup_timeout)
         self._binary: _NatsBinary | None = None
+        self._monitor = monitor
         self._monitor_port: int | None = None
         self._name = f"lanes-embedded-{uuid.uuid4().hex[:12]}"
         self._agent_nodes = agent_nodes
@@ -957,7 +961,8 @@ class EmbeddedNats(_ServerBase):
         config = directory / "nats.conf"
         # nats-server reads JSON as its config syntax; the file holds secrets, so only we may read it.
         config.touch(mode=0o600)
-        config.write_text(json.dumps({"authorization": {"users": users}}, indent=2))
+        settings = {"max_payload": MAX_PAYLOAD_BYTES, "authorization": {"users": users}}
+        config.write_text(json.dumps(settings, indent=2))
         return config
 
     def _write_credentials(self) -> None:
@@ -1011,7 +1016,10 @@ class EmbeddedNats(_ServerBase):
 
     @property
     def monitor_url(self) -> str:
-        """HTTP monitoring base URL, e.g. ``http://127.0.0.1:PORT`` (``/varz`` etc.)."""
+        """HTTP monitoring base URL, e.g. ``http://127.0.0.1:PORT`` (``/varz`` etc.), if asked for (``monitor``)."""
+        if not self._monitor:
+            msg = "embedded nats runs without its monitoring port: make it with EmbeddedNats(monitor=True)"
+            raise EmbeddedServerError(msg)
         if self._monitor_port is None:
             msg = "embedded nats is not running"
             raise EmbeddedServerError(msg)
@@ -1034,14 +1042,14 @@ class EmbeddedNats(_ServerBase):
         config = self._write_config(directory)
 
         def attempt(port: int) -> subprocess.Popen[bytes]:
-            monitor = _free_port()
+            monitor = _free_port() if self._monitor else None
             offset = _file_size(self.log_path)
             proc = self._spawn(
                 [
                     binary,
                     "-c", str(config),
                     "-a", _HOST, "-p", str(port),
-                    "-m", str(monitor),
+                    *(["-m", str(monitor)] if monitor is not None else []),
                     "-js", "-sd", str(store),
                     "-n", self._name,
                     *self._cluster_args(),
@@ -1061,8 +1069,12 @@ class EmbeddedNats(_ServerBase):
         if self._provision:
             self._provision_streams()
 
-    def _probe(self, port: int, monitor: int) -> bool:
-        """Ready: our server (by name) sends INFO with JetStream on; /healthz is ok."""
+    def _probe(self, port: int, monitor: int | None) -> bool:
+        """Ready: our server (by name) sends INFO with JetStream on; /healthz is ok, if there is a monitor.
+
+        nats-server recovers its JetStream state before it listens for clients, so its INFO alone says
+        JetStream is up; a client's connect (`connect_nats`) still waits for JetStream to answer.
+        """
         try:
             with (
                 socket.create_connection((_HOST, port), timeout=_PROBE_TIMEOUT) as sock,
@@ -1079,6 +1091,8 @@ class EmbeddedNats(_ServerBase):
             return False
         if info.get("server_name") != self._name or info.get("jetstream") is not True:
             return False
+        if monitor is None:
+            return True
         conn = http.client.HTTPConnection(_HOST, monitor, timeout=_PROBE_TIMEOUT)
         try:
             conn.request("GET", "/healthz")

@@ -11,8 +11,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 
+from lanes_contract.codec import MAX_EVENT_BYTES
 from lanes_contract.errors import StreamConflictError
-from lanes_contract.streams import ALL_STREAMS, JOBS, NODES, TELEMETRY, strengthened
+from lanes_contract.streams import (
+    ALL_STREAMS,
+    DEAD,
+    JOBS,
+    MAX_EVENT_MESSAGE_BYTES,
+    MAX_PAYLOAD_BYTES,
+    NODES,
+    TELEMETRY,
+    strengthened,
+)
 
 _DAY = 86_400.0
 
@@ -138,7 +148,26 @@ def test_a_limit_is_raised_to_unlimited_but_an_unlimited_limit_stays():
     assert strengthened(_wanted(), replace(_wanted(), max_msgs_per_subject=100)) is None
 
 
+@pytest.mark.parametrize("spec", ALL_STREAMS, ids=lambda spec: spec.name)
+def test_every_stream_takes_the_largest_event_and_nothing_the_server_would_not(spec):
+    """Sized from the codec's limit: an event of MAX_EVENT_BYTES with its headers fits, and no stream takes more
+    than the server's max_payload (a dead letter is the largest message: any stream's, plus why it died)."""
+    size = spec.config().max_msg_size
+    assert MAX_EVENT_BYTES < MAX_EVENT_MESSAGE_BYTES <= size <= MAX_PAYLOAD_BYTES
+    assert (size == MAX_PAYLOAD_BYTES) is (spec is DEAD)
+
+
+@pytest.mark.parametrize("existing_size", [None, -1, 0, 1 << 20])
+def test_an_unlimited_or_larger_message_size_is_lowered_to_the_largest_event(existing_size):
+    """A stream made before the limit (max_msg_size -1: one raw 1 MB message was stored in LANES_JOBS) is fixed
+    by provisioning, which otherwise only raises limits."""
+    merged = strengthened(replace(_wanted(), max_msg_size=existing_size), _wanted())
+    assert merged is not None
+    assert merged.max_msg_size == MAX_EVENT_MESSAGE_BYTES
+
+
 def test_fields_lanes_does_not_manage_are_left_alone():
+    # A smaller message size than Lanes needs is the operator's business too: never raised.
     existing = replace(_wanted(), description="edited by an operator", max_age=_DAY, max_msg_size=1024)
     merged = strengthened(existing, _wanted())
     assert merged is not None
@@ -172,6 +201,10 @@ def _limit_rank(limit: int | None) -> float:
     return float("inf") if limit is None or limit < 0 else float(limit)
 
 
+def _size_rank(limit: int | None) -> float:
+    return float("inf") if not limit or limit < 0 else float(limit)
+
+
 _existing_fields = st.fixed_dictionaries(
     {
         "max_age": _ages,
@@ -182,6 +215,7 @@ _existing_fields = st.fixed_dictionaries(
         "deny_delete": st.booleans(),
         "deny_purge": st.booleans(),
         "subjects": st.none() | _subjects,
+        "max_msg_size": _limits,
     }
 )
 
@@ -202,12 +236,15 @@ def test_strengthening_is_monotonic_and_idempotent(fields, wanted_replicas):
     assert result.deny_delete >= existing.deny_delete
     assert result.deny_purge >= existing.deny_purge
     assert set(existing.subjects or []) <= set(result.subjects or [])
+    # (a message size is strengthened by lowering it)
+    assert _size_rank(result.max_msg_size) <= _size_rank(existing.max_msg_size)
     # ... at least what is wanted ...
     assert _age_rank(result.max_age) >= _age_rank(wanted.max_age)
     assert (result.num_replicas or 1) >= wanted_replicas
     assert result.deny_delete
     assert result.deny_purge
     assert "lanes.job.>" in (result.subjects or [])
+    assert _size_rank(result.max_msg_size) <= wanted.max_msg_size
     # ... and a second pass has nothing left to do.
     assert strengthened(result, wanted) is None
     # A merged config is only returned when something actually changed.

@@ -1,8 +1,9 @@
 """Declarative definitions of the JetStream streams that hold the Lanes timeline, and their provisioning.
 
 Provisioning is idempotent and only ever strengthens a stream: it adds missing subjects, raises limits
-and replicas, and switches on audit protections, but it refuses (StreamConflictError) to shorten
-retention, drop subjects or change the retention or storage kind of a stream that already exists.
+and replicas, lowers the largest message it accepts to what an event can be, and switches on audit
+protections, but it refuses (StreamConflictError) to shorten retention, drop subjects or change the
+retention or storage kind of a stream that already exists.
 """
 
 from __future__ import annotations
@@ -15,12 +16,26 @@ from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
+from lanes_contract.codec import MAX_EVENT_BYTES
 from lanes_contract.errors import StreamConflictError
 from lanes_contract.events import Family
 
 _DAY = 86_400.0
 _MINUTE = 60.0
 log = structlog.get_logger(__name__)
+
+MAX_EVENT_HEADER_BYTES = 16 * 1024
+"""Room for an event's headers: its CloudEvents attributes (ids and tokens of at most 128 characters), the
+trace context and the signature take a few hundred bytes; the rest is margin, not an allowance to use."""
+MAX_EVENT_MESSAGE_BYTES = MAX_EVENT_BYTES + MAX_EVENT_HEADER_BYTES
+"""The largest message (headers and payload) a stream of events stores: the largest event the codec lets
+out, so a message no producer could have encoded is refused by the server, whoever builds it."""
+DEAD_LETTER_HEADER_BYTES = 8 * 1024
+"""What dead-lettering adds to a message: where and why it died (the reason is cut at 1 KiB)."""
+MAX_PAYLOAD_BYTES = MAX_EVENT_MESSAGE_BYTES + DEAD_LETTER_HEADER_BYTES
+"""The server's (and so every account's) `max_payload`: the largest message any stream accepts, a dead
+letter. Any bigger publish is refused by the server before it reaches JetStream (nats-server's default is
+1 MiB)."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +51,7 @@ class StreamSpec:
     deny_delete: bool = False
     deny_purge: bool = False
     replicas: int = 1
+    max_msg_size: int = MAX_EVENT_MESSAGE_BYTES
     # Every stream here is a log kept by limits, never by acknowledgement: replays and audits must be able
     # to read what consumers have already processed.
     retention: RetentionPolicy = field(default=RetentionPolicy.LIMITS)
@@ -53,6 +69,7 @@ class StreamSpec:
             max_msgs=-1,
             max_bytes=-1,
             max_msgs_per_subject=self.max_msgs_per_subject,
+            max_msg_size=self.max_msg_size,
             discard=DiscardPolicy.OLD,
             duplicate_window=self.duplicate_window_s,
             num_replicas=self.replicas,
@@ -103,6 +120,7 @@ DEAD = StreamSpec(
     max_age_s=90 * _DAY,
     duplicate_window_s=10 * _MINUTE,
     deny_delete=True,
+    max_msg_size=MAX_PAYLOAD_BYTES,  # a message of any stream, with where and why it died
 )
 AUDIT = StreamSpec(
     name="LANES_AUDIT",
@@ -164,6 +182,11 @@ def _limit_rank(limit: int | None) -> float:
     return float("inf") if limit is None or limit < 0 else float(limit)
 
 
+def _size_rank(limit: int | None) -> float:
+    # nats-server takes 0 (or unset) like -1: any size up to the server's max_payload.
+    return float("inf") if not limit or limit < 0 else float(limit)
+
+
 def strengthened(existing: StreamConfig, wanted: StreamConfig) -> StreamConfig | None:
     """The existing config raised to at least what is wanted, None if it already is, or a conflict error."""
     name = existing.name
@@ -184,6 +207,8 @@ def strengthened(existing: StreamConfig, wanted: StreamConfig) -> StreamConfig |
     for attr in ("max_msgs", "max_bytes", "max_msgs_per_subject"):
         if _limit_rank(getattr(existing, attr)) < _limit_rank(getattr(wanted, attr)):
             changes[attr] = getattr(wanted, attr)
+    if _size_rank(existing.max_msg_size) > _size_rank(wanted.max_msg_size):
+        changes["max_msg_size"] = wanted.max_msg_size  # lowered: a bigger message is no event of ours
     if (existing.duplicate_window or 0) < (wanted.duplicate_window or 0):
         changes["duplicate_window"] = wanted.duplicate_window
     if (existing.num_replicas or 1) < (wanted.num_replicas or 1):
