@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import Counter
 from pathlib import Path
 
 import pytest
-from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
+from support.stored_events import job_events_stored
 from support.waiting import eventually
 
 from lanes_agent.launcher import LocalLauncher
 from lanes_agent.ledger import RankLedger, RankRecord
 from lanes_contract.client import LanesClient, connect_nats
-from lanes_contract.codec import MSG_ID_HEADER
 from lanes_contract.events import (
     JobPlaced,
     JobPlacedData,
@@ -34,20 +32,11 @@ from lanes_contract.events import (
 )
 from lanes_contract.jobs import JobSpec
 from lanes_contract.streams import JOBS
-from lanes_runtime.reader import Selection, iter_stream
 from lanes_sandbox.embedded import EmbeddedNats
 
 pytestmark = pytest.mark.real_servers
 _WINDOW_S = 1.0
 _NODES = ("node-1", "node-2")
-
-
-async def _stored(js: JetStreamContext, job_id: str) -> Counter[tuple[str, str]]:
-    """How many times LANES_JOBS stores each of the job's events, by (event name, event id)."""
-    stored: Counter[tuple[str, str]] = Counter()
-    async for msg in iter_stream(js, Selection(JOBS.name, f"lanes.job.{job_id}.>")):
-        stored[msg.subject.rsplit(".", 1)[1], (msg.headers or {})[MSG_ID_HEADER]] += 1
-    return stored
 
 
 def _started(placed: JobPlaced, rank: int, pid: int) -> RankStarted:
@@ -92,7 +81,9 @@ async def test_a_start_sent_but_never_recorded_stored_is_published_only_where_th
                 info = await js.consumer_info(JOBS.name, launcher.name)
             except NotFoundError:
                 return False  # the launcher has not made its consumer yet
-            exits = sum(count for (kind, _), count in (await _stored(js, job_id)).items() if kind == "rank_exited")
+            exits = sum(
+                count for (kind, _), count in (await job_events_stored(js, job_id)).items() if kind == "rank_exited"
+            )
             return info.num_pending == 0 and info.num_ack_pending == 0 and exits == len(_NODES)
 
         await eventually(placement_done, timeout_s=60, what="the placement handled and acknowledged")
@@ -100,7 +91,7 @@ async def test_a_start_sent_but_never_recorded_stored_is_published_only_where_th
         stop.set()
         with contextlib.suppress(asyncio.CancelledError):
             await running
-    stored = await _stored(js, job_id)
+    stored = await job_events_stored(js, job_id)
     await nc.close()
     starts = {rank: ("rank_started", _started(placed, rank, pids[rank]).id) for rank in range(len(_NODES))}
     assert [stored[starts[rank]] for rank in range(len(_NODES))] == [1, 1]  # found on the log; published once

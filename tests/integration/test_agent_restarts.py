@@ -21,8 +21,8 @@ from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import pytest
-from nats.js import JetStreamContext
 from support.cli import lanes_process, local_stack
+from support.stored_events import job_events_stored
 from support.waiting import eventually
 
 from lanes_agent.ledger import process_start
@@ -30,7 +30,7 @@ from lanes_cli.agent_cli import durable_name
 from lanes_cli.demo import DEMO_NODES
 from lanes_cli.timeline import job_timeline
 from lanes_contract.client import LanesClient, connect_nats
-from lanes_contract.codec import MSG_ID_HEADER, decode
+from lanes_contract.codec import decode
 from lanes_contract.events import (
     EvidenceCategory,
     JobFinding,
@@ -45,7 +45,6 @@ from lanes_contract.events import (
 )
 from lanes_contract.jobs import FailureCause, JobSpec, JobState
 from lanes_contract.streams import DEAD, JOBS, TELEMETRY
-from lanes_runtime.reader import Selection, iter_stream
 from lanes_runtime.service import Connections
 from lanes_runtime.settings import ServerUrls
 from lanes_sandbox.embedded import EmbeddedNats
@@ -294,14 +293,6 @@ async def test_an_agent_restarted_mid_job_neither_loses_nor_repeats_kernel_log_e
     assert found == [13, 31]  # each line once, in order; none lost, none repeated
 
 
-async def _job_log(js: JetStreamContext, job_id: str) -> Counter[tuple[str, str]]:
-    """How many times LANES_JOBS stores each of the job's events, by (event name, event id)."""
-    stored: Counter[tuple[str, str]] = Counter()
-    async for msg in iter_stream(js, Selection(JOBS.name, f"lanes.job.{job_id}.>")):
-        stored[msg.subject.rsplit(".", 1)[1], (msg.headers or {})[MSG_ID_HEADER]] += 1
-    return stored
-
-
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGKILL], ids=["stopped", "killed"])
 async def test_an_agent_back_later_than_the_duplicate_window_stores_each_rank_event_once(
     secured_nats: EmbeddedNats, tmp_path: Path, stop_signal: signal.Signals
@@ -327,7 +318,7 @@ async def test_an_agent_back_later_than_the_duplicate_window_stores_each_rank_ev
     state = tmp_path / "agent"
 
     async def reported(name: str) -> int:
-        return sum(count for (kind, _), count in (await _job_log(js, job_id)).items() if kind == name)
+        return sum(count for (kind, _), count in (await job_events_stored(js, job_id)).items() if kind == name)
 
     try:
         async with _agent(secured_nats.url, state) as first:
@@ -346,7 +337,7 @@ async def test_an_agent_back_later_than_the_duplicate_window_stores_each_rank_ev
                 return done and await reported("rank_exited") >= len(assignments)
 
             await eventually(placement_settled, timeout_s=120, what="the placement redelivered and acknowledged")
-        stored = await _job_log(js, job_id)
+        stored = await job_events_stored(js, job_id)
         assert (await js.stream_info(JOBS.name)).config.duplicate_window == window_s
     finally:
         await nc.close()
