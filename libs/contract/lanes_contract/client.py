@@ -13,7 +13,9 @@ import asyncio
 import os
 import time
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -31,12 +33,13 @@ from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableEr
 from lanes_contract.codec import EncodedEvent, encode
 from lanes_contract.errors import (
     AuthenticationError,
+    EventIdConflictError,
     PermissionDeniedError,
     ServerUnavailableError,
     UnsupportedServerError,
 )
 from lanes_contract.events import Event
-from lanes_contract.signing import EventSigner
+from lanes_contract.signing import SIGNATURE_HEADER, SIGNER_HEADER, EventSigner
 from lanes_contract.streams import STREAM_OF_FAMILY
 
 MIN_NATS_VERSION = (2, 11, 0)
@@ -290,7 +293,84 @@ async def publish_encoded(
         await asyncio.wait({publishing, changed}, return_when=asyncio.FIRST_COMPLETED)
         changed.cancel()
     ack = await publishing
+    if ack.duplicate:
+        await _same_event_stored(js, ack, encoded)
     return Published(stream=ack.stream, seq=ack.seq, duplicate=bool(ack.duplicate))
+
+
+_EVENT_IDENTITY = ("ce-id", "ce-type", "ce-source")
+"""What makes a stored message the same event as a re-send: its subject and these. The time and data of an
+honest re-send may differ (a handler that ran again after a crash builds its derived event anew)."""
+
+
+def _conflict(encoded: EncodedEvent, stream: str, seq: int, subject: str, headers: Mapping[str, str]) -> str:
+    event_id = encoded.headers.get("ce-id", "?")
+    held = f"{subject} ({headers.get('ce-type', 'not a Lanes event')}, from {headers.get('ce-source', '?')})"
+    return (
+        f"event id {event_id} already used by another event: {stream} sequence {seq} holds {held}; "
+        f"{encoded.subject} was not stored"
+    )
+
+
+async def _same_event_stored(js: JetStreamContext, ack: PubAck, encoded: EncodedEvent) -> None:
+    """Raise EventIdConflictError unless the message JetStream kept under this id is this event.
+
+    JetStream de-duplicates on `Nats-Msg-Id` across every subject of a stream, and an event's id is often
+    derived from what anyone can know (a submission's from its job id): a message pre-published under it
+    would otherwise make this publish look stored.
+    """
+    stored = await js.get_msg(ack.stream, ack.seq)
+    subject, headers = stored.subject or "", stored.headers or {}
+    ours = subject == encoded.subject and all(headers.get(h) == encoded.headers.get(h) for h in _EVENT_IDENTITY)
+    if not ours:
+        raise EventIdConflictError(_conflict(encoded, ack.stream, ack.seq, subject, headers))
+
+
+class ImportOutcome(StrEnum):
+    """What importing one event did: stored it, found it already stored, or found its id taken by another."""
+
+    STORED = "stored"
+    ALREADY_PRESENT = "already_present"
+    CONFLICT = "conflict"
+
+
+@dataclass(frozen=True, slots=True)
+class Imported:
+    """The outcome of importing one event, where its id is stored, and for a conflict, what holds the id."""
+
+    outcome: ImportOutcome
+    seq: int
+    detail: str = ""
+
+
+_NOT_CONTENT = {SIGNER_HEADER.lower(), SIGNATURE_HEADER.lower()}
+"""Headers an import may change: the importer signs what it publishes with its own key."""
+
+
+def _content(headers: Mapping[str, str]) -> dict[str, str]:
+    return {k.lower(): v for k, v in headers.items() if k.lower() not in _NOT_CONTENT and not k.startswith("Nats-")}
+
+
+async def import_event(js: JetStreamContext, encoded: EncodedEvent, *, stream: str) -> Imported:
+    """Publish an exported event again (`lanes import`); say whether it was stored, already there, or in conflict.
+
+    "Already present" only when the stored message has the same subject, headers and data; a conflict (its id
+    holds another message, or this event with other content) must be reported, never counted as present.
+    """
+    try:
+        published = await publish_encoded(js, encoded, stream=stream)
+    except EventIdConflictError as exc:
+        return Imported(ImportOutcome.CONFLICT, 0, str(exc))
+    if not published.duplicate:
+        return Imported(ImportOutcome.STORED, published.seq)
+    stored = await js.get_msg(published.stream, published.seq)
+    if _content(stored.headers or {}) == _content(encoded.headers) and stored.data == encoded.payload:
+        return Imported(ImportOutcome.ALREADY_PRESENT, published.seq)
+    detail = (
+        f"event id {encoded.headers.get('ce-id', '?')} is stored at {published.stream} sequence {published.seq}"
+        " with other content (time, data or attributes): the imported event was not stored"
+    )
+    return Imported(ImportOutcome.CONFLICT, published.seq, detail)
 
 
 class LanesClient:

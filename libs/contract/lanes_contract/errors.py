@@ -35,6 +35,14 @@ class PermissionDeniedError(LanesError):
     """The server refused an operation this identity is not allowed (publish on a subject, manage a stream)."""
 
 
+class EventIdConflictError(LanesError):
+    """JetStream dropped a publish as a re-send, but the message stored under its id is another event.
+
+    Someone (another identity, or a bug) used the id first: the event was not stored, and saying it was would
+    report a job, a command or an import that never reached the log.
+    """
+
+
 class StreamConflictError(LanesError):
     """An existing stream differs from its definition in a way Lanes refuses to change silently."""
 
