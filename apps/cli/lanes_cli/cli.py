@@ -60,7 +60,7 @@ from lanes_cli.console import (
 )
 from lanes_cli.demo import DEMO_NODES, FaultPaths, local_nodes, register_nodes, run_demo
 from lanes_cli.html import render_page
-from lanes_cli.input_files import load_yaml, validation_problems
+from lanes_cli.input_files import InputFileError, load_yaml, validation_problems
 from lanes_cli.limits import MAX_STREAM_SEQUENCE, excerpt
 from lanes_cli.render import render_demo, render_job
 from lanes_cli.replay import Pace, merged, selections, write_ndjson
@@ -231,18 +231,28 @@ def serve(service: Annotated[str, typer.Argument(help=f"One of: {', '.join(SERVI
         err.print("stopped")
 
 
+def spec_of(raw: Any) -> tuple[str | None, JobSpec]:
+    """A job spec document's optional `job_id` and its validated spec; else InputFileError saying why."""
+    if not isinstance(raw, dict):
+        msg = f"must hold a mapping of job fields, not {type(raw).__name__}"
+        raise InputFileError(msg)
+    fields = dict(raw)
+    job_id = fields.pop("job_id", None)
+    if job_id is not None and not (isinstance(job_id, str) and is_valid_token(job_id)):
+        msg = f"job_id {excerpt(str(job_id))} must be 1-128 characters from A-Z a-z 0-9 _ -"
+        raise InputFileError(msg)
+    try:
+        return job_id, JobSpec.model_validate(fields)
+    except ValidationError as exc:
+        raise InputFileError(validation_problems(exc)) from exc
+
+
 def load_spec(path: Path) -> tuple[str | None, JobSpec]:
     """Read a job spec file (YAML or JSON); return its optional `job_id` and the validated spec."""
-    raw = load_yaml(path)
-    if not isinstance(raw, dict):
-        fail(f"{path} must hold a mapping of job fields, not {type(raw).__name__}", EXIT_BAD_INPUT)
-    job_id = raw.pop("job_id", None)
-    if job_id is not None and not (isinstance(job_id, str) and is_valid_token(job_id)):
-        fail(f"{path}: job_id {job_id!r} must be 1-128 characters from A-Z a-z 0-9 _ -", EXIT_BAD_INPUT)
     try:
-        return job_id, JobSpec.model_validate(raw)
-    except ValidationError as exc:
-        fail(f"{path}: {validation_problems(exc)}", EXIT_BAD_INPUT)
+        return spec_of(load_yaml(path))
+    except InputFileError as exc:
+        fail(f"{path}: {exc}", EXIT_BAD_INPUT)
 
 
 @app.command()

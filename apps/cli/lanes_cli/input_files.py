@@ -5,6 +5,7 @@ Each problem is one line on stderr and exit code 2, naming the file. The bounds 
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +14,17 @@ from pydantic import ValidationError
 
 from lanes_cli.console import EXIT_BAD_INPUT, fail
 from lanes_cli.limits import MAX_SPEC_BYTES, InputLimitError, check_yaml_shape
+from lanes_contract.errors import LanesError
 
-__all__ = ["MAX_SPEC_BYTES", "UniqueKeyLoader", "load_yaml", "read_text_file", "validation_problems"]
+__all__ = [
+    "MAX_SPEC_BYTES",
+    "InputFileError",
+    "UniqueKeyLoader",
+    "load_yaml",
+    "parse_yaml",
+    "read_text_file",
+    "validation_problems",
+]
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
@@ -25,6 +35,9 @@ class UniqueKeyLoader(yaml.SafeLoader):
         seen: set[Any] = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                msg = f"a {type(key).__name__} as a key (line {key_node.start_mark.line + 1}); keys are names"
+                raise yaml.constructor.ConstructorError(None, None, msg, key_node.start_mark)
             if key in seen:
                 msg = f"duplicate key {key!r} (line {key_node.start_mark.line + 1})"
                 raise yaml.constructor.ConstructorError(None, None, msg, key_node.start_mark)
@@ -55,16 +68,28 @@ def read_text_file(path: Path, *, max_bytes: int = MAX_SPEC_BYTES, what: str = "
     return text
 
 
-def load_yaml(path: Path) -> Any:
-    """The file's YAML (or JSON) document, with no key given twice; else exit 2 saying why."""
-    text = read_text_file(path)
+class InputFileError(LanesError, ValueError):
+    """A file's content that cannot be used (bad YAML, beyond a bound, not a spec); the message says why."""
+
+
+def parse_yaml(text: str) -> Any:
+    """The YAML (or JSON) document of `text`, with no key given twice and its shape bounded; else InputFileError."""
     try:
         check_yaml_shape(text)
         return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass, its shape bounded
     except InputLimitError as exc:
-        fail(f"{path}: {exc}", EXIT_BAD_INPUT)
+        raise InputFileError(str(exc)) from exc
     except yaml.YAMLError as exc:
-        fail(f"{path} is not valid YAML: {' '.join(str(exc).split())}", EXIT_BAD_INPUT)
+        raise InputFileError(f"not valid YAML: {' '.join(str(exc).split())}") from exc
+
+
+def load_yaml(path: Path) -> Any:
+    """The file's YAML (or JSON) document, with no key given twice; else exit 2 saying why."""
+    text = read_text_file(path)
+    try:
+        return parse_yaml(text)
+    except InputFileError as exc:
+        fail(f"{path}: {exc}", EXIT_BAD_INPUT)
 
 
 def validation_problems(exc: ValidationError, whole: str = "spec") -> str:

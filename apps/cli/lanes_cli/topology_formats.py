@@ -399,17 +399,12 @@ def parse_k8s_labels(text: str) -> Cluster:
             raise TopologyFormatError(None, "expected Kubernetes objects (mappings with `kind:`)")
         kind = doc.get("kind")
         if kind == "Topology":
-            spec_levels = (doc.get("spec") or {}).get("levels")
-            if not isinstance(spec_levels, list) or not spec_levels:
-                raise TopologyFormatError(doc["__line__"], "Topology: expected spec.levels with nodeLabel entries")
-            levels = []
-            for level in spec_levels:
-                label = level.get("nodeLabel") if isinstance(level, dict) else None
-                if not isinstance(label, str):
-                    raise TopologyFormatError(_line_at(doc, ["spec"]), "Topology level: expected `nodeLabel: <label>`")
-                levels.append(label)
+            levels = _topology_levels(doc)
         elif kind in {"List", "NodeList"}:
-            node_docs.extend(item for item in doc.get("items") or [] if isinstance(item, dict))
+            items = doc.get("items") or []
+            if not isinstance(items, list):
+                raise TopologyFormatError(_line_at(doc, ["items"]), f"{kind}: expected `items:` as a list of nodes")
+            node_docs.extend(item for item in items if isinstance(item, dict))
         elif kind == "Node":
             node_docs.append(doc)
         else:
@@ -430,14 +425,38 @@ def parse_k8s_labels(text: str) -> Cluster:
         raise TopologyFormatError(None, str(exc.errors()[0]["msg"])) from exc
 
 
+def _topology_levels(doc: dict[str, Any]) -> list[str]:
+    """The node labels of a Kueue `Topology`, broadest first."""
+    spec_levels = _mapping(doc, "spec").get("levels")
+    if not isinstance(spec_levels, list) or not spec_levels:
+        raise TopologyFormatError(doc["__line__"], "Topology: expected spec.levels with nodeLabel entries")
+    levels = []
+    for level in spec_levels:
+        label = level.get("nodeLabel") if isinstance(level, dict) else None
+        if not isinstance(label, str):
+            raise TopologyFormatError(_line_at(doc, ["spec"]), "Topology level: expected `nodeLabel: <label>`")
+        levels.append(label)
+    return levels
+
+
+def _mapping(parent: dict[str, Any], key: str) -> dict[str, Any]:
+    """`parent[key]` when it is a mapping, {} when absent; else a format error naming its line."""
+    value = parent.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise TopologyFormatError(_line_at(parent, [key]), f"{key}: expected a mapping, got {type(value).__name__}")
+    return value
+
+
 def _k8s_node(doc: dict[str, Any], leaf_label: str | None, spine_label: str | None, nvlink: bool) -> Node:
     line = doc.get("__line__")
     metadata = doc.get("metadata")
     if not isinstance(metadata, dict) or not isinstance(metadata.get("name"), str):
         raise TopologyFormatError(line, "Node: expected metadata.name")
-    labels = {k: str(v) for k, v in (metadata.get("labels") or {}).items() if k not in {"__line__", "__lines__"}}
-    status = doc.get("status") or {}
-    capacity = status.get("capacity") or status.get("allocatable") or {}
+    labels = {k: str(v) for k, v in _mapping(metadata, "labels").items() if k not in {"__line__", "__lines__"}}
+    status = _mapping(doc, "status")
+    capacity = _mapping(status, "capacity") or _mapping(status, "allocatable")
     gpus_raw = capacity.get(GPU_RESOURCE, "0")
     memory_mib = labels.get("nvidia.com/gpu.memory", "0")
     if not str(gpus_raw).isdigit() or not memory_mib.isdigit():

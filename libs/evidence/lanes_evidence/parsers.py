@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta, timezone, tzinfo
@@ -701,12 +702,35 @@ _ELASTIC_FIELD = re.compile(r"^\s*(time|host|rank|exitcode|error_file|traceback)
 _ELASTIC_RANK = re.compile(r"(\d+)")
 
 
+_HEAD_LINES = 8
+"""Lines of an unterminated traceback kept as its evidence (its start)."""
+_MAX_ENTRY_LINES = 16
+"""Lines kept of one torchelastic failure entry (it has a header and six fields)."""
+
+
 @dataclass
 class _Traceback:
+    """An open traceback: only what its evidence will hold, so one that never ends keeps a bounded part."""
+
     rank: int | None
-    lines: list[str] = field(default_factory=list)
+    first: str
     time: datetime | None = None
     node: str | None = None
+    head: list[str] = field(default_factory=list)
+    frames: deque[str] = field(default_factory=lambda: deque(maxlen=_MAX_FRAMES))
+    """The last `File ...` lines after the first line."""
+    last: str = ""
+
+    def __post_init__(self) -> None:
+        self.head.append(self.first)
+        self.last = self.first
+
+    def add(self, line: str) -> None:
+        if len(self.head) < _HEAD_LINES:
+            self.head.append(line)
+        if split_prefixes(line)[1].lstrip().startswith("File "):
+            self.frames.append(line)
+        self.last = line
 
 
 _LOCAL_RANKS = re.compile(r"\blocal_ranks=\[([\d, ]*)\]")
@@ -840,15 +864,15 @@ class LogParser:
         open_tb = self._tracebacks.get(rank)
         if _TRACEBACK_START in body:
             found.extend(self._close_traceback(rank))
-            self._tracebacks[rank] = _Traceback(rank, [line], moment or self._last_time, prefixes.node)
+            self._tracebacks[rank] = _Traceback(rank, line, moment or self._last_time, prefixes.node)
             return found
         if open_tb is not None:
             stripped = body.rstrip()
             if not stripped or stripped.startswith((" ", "\t", "^", "~")):
-                open_tb.lines.append(line)
+                open_tb.add(line)
                 return found
             if _EXCEPTION_LINE.match(stripped.strip()):
-                open_tb.lines.append(line)
+                open_tb.add(line)
                 found.extend(self._close_traceback(rank))
                 return found
             found.extend(self._close_traceback(rank))
@@ -877,18 +901,18 @@ class LogParser:
         tb = self._tracebacks.pop(rank, None)
         if tb is None:
             return []
-        last = split_prefixes(tb.lines[-1])[1].strip()
+        last = split_prefixes(tb.last)[1].strip()
         m = _EXCEPTION_LINE.match(last)
         if m is None:
             return [
                 self._evidence(
-                    {"category": C.RAW, "summary": "unterminated traceback"}, tb.lines[:8], tb.node, rank, tb.time
+                    {"category": C.RAW, "summary": "unterminated traceback"}, tb.head, tb.node, rank, tb.time
                 )
             ]
         if "ChildFailedError" in m["type"]:
             return []  # the summary block that follows says what failed, rank by rank
-        frames = [ln for ln in tb.lines[1:-1] if split_prefixes(ln)[1].lstrip().startswith("File ")]
-        lines = [tb.lines[0], *frames[-_MAX_FRAMES:], tb.lines[-1]]
+        # An exception line is never a `File ...` line: the frames are those before it.
+        lines = [tb.first, *tb.frames, tb.last]
         fields = _exception_fields(m["type"], m["msg"] or "", last)
         return [self._evidence(fields, lines, tb.node, rank, tb.time)]
 
@@ -908,7 +932,8 @@ class LogParser:
             return True, found
         if self._elastic is not None and (m := _ELASTIC_FIELD.match(text)):
             self._elastic.fields[m[1]] = m[2].strip()
-            self._elastic.lines.append(body)
+            if len(self._elastic.lines) < _MAX_ENTRY_LINES:  # a field repeated without end adds nothing new
+                self._elastic.lines.append(body)
             return True, []
         if text and set(text) <= {"=", "-"}:
             found = self._close_elastic_entry()
