@@ -27,7 +27,7 @@ from lanes_contract.streams import provision_streams
 from lanes_sandbox.embedded import EmbeddedNats
 
 pytestmark = pytest.mark.real_servers
-EXIT_BAD_INPUT, EXIT_NOT_FOUND = 2, 3
+EXIT_BAD_INPUT, EXIT_NOT_FOUND, EXIT_SERVER = 2, 3, 4
 UNREACHABLE_DATABASE = "postgresql://127.0.0.1:9/none"
 LONG_ID = "x" * 10_000
 
@@ -150,6 +150,9 @@ CASES: dict[str, Case] = {
     "run a command that does not exist": Case(
         ["run", "--job", "x", "--ranks", "0-3", "--", "/nonexistent/bin"], 127, "nothing was reported"
     ),
+    "an unreachable NATS": Case(
+        ["timeline", "x"], EXIT_SERVER, "cannot reach NATS", env={"NATS_URL": "nats://127.0.0.1:9"}
+    ),
     # And more of the same kind.
     "a 10,000-character job id": Case(["timeline", LONG_ID], EXIT_BAD_INPUT, "no wildcards"),
     "a 10,000-character node": Case(["topology", "state", LONG_ID, "ready"], EXIT_BAD_INPUT, "must be 1-128"),
@@ -172,6 +175,7 @@ IN_A_PROCESS = (
     "submit 5,000-deep YAML",
     "replay from 1e30",
     "topology state of an unknown node",
+    "an unreachable NATS",
 )
 """Cases also run as the installed `lanes` script, its stderr a pipe: what a user's script sees."""
 

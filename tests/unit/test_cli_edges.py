@@ -14,11 +14,23 @@ import pytest
 from typer.testing import CliRunner
 
 from lanes_cli.cli import app
-from lanes_cli.input_files import MAX_SPEC_BYTES
+from lanes_cli.input_files import MAX_SPEC_BYTES, InputFileError, parse_yaml
+from lanes_cli.limits import (
+    MAX_HOSTS,
+    MAX_RANKS,
+    MAX_YAML_DEPTH,
+    MAX_YAML_EXPANSION,
+    InputLimitError,
+    check_utc_offset,
+    check_yaml_shape,
+)
+from lanes_cli.timeline import TimelineEntry, job_header
+from lanes_cli.topology_formats import TopologyFormatError, expand_hostlist
 from lanes_contract.codec import MAX_EVENT_BYTES, encode
 from lanes_contract.errors import InvalidEventError
-from lanes_contract.events import JobSubmitted, JobSubmittedData
-from lanes_contract.jobs import MAX_COMMAND_CHARS, JobSpec
+from lanes_contract.events import JobStateChanged, JobStateChangedData, JobSubmitted, JobSubmittedData
+from lanes_contract.jobs import MAX_COMMAND_CHARS, JobSpec, JobState
+from lanes_observe.wrap import parse_ranks
 
 runner = CliRunner()
 EXIT_BAD_INPUT = 2
@@ -145,3 +157,72 @@ assert "oom" in result.stdout.lower() or "out_of_memory" in result.stdout.lower(
 # pytest process it would report the parent's size.
 print(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")))
 """
+
+
+# --- the bounds of lanes_cli.limits, checked before any work (issue 43) ------------------------------------
+
+
+def test_yaml_aliases_within_the_expansion_bound_are_read_and_a_bomb_is_not() -> None:
+    assert parse_yaml("base: &b {gpus: 8}\nnodes: [*b, *b, *b]\n")["nodes"] == [{"gpus": 8}] * 3
+    bomb = "".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}' if i else 'x'] * 9)}]\n" for i in range(9))
+    with pytest.raises(InputFileError, match=f"at most {MAX_YAML_EXPANSION} times"):
+        parse_yaml(bomb)
+
+
+def test_yaml_nesting_is_bounded_before_it_is_built() -> None:
+    inner = MAX_YAML_DEPTH - 1  # the top mapping is a level
+    nested: list[object] = []
+    for _ in range(inner - 1):
+        nested = [nested]
+    assert parse_yaml("a: " + "[" * inner + "]" * inner) == {"a": nested}
+    with pytest.raises(InputFileError, match=f"limit of {MAX_YAML_DEPTH} levels"):
+        parse_yaml("a: " + "[" * 5_000 + "]" * 5_000)
+    with pytest.raises(InputLimitError, match="levels"):
+        check_yaml_shape("".join(f"{'  ' * depth}k{depth}:\n" for depth in range(MAX_YAML_DEPTH + 1)) + "  " * 65 + "x")
+
+
+def test_a_yaml_key_that_is_a_list_is_refused_not_a_crash() -> None:
+    with pytest.raises(InputFileError, match="a list as a key"):
+        parse_yaml("? [a, b]\n: 1\n")
+
+
+def test_hosts_are_counted_before_a_hostlist_is_expanded() -> None:
+    assert len(expand_hostlist(f"gpu[1-{MAX_HOSTS}]")) == MAX_HOSTS
+    with pytest.raises(TopologyFormatError, match=f"limit of {MAX_HOSTS}"):
+        expand_hostlist(f"gpu[1-{MAX_HOSTS + 1}]")
+    with pytest.raises(TopologyFormatError, match="limit of 9 digits"):
+        expand_hostlist("gpu[1-" + "9" * 5_000 + "]")
+
+
+def test_ranks_are_counted_before_they_are_listed() -> None:
+    assert parse_ranks("0-3,8", max_ranks=MAX_RANKS) == (0, 1, 2, 3, 8)
+    assert len(parse_ranks(f"0-{MAX_RANKS - 1}", max_ranks=MAX_RANKS)) == MAX_RANKS
+    for text, says in [
+        (f"0-{MAX_RANKS}", f"limit of {MAX_RANKS}"),
+        ("5-1", "runs backwards"),
+        ("1" * 5_000, f"limit of {MAX_RANKS}"),
+        (",".join([f"0-{MAX_RANKS - 1}"] * 2), f"more than the limit of {MAX_RANKS}"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            parse_ranks(text, max_ranks=MAX_RANKS)
+
+
+@pytest.mark.parametrize("hours", [99.0, -14.5, float("nan"), float("inf"), float("-inf")])
+def test_an_offset_no_clock_has_is_refused(hours: float) -> None:
+    with pytest.raises(InputLimitError, match="limit of 14 hours"):
+        check_utc_offset(hours)
+
+
+def test_the_timeline_header_is_the_state_its_own_transitions_give() -> None:
+    def moved(seq: int, attempt: int, to_state: JobState) -> TimelineEntry:
+        data = JobStateChangedData(from_state=None, to_state=to_state, cause_type="io.lanes.job.placed.v1")
+        event = JobStateChanged(source="lanes/lifecycle", jobid="j-1", attempt=attempt, data=data)
+        return TimelineEntry(seq, "lanes.job.j-1.state_changed", event)
+
+    entries = [moved(1, 1, JobState.RUNNING), moved(2, 1, JobState.FAILED), moved(3, 2, JobState.RUNNING)]
+    assert job_header("j-1", entries) == {
+        "job_id": "j-1",
+        "state": "running",
+        "attempts": [{"number": 1, "state": "failed"}, {"number": 2, "state": "running"}],
+    }
+    assert job_header("j-1", [])["state"] is None

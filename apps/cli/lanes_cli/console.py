@@ -55,13 +55,14 @@ def print_big_json(value: object) -> None:
 
 
 def load_settings(*, quiet: bool = False) -> Settings:
-    """Settings from the environment, with logging configured (warnings only when `quiet`)."""
+    """Settings from the environment, with logging configured (errors only when `quiet`)."""
     try:
         settings = Settings.from_env()
     except ValueError as exc:
         fail(str(exc), EXIT_BAD_INPUT)
-    # Commands whose output is the point (demo, submit, job, timeline) log only warnings unless asked to.
-    level = settings.log_level if (os.environ.get("LANES_LOG_LEVEL") or not quiet) else "warning"
+    # Commands whose output is the point (demo, submit, job, timeline) log only errors unless asked to: a
+    # failure is then the one line `fail` prints, not the client's warnings on the way to it.
+    level = settings.log_level if (os.environ.get("LANES_LOG_LEVEL") or not quiet) else "error"
     configure_logging(level, settings.log_format)
     return settings
 
