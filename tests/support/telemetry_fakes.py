@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from lanes_contract.events import JobFindingData, RankAssignment
+from lanes_contract.events import JobFindingData, Lane, RankAssignment
 from lanes_evidence.evidence import Evidence
 from lanes_telemetry.domain.settlement import RankExit
 from lanes_telemetry.service_layer.ports import (
@@ -142,7 +142,8 @@ class InMemoryTelemetryStore:
         return None if known is None else (known[0], known[1])
 
     async def save_finding(self, job_id: str, attempt: int, finding: JobFindingData) -> None:
-        node = finding.first_error.node if finding.first_error else None
+        first = finding.first_error  # the node is kept for repeat offenders: host and network first errors only
+        node = first.node if first is not None and first.lane in {Lane.HOST, Lane.NETWORK} else None
         self.findings[job_id, attempt] = (finding.version, json.loads(finding.model_dump_json()), node)
 
     async def other_jobs_first_error_on(self, node: str, job_id: str) -> int:

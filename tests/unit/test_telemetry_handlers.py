@@ -236,3 +236,23 @@ def test_a_node_windows_remembered_answers_are_the_filters_answers(
     window = _NodeWindow(at(-100), at(100), placed)
     for second in times:  # in any order, each time asked again or for the first time
         assert window.placements_at(at(second)) == placements_at(placed, at(second), CORRELATION_SKEW)
+
+
+async def test_a_node_where_other_jobs_exited_unexplained_is_no_repeat_offender_but_one_with_an_oom_is():
+    h = Harness()
+    for job in ("a", "b"):  # two jobs whose only rank exits 1 without a word on node-1
+        await h.facts(_placed(job, ("node-1",)), _started(job, 0, "node-1", 100))
+        (silent,) = _findings(await h.facts(_exited(job, 0, "node-1")))
+        assert silent.data.first_error is not None
+        assert silent.data.first_error.category == "unexplained_exit"
+        assert "repeat offender" not in silent.data.first_error.summary
+    await h.facts(_placed("c", ("node-1",)), _started("c", 0, "node-1", 300))
+    await h.facts(_exited("c", 0, "node-1", signal=9))
+    (oom,) = _findings(await h.evidence(_kernel("node-1", 300)))
+    assert oom.data.first_error is not None
+    assert "repeat offender" not in oom.data.first_error.summary  # the unexplained exits do not count
+    await h.facts(_placed("d", ("node-1",)), _started("d", 0, "node-1", 400))
+    await h.facts(_exited("d", 0, "node-1", signal=9))
+    (again,) = _findings(await h.evidence(_kernel("node-1", 400)))
+    assert again.data.first_error is not None
+    assert "repeat offender: node-1 was the first error of 1 other job(s)" in again.data.first_error.summary

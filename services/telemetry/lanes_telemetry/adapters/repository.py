@@ -256,9 +256,12 @@ class PostgresTelemetryStore:
         )
 
     async def other_jobs_first_error_on(self, node: str, job_id: str) -> int:
-        """How many other jobs elected a first error on this node (a repeat offender is a node to drain)."""
+        """How many other jobs elected a host or network first error on this node (a repeat offender to drain)."""
         count = await self._conn.fetchval(
-            "SELECT count(DISTINCT job_id) FROM telemetry_findings WHERE first_node = $1 AND job_id <> $2", node, job_id
+            """SELECT count(DISTINCT job_id) FROM telemetry_findings
+               WHERE first_node = $1 AND job_id <> $2 AND first_lane IN ('host', 'network')""",
+            node,
+            job_id,
         )
         return int(count)
 

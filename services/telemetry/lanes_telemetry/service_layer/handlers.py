@@ -80,6 +80,8 @@ CORRELATION_SKEW = timedelta(seconds=2)
 """Evidence this much before a placement (node clocks disagree) still belongs to it."""
 NOT_ELECTED = tuple(sorted(category.value for category in NOT_ELECTED_CATEGORIES))
 _COPY_LINES = 3
+_NODE_LANES = frozenset({Lane.HOST, Lane.NETWORK})
+"""The lanes whose first errors are the node's own fault (what makes a node a repeat offender)."""
 _COPY_LINE_CHARS = 512
 _SPANS_MARGIN = timedelta(minutes=10)
 """How far around an event's time a batch reads a node's placements once, for the batch's later events."""
@@ -502,7 +504,9 @@ async def _elect(
     )
     finding = settled_finding(story)
     first = finding.first_error
-    if first is not None and first.node:
+    if first is not None and first.node and first.lane in _NODE_LANES:
+        # Only the node's own faults make it a repeat offender: a script's exception or an exit nobody
+        # explains says nothing about the node it ran on, however many jobs it ends there.
         repeats = await store.other_jobs_first_error_on(first.node, job_id)
         if repeats:
             summary = f"{first.summary}; repeat offender: {first.node} was the first error of {repeats} other job(s)"

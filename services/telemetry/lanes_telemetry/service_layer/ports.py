@@ -157,7 +157,7 @@ class TelemetryStore(Protocol):
         ...
 
     async def other_jobs_first_error_on(self, node: str, job_id: str) -> int:
-        """How many other jobs elected a first error on this node (a repeat offender is a node to drain)."""
+        """How many other jobs elected a host or network first error on this node (a repeat offender to drain)."""
         ...
 
     async def placement_spans(
