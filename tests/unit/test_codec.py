@@ -543,7 +543,7 @@ def test_binary_mode_headers():
     assert encoded.subject == "lanes.job.job-1.rank_exited"
     assert headers["ce-specversion"] == "1.0"
     assert headers["ce-id"] == event.id
-    assert headers[MSG_ID_HEADER] == event.id
+    assert headers[MSG_ID_HEADER] == f"lanes.job.job-1.rank_exited/{event.id}"
     assert headers["ce-source"] == "agent/node-2"
     assert headers["ce-type"] == "io.lanes.job.rank_exited.v1"
     assert headers["ce-time"] == "2026-12-02T10:20:11.123456Z"
@@ -567,7 +567,8 @@ def test_every_header_is_a_ce_attribute_or_a_known_transport_header(event_type):
     headers = ENCODED[event_type].headers
     others = {key for key in headers if not key.startswith("ce-")}
     assert others <= {"traceparent", "Content-Type", MSG_ID_HEADER}
-    assert headers[MSG_ID_HEADER] == headers["ce-id"] == SAMPLES[event_type].id
+    assert headers["ce-id"] == SAMPLES[event_type].id
+    assert headers[MSG_ID_HEADER] == f"{ENCODED[event_type].subject}/{SAMPLES[event_type].id}"
     assert RFC3339_MICROS_Z.match(headers["ce-time"])
     # The envelope travels in headers only; the payload is the event's data alone.
     payload = json.loads(ENCODED[event_type].payload)

@@ -134,7 +134,8 @@ def envelope_headers() -> dict[str, Any]:
     properties: dict[str, Any] = {
         MSG_ID_HEADER: {
             "type": "string",
-            "description": "The event id again (`ce-id`): JetStream stores a re-send once.",
+            "description": "`<subject>/<ce-id>`: JetStream stores a re-send once, and an id taken on another"
+            " subject never blocks this event.",
         },
         "ce-specversion": {"type": "string", "const": SPEC_VERSION},
     }

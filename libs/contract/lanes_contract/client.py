@@ -30,7 +30,7 @@ from nats.js import JetStreamContext
 from nats.js.api import PubAck
 from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 
-from lanes_contract.codec import EncodedEvent, encode
+from lanes_contract.codec import EVENT_ID_HEADER, EncodedEvent, encode
 from lanes_contract.errors import (
     AuthenticationError,
     EventIdConflictError,
@@ -298,13 +298,13 @@ async def publish_encoded(
     return Published(stream=ack.stream, seq=ack.seq, duplicate=bool(ack.duplicate))
 
 
-_EVENT_IDENTITY = ("ce-id", "ce-type", "ce-source")
+_EVENT_IDENTITY = (EVENT_ID_HEADER, "ce-type", "ce-source")
 """What makes a stored message the same event as a re-send: its subject and these. The time and data of an
 honest re-send may differ (a handler that ran again after a crash builds its derived event anew)."""
 
 
 def _conflict(encoded: EncodedEvent, stream: str, seq: int, subject: str, headers: Mapping[str, str]) -> str:
-    event_id = encoded.headers.get("ce-id", "?")
+    event_id = encoded.headers.get(EVENT_ID_HEADER, "?")
     held = f"{subject} ({headers.get('ce-type', 'not a Lanes event')}, from {headers.get('ce-source', '?')})"
     return (
         f"event id {event_id} already used by another event: {stream} sequence {seq} holds {held}; "
@@ -367,7 +367,7 @@ async def import_event(js: JetStreamContext, encoded: EncodedEvent, *, stream: s
     if _content(stored.headers or {}) == _content(encoded.headers) and stored.data == encoded.payload:
         return Imported(ImportOutcome.ALREADY_PRESENT, published.seq)
     detail = (
-        f"event id {encoded.headers.get('ce-id', '?')} is stored at {published.stream} sequence {published.seq}"
+        f"event id {encoded.headers.get(EVENT_ID_HEADER, '?')} is stored at {published.stream} sequence {published.seq}"
         " with other content (time, data or attributes): the imported event was not stored"
     )
     return Imported(ImportOutcome.CONFLICT, published.seq, detail)

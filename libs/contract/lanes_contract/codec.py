@@ -1,8 +1,9 @@
 """CloudEvents 1.0 on NATS: binary mode (attributes in `ce-` headers) out, binary or structured mode in.
 
 Binary mode keeps the payload equal to the event's data, so a consumer that only needs the join keys
-reads headers and never parses the body. `Nats-Msg-Id` is the event id, so JetStream drops a re-sent
-publish inside the stream's duplicate window.
+reads headers and never parses the body. `Nats-Msg-Id` is the event id scoped to its subject
+(`ids.dedupe_id`), so JetStream drops a re-sent publish inside the stream's duplicate window, and an id
+taken on one subject never blocks an event on another.
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ from pydantic import ValidationError
 
 from lanes_contract.errors import DecodeError, InvalidEventError
 from lanes_contract.events import EVENT_TYPES, Event
+from lanes_contract.ids import dedupe_id
 
 SPEC_VERSION = "1.0"
 JSON = "application/json"
 STRUCTURED_JSON = "application/cloudevents+json"
 MSG_ID_HEADER = "Nats-Msg-Id"
+EVENT_ID_HEADER = "ce-id"
+"""The header that carries the event id itself (`Nats-Msg-Id` carries it scoped to the subject)."""
 MAX_EVENT_BYTES = 256 * 1024
 """The largest payload an event may carry: a timeline of facts, not a file store (the server's own limit,
 1 MiB by default, would otherwise fail the publish with a bare MaxPayloadError)."""
@@ -93,12 +97,13 @@ def encode(event: Event, *, revalidate: bool = True) -> EncodedEvent:
     headers["ce-time"] = format_time(event.time)
     headers["ce-specversion"] = SPEC_VERSION
     headers["Content-Type"] = JSON
-    headers[MSG_ID_HEADER] = event.id
+    subject = event.nats_subject()
+    headers[MSG_ID_HEADER] = dedupe_id(subject, event.id)
     payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
     if len(payload) > MAX_EVENT_BYTES:
         msg = f"{event.type}: its data is {len(payload)} bytes; an event carries at most {MAX_EVENT_BYTES}"
         raise InvalidEventError(msg)
-    return EncodedEvent(subject=event.nats_subject(), headers=headers, payload=payload)
+    return EncodedEvent(subject=subject, headers=headers, payload=payload)
 
 
 def to_structured(event: Event) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Identifiers: time-sortable event ids, deterministic derived ids and subject-safe tokens."""
+"""Identifiers: time-sortable event ids, deterministic derived ids, dedupe ids and subject-safe tokens."""
 
 from __future__ import annotations
 
@@ -62,3 +62,14 @@ def derived_event_id(causation_id: str, event_type: str, key: str = "", *, at: d
     except ValueError:
         unix_ms = 0
     return _uuid7_from(unix_ms, digest)
+
+
+def dedupe_id(subject: str, event_id: str) -> str:
+    """The `Nats-Msg-Id` of an event: its id scoped to its subject (`ce-id` stays the bare id).
+
+    JetStream de-duplicates on this header across every subject of a stream, and many ids are derived from
+    what anyone can know (a submission's from its job id). Scoped, an event published through the codec
+    on one subject never takes the id of an event on another; a header written by hand can still claim
+    any id, which the publish detects (`lanes_contract.client`, EventIdConflictError).
+    """
+    return f"{subject}/{event_id}"

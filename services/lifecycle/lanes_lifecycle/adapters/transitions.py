@@ -13,7 +13,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError
 
 from lanes_contract.client import publish_encoded
-from lanes_contract.codec import MSG_ID_HEADER, encode
+from lanes_contract.codec import EVENT_ID_HEADER, encode
 from lanes_contract.errors import TransientError
 from lanes_contract.events import JobStateChanged
 from lanes_contract.streams import JOBS
@@ -43,7 +43,7 @@ async def publish_transition(js: JetStreamContext, changed: JobStateChanged, *, 
         if exc.err_code != WRONG_LAST_SEQUENCE:
             raise
         following = await js.get_msg(JOBS.name, seq=after_seq + 1, subject=subject, next=True)
-        if (following.headers or {}).get(MSG_ID_HEADER) == changed.id:
+        if (following.headers or {}).get(EVENT_ID_HEADER) == changed.id:
             return int(following.seq or 0)
         msg = (
             f"job {changed.jobid}: another writer appended a different state change after sequence {after_seq} "
