@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 
 import asyncpg
 import pytest
@@ -18,6 +19,7 @@ from prometheus_client import REGISTRY
 from support.contract import EFFECTS_DDL, effects, record_effect, spec_for, submission
 from support.freezing import frozen
 from support.logs import JsonLogs, json_logs
+from support.restartable_nats import RestartableNats
 from support.waiting import eventually
 
 from lanes_audit.adapters.signing import Signer
@@ -105,6 +107,43 @@ async def test_a_frozen_database_turns_consumers_not_ready_within_5s_and_ready_a
         logs.assert_one_outage(recorder.name)
         await lanes.close()
         await db.close()
+
+
+@pytest.mark.slow
+async def test_a_stopped_bus_turns_an_idle_consumer_not_ready_and_ready_again_once_it_is_back(
+    urls: ServerUrls, tmp_path: Path, unique: str, logs: JsonLogs
+) -> None:
+    db = await create_pool(urls.database_url)
+    await apply_runtime_migrations(db)
+    await db.execute(EFFECTS_DDL)
+    with RestartableNats(tmp_path / "nats") as nats:
+        nc = await connect_nats(nats.url, name="readiness-tests")
+        await provision_streams(nc.jetstream())
+        job_id = f"bus-{unique}"
+        consumer = EventConsumer(nc, db, spec_for(job_id), record_effect)
+        stop = asyncio.Event()
+        task = asyncio.create_task(consumer.run(stop))
+
+        async def ready(*, ready: bool) -> bool:
+            return consumer.ready is ready and _ready_gauge(consumer.name) == float(ready)
+
+        async def subscribed() -> bool:  # its durable exists: the loop is past start-up
+            return consumer.name in [info.name for info in await nc.jetstream().consumers_info(JOBS.name)]
+
+        await eventually(subscribed, what="the consumer running")
+        nats.stop()  # the process ends: the consumer's pull requests go unanswered
+        await eventually(lambda: ready(ready=False), timeout_s=10 + BUSY_MACHINE_MARGIN_S, what="not ready")
+        nats.start()
+        await eventually(lambda: ready(ready=True), timeout_s=60, what="ready once the bus is back")
+        event = submission(job_id)
+        await LanesClient(nc, "tests").publish(event)
+        await eventually(lambda: _processed(consumer, 1), timeout_s=60, what="an event after the outage processed")
+        stop.set()
+        await asyncio.wait_for(task, timeout=30)
+        await nc.close()
+    assert await effects(db, event.id) == 1
+    await db.close()
+    logs.assert_one_outage(consumer.name)
 
 
 async def _processed(consumer: EventConsumer, count: int) -> bool:

@@ -140,7 +140,7 @@ class Fetcher(Protocol):
     """What `pull_batches` reads from (a `BatchPull`; a stand-in in unit tests)."""
 
     async def fetch(self, batch: int, wait_s: float) -> list[Msg]:
-        """Up to `batch` messages; none (or TimeoutError) when `wait_s` passed without any."""
+        """Up to `batch` messages; none (or TimeoutError) when `wait_s` passed without any; NatsError: bus away."""
         ...
 
 
@@ -155,8 +155,8 @@ class BatchPull:
     the request with a status; when nothing is there, it waits for the first message until `expires` (then
     ends it with 408). Every request therefore ends on the server, soon (a `no_wait` without `expires` is
     left waiting, unanswered, while the consumer has `max_ack_pending` messages out). Messages of a request
-    the fetch stopped waiting for (the bus was away) are kept and returned by the next fetch: they were
-    delivered, and dropping them would spend a delivery on nothing. One fetch at a time.
+    the fetch stopped waiting for (the bus was away: the fetch raised BusAwayError) are kept and returned by the
+    next fetch: they were delivered, and dropping them would spend a delivery on nothing. One fetch at a time.
     """
 
     def __init__(self, nc: NatsClient, stream: str, durable: str) -> None:
@@ -176,7 +176,10 @@ class BatchPull:
         return pull
 
     async def fetch(self, batch: int, wait_s: float) -> list[Msg]:
-        """Up to `batch` messages: those there now, else the first to come within `wait_s`; none after it."""
+        """Up to `batch` messages: those there now, else the first to come within `wait_s`; none after it.
+
+        Raises BusAwayError when the server neither sent a message nor ended the request.
+        """
         if self._waiting is not None:
             msg = "BatchPull.fetch is not reentrant: one fetch at a time"
             raise RuntimeError(msg)
@@ -195,6 +198,11 @@ class BatchPull:
             self._waiting = None
         if request.error is not None:
             raise request.error
+        if not request.msgs and request.ended.cancelled():
+            # wait_for gave up on it: neither a message nor the status that ends every request came. The bus
+            # is away (the loop is not ready meanwhile, not idle), and nothing was taken.
+            msg = f"no answer to a pull request within {wait_s + _REQUEST_MARGIN_S:g} s"
+            raise BusAwayError(msg)
         return request.msgs
 
     async def unsubscribe(self) -> None:
@@ -222,6 +230,10 @@ class BatchPull:
             request.end(NatsError(f"pull request refused: {status} {description}".rstrip()))
         else:
             request.end()
+
+
+class BusAwayError(NatsError):
+    """The server ended no pull request in time: the bus is away, and the fetch took nothing."""
 
 
 _ACK_PREFIX = "$JS.ACK."

@@ -165,17 +165,23 @@ class DatabaseWatch:
                     if conn is not None:
                         # Its query may still be waiting on the server: closed without a round trip, the pool
                         # opens a new one at the next probe.
-                        conn.terminate()
-                        await self._pool.release(conn)
-                        conn = None
+                        dropped, conn = conn, None
+                        await self._drop(dropped)
                 else:
                     for readiness in tuple(self._watchers):
                         readiness.answered(DATABASE)
                 await asyncio.sleep(PROBE_EVERY_S)
         finally:
             if conn is not None:
-                conn.terminate()  # no round trip: the server may be the one not answering
-                await self._pool.release(conn)
+                await self._drop(conn)
+
+    async def _drop(self, conn: PoolConnectionProxy[asyncpg.Record]) -> None:
+        """Close the probe's connection without a round trip (the server may be the one not answering).
+
+        The caller forgets `conn` first: the pool takes it back at once, even if this await is cancelled.
+        """
+        conn.terminate()
+        await self._pool.release(conn)
 
 
 async def tick_until_stopped(
