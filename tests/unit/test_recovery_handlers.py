@@ -133,8 +133,21 @@ async def test_a_later_settled_finding_after_the_next_placement_is_escalated_to_
 
 async def test_a_later_finding_naming_the_same_culprit_changes_nothing():
     h = Harness()
-    await h.feed(*START, finding(Lane.HOST, "process_exited", node="node-3", rank=2))
-    assert not await h.feed(finding(Lane.HOST, "oom_kill", node="node-3", version=2, rank=2))
+    await h.feed(*START, finding(Lane.HOST, "gpu_xid", node="node-3", rank=2))
+    assert not await h.feed(finding(Lane.HOST, "ecc_error", node="node-3", version=2, rank=2))
+
+
+async def test_the_kernel_line_after_a_decision_on_a_bare_sigkill_cordons_the_node_it_could_not_before():
+    h = Harness()
+    first = await h.feed(*START, finding(Lane.HOST, "process_exited", node="node-3", rank=2))
+    assert _of(first, RecoveryDecided)[0].data.cordon == ()  # a signal alone is no evidence about node-3
+    out = await h.feed(finding(Lane.HOST, "oom_kill", node="node-3", version=2, rank=2))
+    (notice,) = _of(out, RecoverySuperseded)
+    assert notice.data.replanned
+    assert notice.data.uncordon == ()
+    (decision,) = _of(out, RecoveryDecided)
+    assert decision.data.cordon == ("node-3",)
+    assert [(e.node, e.data.state) for e in _of(out, NodeStateChanged)] == [("node-3", NodeState.CORDONED)]
 
 
 async def test_an_inference_replica_is_replaced_on_the_right_node():

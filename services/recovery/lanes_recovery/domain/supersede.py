@@ -9,13 +9,19 @@ finding is settled and blames another lane, node or rank than the decision did:
   decision on the new finding);
 - otherwise the next attempt may already run on the wrong nodes: the mismatch is escalated to the owner of
   the culprit's lane (again each time a later settled finding moves it once more). Never silent.
+
+A finding that names the same node but now with evidence about it (v1: rank 2 killed by SIGKILL, no kernel
+line, so no cordon; v2: the kernel's OOM kill) supersedes the decision the same way: the evidence a cordon
+needs has arrived.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lanes_contract.events import Lane
 from lanes_recovery.domain.knowledge import DecisionRecord, FindingSeen, FirstError, JobKnowledge
+from lanes_recovery.domain.policy import NO_NODE_EVIDENCE
 
 
 @dataclass(frozen=True)
@@ -67,7 +73,8 @@ def superseded(known: JobKnowledge) -> list[Supersession]:
             continue
         if decision.finding_version is not None and latest.version <= decision.finding_version:
             continue
-        if not latest.first_error.blames_other_than(decision.escalated or decision.culprit):
+        decided_on = decision.escalated or decision.culprit
+        if not latest.first_error.blames_other_than(decided_on) and not _evidence_arrived(decided_on, latest):
             continue
         owed = (known.pending is not None and known.pending.decision_id == decision.id) or (
             known.manual is not None and known.manual.decision_id == decision.id and not known.manual.held
@@ -76,3 +83,11 @@ def superseded(known: JobKnowledge) -> list[Supersession]:
         uncordon = tuple(n for n in decision.cordoned if n != latest.first_error.node) if replan else ()
         found.append(Supersession(decision, latest, latest.first_error, replan, uncordon))
     return found
+
+
+def _evidence_arrived(decided_on: FirstError, latest: FindingSeen) -> bool:
+    """Whether the latest finding has host or network evidence about a node the decision had none about."""
+    first = latest.first_error
+    if first is None or first.node is None or first.lane not in {Lane.HOST, Lane.NETWORK}:
+        return False
+    return decided_on.category in NO_NODE_EVIDENCE and first.category not in NO_NODE_EVIDENCE
