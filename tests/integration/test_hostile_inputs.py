@@ -154,6 +154,13 @@ CASES: dict[str, Case] = {
         ["timeline", "x"], EXIT_SERVER, "cannot reach NATS", env={"NATS_URL": "nats://127.0.0.1:9"}
     ),
     # And more of the same kind.
+    "poc of a wildcard job": Case(["poc", "--job", "a*"], EXIT_BAD_INPUT, "no wildcards"),
+    "poc of an empty window": Case(
+        ["poc", "--since", "2026-12-07", "--until", "2026-12-01"], EXIT_BAD_INPUT, "after --until"
+    ),
+    "an endless heartbeat": Case(["agent", "--node", "n1", "--heartbeat", "inf"], EXIT_BAD_INPUT, "86400"),
+    "a drill that waits forever": Case(["drill", "x", "--kind", "kill", "--timeout", "1e400"], EXIT_BAD_INPUT, "86400"),
+    "a slurm poll every nan seconds": Case(["slurm", "watch", "--interval", "nan"], EXIT_BAD_INPUT, "--interval"),
     "a 10,000-character job id": Case(["timeline", LONG_ID], EXIT_BAD_INPUT, "no wildcards"),
     "a 10,000-character node": Case(["topology", "state", LONG_ID, "ready"], EXIT_BAD_INPUT, "must be 1-128"),
     "a wildcard job to the timeline": Case(["timeline", "a.>"], EXIT_BAD_INPUT, "no wildcards"),

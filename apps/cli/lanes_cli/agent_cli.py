@@ -18,6 +18,7 @@ import typer
 from lanes_agent.launcher import HEARTBEAT_S, STOP_GRACE_S, LocalLauncher
 from lanes_agent.netns import NodeNetworks
 from lanes_cli.console import EXIT_BAD_INPUT, EXIT_FAILED, err, fail, load_settings, require, run_async
+from lanes_cli.limits import MAX_OPTION_SECONDS
 from lanes_contract.client import connect_nats
 from lanes_contract.ids import is_valid_token
 from lanes_runtime.service import stop_on_signals
@@ -71,7 +72,10 @@ def agent(  # noqa: PLR0917 - typer maps each parameter to an option
         typer.Option(help="Follow this kernel log (/dev/kmsg, as root); its resume position is kept in the state dir."),
     ] = None,
     stop_grace: Annotated[
-        float, typer.Option(help="Seconds between SIGTERM and SIGKILL when a gang is stopped.", min=0.1)
+        float,
+        typer.Option(
+            help="Seconds between SIGTERM and SIGKILL when a gang is stopped.", min=0.1, max=MAX_OPTION_SECONDS
+        ),
     ] = STOP_GRACE_S,
     netns: Annotated[
         bool, typer.Option("--netns", help="Each node's ranks in a network namespace of its own (root).")
@@ -79,7 +83,9 @@ def agent(  # noqa: PLR0917 - typer maps each parameter to an option
     heartbeat: Annotated[
         float,
         typer.Option(
-            help="Seconds between heartbeats (each with the node's inventory; see `lanes topology agents`).", min=0.1
+            help="Seconds between heartbeats (each with the node's inventory; see `lanes topology agents`).",
+            min=0.1,
+            max=MAX_OPTION_SECONDS,
         ),
     ] = HEARTBEAT_S,
 ) -> None:

@@ -46,9 +46,9 @@ from lanes_cli.console import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     EXIT_NOT_FOUND,
-    as_utc,
     cannot_write,
     checked_job_id,
+    checked_window,
     err,
     fail,
     load_settings,
@@ -61,7 +61,7 @@ from lanes_cli.console import (
 from lanes_cli.demo import DEMO_NODES, FaultPaths, local_nodes, register_nodes, run_demo
 from lanes_cli.html import render_page
 from lanes_cli.input_files import InputFileError, load_yaml, validation_problems
-from lanes_cli.limits import MAX_STREAM_SEQUENCE, excerpt
+from lanes_cli.limits import MAX_OPTION_SECONDS, MAX_STREAM_SEQUENCE, excerpt
 from lanes_cli.render import render_demo, render_job
 from lanes_cli.replay import Pace, merged, selections, write_ndjson
 from lanes_cli.scheduling import scheduling_view
@@ -102,7 +102,11 @@ def demo(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the swimlanes.")] = False,
     kernel_delay: Annotated[
         float,
-        typer.Option(help="Hold the played OOM kill's kernel line back this many seconds (a slow agent).", min=0),
+        typer.Option(
+            help="Hold the played OOM kill's kernel line back this many seconds (a slow agent).",
+            min=0,
+            max=MAX_OPTION_SECONDS,
+        ),
     ] = 0.0,
     netns: Annotated[
         bool,
@@ -373,12 +377,7 @@ def replay(  # noqa: PLR0917 - typer maps each option to a parameter
         fail(str(exc), EXIT_BAD_INPUT)
     if from_seq is not None and to_seq is not None and from_seq > to_seq:
         fail(f"--from-seq {from_seq} is after --to-seq {to_seq}: nothing lies between them", EXIT_BAD_INPUT)
-    since, until = as_utc(since), as_utc(until)
-    if since is not None and until is not None and since > until:
-        fail(
-            f"--since {since.isoformat()} is after --until {until.isoformat()}: nothing lies between them",
-            EXIT_BAD_INPUT,
-        )
+    since, until = checked_window(since, until)
     chosen = [
         dataclasses.replace(selection, from_seq=from_seq, to_seq=to_seq, since=since, until=until)
         for selection in chosen

@@ -97,6 +97,17 @@ def checked_job_id(job_id: str) -> str:
     return job_id
 
 
+def checked_window(since: datetime | None, until: datetime | None) -> tuple[datetime | None, datetime | None]:
+    """`--since` / `--until` in UTC, or exit 2 when the window is empty (it ends before it starts)."""
+    since, until = as_utc(since), as_utc(until)
+    if since is not None and until is not None and since > until:
+        fail(
+            f"--since {since.isoformat()} is after --until {until.isoformat()}: nothing lies between them",
+            EXIT_BAD_INPUT,
+        )
+    return since, until
+
+
 def output_file(path: Path, option: str) -> Path:
     """A file the command will write, checked before any work: its directory exists and it is not one itself."""
     if path.is_dir():

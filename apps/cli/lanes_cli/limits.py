@@ -48,6 +48,8 @@ MAX_RANKS = cast("int", next(bound.le for bound in JobSpec.model_fields["workers
 """Ranks of a job, as a job spec's `workers` allows (65,536): `lanes run --ranks` and `--world-size` too."""
 MAX_STREAM_SEQUENCE = 2**64 - 1
 """JetStream sequences are unsigned 64-bit integers."""
+MAX_OPTION_SECONDS = 86_400.0
+"""A duration or interval given on the command line (a poll, a heartbeat, a drill's timeout): at most a day."""
 MIN_YEAR, MAX_YEAR = 1970, 9998
 """Years `lanes analyze --year` accepts: a log older than Unix time or a year Python cannot hold is a typo."""
 MAX_UTC_OFFSET_HOURS = 14.0

@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from nats.js import JetStreamContext
 
-from lanes_cli.console import as_utc, load_settings, out, require, run_async
+from lanes_cli.console import checked_job_id, checked_window, load_settings, out, require, run_async
 from lanes_cli.drill_cli import print_report
 from lanes_cli.drills import DrillReport, drill_reports
 from lanes_cli.poc import CapabilityResult, Row, Verdict, scorecard
@@ -66,9 +66,12 @@ def poc(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """The scorecard: passed, pending evidence (naming the gap) or not applicable, per capability."""
+    if job is not None:
+        checked_job_id(job)
+    since, until = checked_window(since, until)
     settings = load_settings(quiet=True)
     nats_url = require(settings.nats_url, "NATS_URL")
-    results, drills = run_async(lambda: compute(nats_url, job, as_utc(since), as_utc(until)))
+    results, drills = run_async(lambda: compute(nats_url, job, since, until))
     if as_json:
         out.print_json(
             json.dumps({"capabilities": [r.as_json() for r in results], "drills": [d.as_json() for d in drills]})

@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from lanes_cli.console import EXIT_BAD_INPUT, err, fail, load_settings, require, run_async
+from lanes_cli.limits import MAX_OPTION_SECONDS
 from lanes_observe.outbox import Outbox, Sender
 from lanes_observe.slurm import SOURCE, SlurmWatch
 from lanes_runtime.service import stop_on_signals
@@ -19,7 +20,9 @@ app = typer.Typer(help="Observe a Slurm cluster: its jobs and nodes on the Lanes
 
 @app.command()
 def watch(
-    interval: Annotated[float, typer.Option(min=0.2, help="Seconds between two polls of squeue and sinfo.")] = 2.0,
+    interval: Annotated[
+        float, typer.Option(min=0.2, max=MAX_OPTION_SECONDS, help="Seconds between two polls of squeue and sinfo.")
+    ] = 2.0,
     once: Annotated[bool, typer.Option("--once", help="Poll once, publish, and exit.")] = False,
     outbox: Annotated[Path, typer.Option(help="Where events wait while Lanes is unreachable.")] = Path(
         "~/.cache/lanes/outbox/slurm.ndjson"
