@@ -23,6 +23,7 @@ ENV_VARS = {
     "LANES_SIGNING_KEY_FILE": "a producer: its identity's Ed25519 signing key; every event it publishes is signed",
     "LANES_KEYRING": "audit verify: the public keys of the identities allowed to sign (keyring.json)",
     "LANES_SETTLE_WINDOW_S": "telemetry: seconds after an attempt fails before its finding settles anyway (5)",
+    "LANES_CAUSE_WINDOW_S": "telemetry: seconds before an attempt's first exit that evidence may explain it (300)",
     "LANES_ROUTER_TENANTS_FILE": "router: tenants with their API key hashes and rate / concurrency limits",
     "LANES_METRICS_PORT": "a service process: serve Prometheus /metrics on this port (unset: no endpoint)",
     "LANES_LOG_LEVEL": "debug | info | warning | error (default info)",
