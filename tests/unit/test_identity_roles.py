@@ -108,6 +108,10 @@ def test_a_one_node_agent_owns_the_durable_lanes_agent_creates_for_it() -> None:
     assert agent_identity("node-7").durables == (durable_name(["node-7"]),)
 
 
+def test_only_the_platform_owns_every_consumer() -> None:
+    assert [i.name for i in identities(("node-1",)) if i.owns_every_consumer] == [PLATFORM.name]
+
+
 def test_no_two_identities_own_the_same_durable() -> None:
     owners = [
         durable
@@ -146,6 +150,8 @@ def test_no_identity_is_given_the_whole_jetstream_api_or_another_identitys_consu
     others = {d for other in identities(("node-1",)) if other is not PLATFORM for d in other.durables} - set(
         identity.durables
     )
+    if identity.owns_every_consumer:
+        others = set()
     for durable in others:
         for api in ("DELETE", "CREATE", "DURABLE.CREATE", "MSG.NEXT"):
             subject = f"$JS.API.CONSUMER.{api}.LANES_JOBS.{durable}"

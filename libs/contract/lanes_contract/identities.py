@@ -168,6 +168,7 @@ class Identity:
     them). `reads`: whether it reads the log through ephemeral ordered consumers (`iter_stream`, the router's
     registry feed). `requests`: core request subjects it may send (the job API). `serves`: the
     (subject, queue group) pairs it answers, with the right to reply to each request once.
+    `owns_every_consumer`: only the platform, which is every service and the in-process agents at once.
     """
 
     name: str
@@ -177,6 +178,7 @@ class Identity:
     reads: bool = False
     requests: tuple[str, ...] = ()
     serves: tuple[tuple[str, str], ...] = ()
+    owns_every_consumer: bool = False
 
     @property
     def source(self) -> str:
@@ -301,6 +303,10 @@ PLATFORM = Identity(
     "every service, the CLI and in-process agents in one process (`lanes up`, `lanes demo`): one process is"
     " one trust boundary, so it gets the union of their roles, but never stream management",
     durables=(*dict.fromkeys(d for i in _PLATFORM_PARTS for d in i.durables), LOCAL_LAUNCHER_DURABLE),
+    # The in-process launchers of `lanes demo`'s scenarios name their durables per run (the topology scenario's
+    # `launcher-topology-<id>`), which no name list can hold. The platform already writes every service's
+    # and every node's events, so owning their consumers too grants nothing it could not already break.
+    owns_every_consumer=True,
     reads=True,
     requests=tuple(dict.fromkeys(r for i in _PLATFORM_PARTS for r in i.requests)),
     serves=tuple(dict.fromkeys(q for i in _PLATFORM_PARTS for q in i.serves)),
@@ -337,7 +343,8 @@ def nats_permissions(identity: Identity) -> dict[str, object]:
     its own durables' advisories; the API subjects only in the queue groups it serves, so no one else can
     take (or overhear) a request. A server replies once to each request it received (`allow_responses`).
     """
-    durables = [api for durable in identity.durables for api in consumer_apis(durable)]
+    owned = ("*",) if identity.owns_every_consumer else identity.durables
+    durables = [api for durable in owned for api in consumer_apis(durable)]
     publish = [
         *identity.publishes,
         *identity.requests,
@@ -348,7 +355,7 @@ def nats_permissions(identity: Identity) -> dict[str, object]:
     subscribe_allow = [
         INBOXES,
         EVENT_SUBJECTS,
-        *(advisory for durable in identity.durables for advisory in consumer_advisories(durable)),
+        *(advisory for durable in owned for advisory in consumer_advisories(durable)),
         *(f"{subject} {queue}" for subject, queue in identity.serves),
     ]
     subscribe: dict[str, list[str]] = {"allow": subscribe_allow}
