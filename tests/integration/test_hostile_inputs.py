@@ -154,6 +154,8 @@ CASES: dict[str, Case] = {
         ["timeline", "x"], EXIT_SERVER, "cannot reach NATS", env={"NATS_URL": "nats://127.0.0.1:9"}
     ),
     # And more of the same kind.
+    "an endless keyring": Case(["audit", "verify", "--keyring", "/dev/zero"], EXIT_BAD_INPUT, "not a regular file"),
+    "a 5,000-deep keyring": Case(["audit", "verify", "--keyring", "deep.json"], EXIT_BAD_INPUT, "limit of 64 levels"),
     "poc of a wildcard job": Case(["poc", "--job", "a*"], EXIT_BAD_INPUT, "no wildcards"),
     "poc of an empty window": Case(
         ["poc", "--since", "2026-12-07", "--until", "2026-12-01"], EXIT_BAD_INPUT, "after --until"

@@ -26,6 +26,7 @@ from lanes_audit.views import (
     verify_chain,
 )
 from lanes_cli.console import EXIT_BAD_INPUT, EXIT_FAILED, fail, load_settings, out, require, run_async
+from lanes_cli.input_files import check_document
 from lanes_cli.limits import excerpt
 from lanes_contract.client import connect_nats
 from lanes_contract.signing import KEYRING_ENV, Keyring, SignatureError
@@ -140,6 +141,8 @@ def verify_command(
     settings = load_settings(quiet=True)
     nats_url = require(settings.nats_url, "NATS_URL")
     database_url = require(settings.database_url, "DATABASE_URL")
+    if keyring_file is not None:
+        check_document(keyring_file, what="a keyring is JSON of identity:key id -> hex public key")
     try:
         keyring = Keyring.load(keyring_file) if keyring_file is not None else None
     except SignatureError as exc:

@@ -20,6 +20,7 @@ __all__ = [
     "MAX_SPEC_BYTES",
     "InputFileError",
     "UniqueKeyLoader",
+    "check_document",
     "load_yaml",
     "parse_yaml",
     "read_text_file",
@@ -89,6 +90,17 @@ def load_yaml(path: Path) -> Any:
     try:
         return parse_yaml(text)
     except InputFileError as exc:
+        fail(f"{path}: {exc}", EXIT_BAD_INPUT)
+
+
+def check_document(path: Path, *, what: str) -> None:
+    """Exit 2 unless the file is a text file within MAX_SPEC_BYTES whose YAML or JSON shape is bounded.
+
+    For a document another component then reads itself (a keyring): refused here before it is parsed.
+    """
+    try:
+        check_yaml_shape(read_text_file(path, what=what))
+    except InputLimitError as exc:
         fail(f"{path}: {exc}", EXIT_BAD_INPUT)
 
 
