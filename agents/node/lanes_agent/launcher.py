@@ -44,7 +44,7 @@ from lanes_agent.cgroups import MemoryCgroups
 from lanes_agent.inventory import node_inventory
 from lanes_agent.ledger import RankLedger, RankRecord, process_start, reclaim
 from lanes_contract.client import publish_encoded
-from lanes_contract.codec import MSG_ID_HEADER, decode, encode
+from lanes_contract.codec import decode, encode
 from lanes_contract.errors import DecodeError, PoisonEventError
 from lanes_contract.events import (
     AgentHeartbeat,
@@ -541,24 +541,32 @@ class LocalLauncher:
 
         The ledger decides, never JetStream's duplicate window: a later run (an agent restarted an hour on)
         would otherwise store its start a second time. An event whose publishing began but was never
-        acknowledged (the agent died in between) is looked for on the log first. `held`: ride out outages
-        here, as a running rank's reports do; otherwise an outage is raised to the placement's handler.
+        acknowledged (the agent died in between, or a try failed after it landed) is looked for on the log
+        before it is sent again. `held`: ride out outages here, as a running rank's reports do; otherwise an
+        outage is raised to the placement's handler, which applies the placement again.
         """
         assert self._ledger is not None  # noqa: S101 - set by run()
         if event.id in record.stored:
             return record
-        if event.id not in record.sent:
+        never_sent = event.id not in record.sent
+        if never_sent:
             record = self._ledger.put(record.sending(event.id))
-        elif await self._holds(event, stream):
-            return self._ledger.put(record.holding(event.id))
-        if held:
-            await self._publish_held(event, stream)
-        else:
+
+        async def publish_unless_stored() -> None:
+            nonlocal never_sent
+            if not never_sent and await self._holds(event, stream):
+                return
+            never_sent = False
             await publish_encoded(self._js, encode(event), stream=stream)
+
+        if held:
+            await hold_through_outages(publish_unless_stored, self._spec)
+        else:
+            await publish_unless_stored()
         return self._ledger.put(record.holding(event.id))
 
     async def _holds(self, event: Event, stream: str) -> bool:
-        """Whether the log holds `event`: its id among the messages on its subject in LANES_JOBS.
+        """Whether the log holds `event`: its id among the events on its subject in LANES_JOBS.
 
         The subject holds only this job's events of that kind, so the walk is short. A telemetry subject
         holds all of a node's evidence: that is not walked, and telemetry's consumer skips an id it has
@@ -572,8 +580,9 @@ class LocalLauncher:
                 found = await self._js.get_msg(JOBS.name, seq=after + 1, subject=subject, next=True)
             except NotFoundError:
                 return False
-            if (found.headers or {}).get(MSG_ID_HEADER) == event.id:
-                return True
+            with contextlib.suppress(DecodeError):  # not an event at all: not ours either
+                if decode(found.subject or subject, found.headers, found.data or b"").id == event.id:
+                    return True
             after = found.seq or after + 1
 
     async def _publish_held(self, event: Event, stream: str) -> None:
