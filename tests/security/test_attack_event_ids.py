@@ -9,13 +9,9 @@ checks the message stored under the id and says the id is taken; an import repor
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
-import asyncpg
 import pytest
 from nats.aio.client import Client as NatsClient
 
@@ -31,8 +27,6 @@ from lanes_contract.events import (
 from lanes_contract.ids import derived_event_id
 from lanes_contract.jobs import JobSpec
 from lanes_contract.streams import JOBS
-from lanes_lifecycle.entrypoints.job_api import JobApi
-from lanes_runtime.settings import ServerUrls
 from lanes_sandbox.embedded import EmbeddedNats
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.real_servers]
@@ -90,22 +84,6 @@ async def test_an_honest_re_send_is_still_stored_once(secured_nats: EmbeddedNats
         again = await lifecycle.publish(submission(job))
         assert again == first
         assert await stored_on(lifecycle._nc, f"lanes.job.{job}.submitted") == 1
-
-
-@pytest.fixture
-async def job_api(secured_nats: EmbeddedNats, urls: ServerUrls) -> AsyncIterator[EmbeddedNats]:
-    pool = await asyncpg.create_pool(urls.database_url, min_size=1, max_size=2)
-    nc = await connect_nats(secured_nats.url_for("lifecycle"), name="lifecycle-api")
-    stop = asyncio.Event()
-    serving = asyncio.create_task(JobApi(nc, pool).run(stop))
-    try:
-        yield secured_nats
-    finally:
-        stop.set()
-        with contextlib.suppress(Exception):
-            await serving
-        await nc.close()
-        await pool.close()
 
 
 async def test_the_job_api_answers_a_squatted_submission_with_an_error_and_no_sequence(

@@ -8,13 +8,9 @@ ask, listen, or join the group.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
-import asyncpg
 import pytest
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
@@ -23,29 +19,9 @@ from support.waiting import eventually
 
 from lanes_contract.client import connect_nats, denied_operations
 from lanes_contract.identities import JOB_API, JOB_API_QUEUE
-from lanes_lifecycle.entrypoints.job_api import JobApi
-from lanes_runtime.settings import ServerUrls
 from lanes_sandbox.embedded import EmbeddedNats
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.real_servers]
-
-
-@pytest.fixture
-async def job_api(secured_nats: EmbeddedNats, urls: ServerUrls) -> AsyncIterator[EmbeddedNats]:
-    """The lifecycle's job API, served as the `lifecycle` identity on a server with auth."""
-    pool = await asyncpg.create_pool(urls.database_url, min_size=1, max_size=2)
-    nc = await connect_nats(secured_nats.url_for("lifecycle"), name="lifecycle-api")
-    stop = asyncio.Event()
-    serving = asyncio.create_task(JobApi(nc, pool).run(stop))
-    try:
-        yield secured_nats
-    finally:
-        stop.set()
-        with contextlib.suppress(Exception):
-            await serving
-        await nc.close()
-        await pool.close()
-    assert not denied_operations(nc), "the serving identity was refused something"
 
 
 async def ask(nc: NatsClient, operation: str, body: dict[str, Any]) -> dict[str, Any]:
