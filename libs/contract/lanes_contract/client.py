@@ -39,6 +39,7 @@ from lanes_contract.errors import (
     UnsupportedServerError,
 )
 from lanes_contract.events import Event
+from lanes_contract.identities import inbox_prefix
 from lanes_contract.signing import SIGNATURE_HEADER, SIGNER_HEADER, EventSigner
 from lanes_contract.streams import STREAM_OF_FAMILY
 
@@ -152,9 +153,12 @@ async def connect_nats(
     try:
         # nats-py applies max_reconnect_attempts to the first connect too: try each server twice here so an
         # unreachable URL fails fast, then reconnect forever once connected (a service outlives NATS restarts).
+        user = identity_of(url)
         nc = await nats.connect(
             servers=url.split(","),
             name=name,
+            # Each identity may only read its own replies (see `inbox_prefix`); anonymous servers keep the default.
+            inbox_prefix=inbox_prefix(user) if user else "_INBOX",
             connect_timeout=connect_timeout_s,
             max_reconnect_attempts=1,
             reconnect_time_wait=0.5,

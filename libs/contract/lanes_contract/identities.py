@@ -65,7 +65,16 @@ DEAD_LETTERS = "lanes.dead.>"
 AUDIT_CHECKPOINTS = "lanes.audit.>"
 REQUESTS = "lanes.req.>"
 
-INBOXES = "_INBOX.>"
+
+def inbox_prefix(identity: str) -> str:
+    """Where an identity's replies come (`_INBOX_<identity>`): nats-py's `inbox_prefix`, set by `connect_nats`.
+
+    With one shared `_INBOX.>`, any identity could subscribe to it and read every other's JetStream API
+    answers, fetched batches (with their ack subjects) and job API replies.
+    """
+    return f"_INBOX_{identity}"
+
+
 JOB_API = "lanes.api.job.*"
 """The job API's request subjects (`lanes.api.job.<operation>`): the CLI asks, the lifecycle answers."""
 JOB_API_QUEUE = "lanes-job-api"
@@ -339,9 +348,10 @@ def nats_permissions(identity: Identity) -> dict[str, object]:
 
     Publish: its event subjects and requests; the read-only JetStream API; its own durables' create, info,
     delete, pull and ack subjects; ordered readers' create if it `reads`. Every API that changes or cuts a
-    stream is denied besides (in NATS a deny beats an allow). Subscribe: replies (`_INBOX.>`), live events,
-    its own durables' advisories; the API subjects only in the queue groups it serves, so no one else can
-    take (or overhear) a request. A server replies once to each request it received (`allow_responses`).
+    stream is denied besides (in NATS a deny beats an allow). Subscribe: its own replies
+    (`_INBOX_<name>.>`), live events, its own durables' advisories; the API subjects only in the queue groups
+    it serves, so no one else can take (or overhear) a request. A server replies once to each request it
+    received (`allow_responses`).
     """
     owned = ("*",) if identity.owns_every_consumer else identity.durables
     durables = [api for durable in owned for api in consumer_apis(durable)]
@@ -353,7 +363,7 @@ def nats_permissions(identity: Identity) -> dict[str, object]:
         *(ORDERED_READS if identity.reads else ()),
     ]
     subscribe_allow = [
-        INBOXES,
+        f"{inbox_prefix(identity.name)}.>",
         EVENT_SUBJECTS,
         *(advisory for durable in owned for advisory in consumer_advisories(durable)),
         *(f"{subject} {queue}" for subject, queue in identity.serves),
