@@ -32,7 +32,16 @@ if TYPE_CHECKING:
     from asyncpg.pool import PoolConnectionProxy
     from prometheus_client import Gauge
 
-log = structlog.get_logger(__name__)
+
+def _log() -> structlog.typing.FilteringBoundLogger:
+    """This module's logger, looked up at each (rare) outage line rather than once at import.
+
+    A logger used once is cached with the configuration of that moment, and a process may configure logging
+    more than once: every in-process `lanes` command does, a quiet one at level error.
+    """
+    logger: structlog.typing.FilteringBoundLogger = structlog.get_logger(__name__)
+    return logger
+
 
 PROBE_EVERY_S = 1.0
 """Pause between two database probes."""
@@ -72,7 +81,7 @@ class Readiness:
         """`cause` found a server unavailable (and will try again): not ready until it answers."""
         if self._outage_began is None:
             self._outage_began = time.monotonic()
-            log.warning("server unavailable; holding until it answers", consumer=self._name, error=error)
+            _log().warning("server unavailable; holding until it answers", consumer=self._name, error=error)
         self._retries += 1
         self._waiting[cause] = error
         self._show()
@@ -82,7 +91,7 @@ class Readiness:
         if self._waiting.pop(cause, None) is None or self._waiting:
             return
         assert self._outage_began is not None  # noqa: S101 - set with the first waiting cause
-        log.info(
+        _log().info(
             "servers answer again; resuming",
             consumer=self._name,
             outage_s=round(time.monotonic() - self._outage_began, 1),
@@ -196,9 +205,9 @@ async def tick_until_stopped(
     while not stop.is_set():
         try:
             await tick()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failed tick is tried at the next; a bug is logged with its traceback
             if not is_infrastructure(exc):
-                log.exception("tick failed; retrying", runner=name)
+                _log().exception("tick failed; retrying", runner=name)
             else:
                 servers.unavailable(_TICK, describe(exc))
         else:
