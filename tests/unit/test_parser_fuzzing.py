@@ -354,3 +354,27 @@ def test_any_import_line_is_an_event_or_a_decode_error(line: bytes) -> None:
 
 def test_the_sample_event_decodes() -> None:
     assert decode_structured(json.dumps(SAMPLE).encode()).jobid == "j-1"
+
+
+prefixes = st.sampled_from(["", "[rank3]: ", "[default1]:[rank3]: ", "node-2: [rank3]: ", "3: ", "[1,3]<stderr>: "])
+frames = st.lists(
+    st.tuples(st.from_regex(r"[a-z_]{1,12}", fullmatch=True), st.integers(1, 9999)), min_size=1, max_size=6
+)
+
+
+@FUZZ
+@given(prefix=prefixes, stack=frames, message=st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126)))
+def test_a_traceback_is_one_exception_with_its_last_frames_whatever_wraps_its_lines(
+    prefix: str, stack: list[tuple[str, int]], message: str
+) -> None:
+    lines = ["Traceback (most recent call last):"]
+    for function, number in stack:
+        lines += [f'  File "/srv/{function}.py", line {number}, in {function}', f"    {function}()"]
+    lines.append(f"ValueError: {message}".rstrip())
+    parser = LogParser(CONTEXT)
+    found = [evidence for line in lines for evidence in parser.feed(prefix + line)] + parser.finish()
+    assert [evidence.category.value for evidence in found] == ["python_exception"]
+    kept = found[0].data.lines
+    assert kept[0].endswith(lines[0])
+    assert kept[-1].endswith(lines[-1])
+    assert [line.split('"')[1] for line in kept[1:-1]] == [f"/srv/{function}.py" for function, _ in stack[-3:]]

@@ -194,7 +194,7 @@ _PREFIXES: tuple[tuple[str, bool, re.Pattern[str]], ...] = (
     ("rank", False, re.compile(r"\[\d{1,9},(?P<v>\d{1,7})\]<(?:stdout|stderr)>:\s?")),
     ("pid", False, re.compile(r"\[\d{1,10}\]\s")),
     ("worker", False, re.compile(r"\((?P<v>\w*(?:Worker|Wrapper|Trainer|EngineCore)\w*[^()]{0,80}?)\)\s")),
-    ("rank", True, re.compile(r"(?P<v>\d{1,5}): (?=\S)(?!\d)")),
+    ("rank", True, re.compile(r"(?P<v>\d{1,5}): (?=\S|\s+\S)(?!\d)")),
     ("node", True, re.compile(r"(?P<v>(?=[\w.-]*\d)[a-z][\w-]{0,62}(?:\.[\w-]+)*): (?=\[|Traceback|\S+Error\b)")),
 )
 _MAX_PREFIXES = 5
@@ -868,7 +868,11 @@ class LogParser:
             return found
         if open_tb is not None:
             stripped = body.rstrip()
-            if not stripped or stripped.startswith((" ", "\t", "^", "~")):
+            # Without a prefix, `split_prefixes` took the line's indent with its leading whitespace: look at the line.
+            indented = stripped.startswith((" ", "\t", "^", "~")) or (
+                body == line.lstrip() and line.startswith((" ", "\t"))
+            )
+            if not stripped or indented:
                 open_tb.add(line)
                 return found
             if _EXCEPTION_LINE.match(stripped.strip()):
