@@ -245,7 +245,7 @@ def environment(nats_url: str, workdir: Path, case: Case) -> dict[str, str]:
 
 def in_this_process(
     args: list[str], env: Mapping[str, str], monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
-) -> tuple[int, str]:
+) -> tuple[int, str, str]:
     """`lanes ARGS` through the script's own entry point, in a worker thread (its event loop, no signal handlers)."""
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -260,10 +260,11 @@ def in_this_process(
 
     with ThreadPoolExecutor(max_workers=1) as worker:
         code = worker.submit(run).result()
-    return code, capfd.readouterr().err
+    captured = capfd.readouterr()
+    return code, captured.out, captured.err
 
 
-def as_a_process(args: list[str], env: Mapping[str, str]) -> tuple[int, str]:
+def as_a_process(args: list[str], env: Mapping[str, str]) -> tuple[int, str, str]:
     """`lanes ARGS` as the installed script, stdin closed, stderr a pipe (not a terminal)."""
     done = subprocess.run(
         [LANES, *args],
@@ -274,15 +275,16 @@ def as_a_process(args: list[str], env: Mapping[str, str]) -> tuple[int, str]:
         timeout=120,
         check=False,
     )
-    return done.returncode, done.stderr
+    return done.returncode, done.stdout, done.stderr
 
 
 def files_in(directory: Path) -> set[Path]:
     return set(directory.rglob("*"))
 
 
-def check(case: Case, code: int, stderr: str, *, before: set[Path], after: set[Path]) -> None:
+def check(case: Case, code: int, stdout: str, stderr: str, *, before: set[Path], after: set[Path]) -> None:
     assert code == case.code, stderr
+    assert stdout == "", stdout[:2000]
     lines = stderr.splitlines()
     assert len(lines) == 1, lines
     assert lines[0].startswith("error: "), lines[0]
@@ -297,8 +299,8 @@ def test_hostile_input_gets_one_line_the_right_exit_and_changes_nothing(
     case = CASES[name]
     stored = stored_messages(nats_url)
     before = files_in(workdir)
-    code, stderr = in_this_process(case.args, environment(nats_url, workdir, case), monkeypatch, capfd)
-    check(case, code, stderr, before=before, after=files_in(workdir))
+    code, stdout, stderr = in_this_process(case.args, environment(nats_url, workdir, case), monkeypatch, capfd)
+    check(case, code, stdout, stderr, before=before, after=files_in(workdir))
     assert stored_messages(nats_url) == stored
 
 
@@ -308,8 +310,8 @@ def test_the_installed_script_gives_the_same_one_line_to_a_pipe(name: str, nats_
     case = CASES[name]
     stored = stored_messages(nats_url)
     before = files_in(workdir)
-    code, stderr = as_a_process(case.args, environment(nats_url, workdir, case))
-    check(case, code, stderr, before=before, after=files_in(workdir))
+    code, stdout, stderr = as_a_process(case.args, environment(nats_url, workdir, case))
+    check(case, code, stdout, stderr, before=before, after=files_in(workdir))
     assert stored_messages(nats_url) == stored
 
 
@@ -320,12 +322,12 @@ def test_a_known_node_still_changes_state(
     conf = workdir / "one.conf"
     conf.write_text("SwitchName=s0 Nodes=hostile-known-1\n")
     env = environment(nats_url, workdir, Case([], 0, ""))
-    imported, stderr = in_this_process(
+    imported, _, stderr = in_this_process(
         ["topology", "import", "--format", "slurm", str(conf), "--gpus", "8"], env, monkeypatch, capfd
     )
     assert imported == 0, stderr
     stored = stored_messages(nats_url)
-    changed, stderr = in_this_process(
+    changed, _, stderr = in_this_process(
         ["topology", "state", "hostile-known-1", "cordoned", "--reason", "test"], env, monkeypatch, capfd
     )
     assert changed == 0, stderr
