@@ -52,6 +52,7 @@ FILES: dict[str, str | bytes] = {
     "plan.yaml": "drills: " + "[" * 5_000 + "]" * 5_000 + "\n",
     "not-utf8.yaml": b"name: \xff\xfe\n",
     "events.ndjson": '{"specversion": "1.0"}\n',
+    "one.conf": "SwitchName=s0 Nodes=gpu1\n",
 }
 
 
@@ -156,6 +157,12 @@ CASES: dict[str, Case] = {
     # And more of the same kind.
     "an endless keyring": Case(["audit", "verify", "--keyring", "/dev/zero"], EXIT_BAD_INPUT, "not a regular file"),
     "a 5,000-deep keyring": Case(["audit", "verify", "--keyring", "deep.json"], EXIT_BAD_INPUT, "limit of 64 levels"),
+    "topology with negative GPUs": Case(
+        ["topology", "import", "--format", "slurm", "one.conf", "--gpus", "-1"], EXIT_BAD_INPUT, "gpus"
+    ),
+    "topology with a pool that is no id": Case(
+        ["topology", "import", "--format", "slurm", "one.conf", "--pool", "a b"], EXIT_BAD_INPUT, "pool"
+    ),
     "poc of a wildcard job": Case(["poc", "--job", "a*"], EXIT_BAD_INPUT, "no wildcards"),
     "poc of an empty window": Case(
         ["poc", "--since", "2026-12-07", "--until", "2026-12-01"], EXIT_BAD_INPUT, "after --until"

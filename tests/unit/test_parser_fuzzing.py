@@ -200,10 +200,17 @@ def test_any_hostlist_expands_within_its_bound_or_is_refused(expression: str) ->
     assert peak < SMALL_INPUT_PEAK_BYTES
 
 
+command_defaults = st.dictionaries(
+    st.sampled_from(["gpus", "gpu_model", "gpu_memory_gib", "pool"]),
+    st.one_of(st.integers(-5, 2**70), st.text(max_size=8)),
+)
+"""What `lanes topology import --gpus/--gpu-model/--gpu-memory/--pool` add to every node, typed or not."""
+
+
 @FUZZ
-@given(text=slurm_texts)
-def test_any_topology_conf_is_a_cluster_or_a_format_error(text: str) -> None:
-    result, peak = peak_of(lambda: parse_slurm(text, defaults={"gpus": 8}))
+@given(text=slurm_texts, defaults=command_defaults)
+def test_any_topology_conf_is_a_cluster_or_a_format_error(text: str, defaults: dict[str, object]) -> None:
+    result, peak = peak_of(lambda: parse_slurm(text, defaults=defaults))
     assert_result_or(result, TopologyFormatError)
     assert peak < SMALL_INPUT_PEAK_BYTES
 

@@ -243,22 +243,38 @@ def parse_slurm(  # noqa: PLR0912 - one branch per kind of line keeps the gramma
             if kid not in switches:
                 raise TopologyFormatError(number, f"switch {parent} lists unknown switch {kid}")
             parent_of[kid] = parent
-    base = dict(defaults or {})
-    nodes = []
-    for host in sorted(set(leaf_of) | set(block_of)):
-        leaf = leaf_of.get(host, (None, 0))[0]
-        nodes.append(
-            Node.model_validate(
-                base
-                | {
-                    "node_id": host,
-                    "leaf": leaf,
-                    "spine": parent_of.get(leaf) if leaf else None,
-                    "nvlink_domain": block_of.get(host, (None, 0))[0],
-                }
-            )
+    return Cluster(
+        nodes=tuple(
+            _slurm_node(host, leaf_of, block_of, parent_of, defaults) for host in sorted(set(leaf_of) | set(block_of))
         )
-    return Cluster(nodes=tuple(nodes))
+    )
+
+
+def _slurm_node(
+    host: str,
+    leaf_of: Mapping[str, tuple[str, int]],
+    block_of: Mapping[str, tuple[str, int]],
+    parent_of: Mapping[str, str],
+    defaults: Mapping[str, Any] | None,
+) -> Node:
+    leaf = leaf_of[host][0] if host in leaf_of else None
+    fields: dict[str, Any] = dict(defaults or {}) | {
+        "node_id": host,
+        "leaf": leaf,
+        "spine": parent_of.get(leaf) if leaf else None,
+        "nvlink_domain": block_of[host][0] if host in block_of else None,
+    }
+    return _node(fields, (leaf_of.get(host) or block_of[host])[1])
+
+
+def _node(fields: Mapping[str, Any], line: int | None) -> Node:
+    """A node from a file's fields and the command's defaults; a value out of range is a format error."""
+    try:
+        return Node.model_validate(fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise TopologyFormatError(line, f"node {fields.get('node_id')}: {where}: {first['msg']}") from exc
 
 
 class _NameBudget:
@@ -564,9 +580,7 @@ def node_from_matrix(node_id: str, matrix: GpuMatrix, **fields: Any) -> Node:
     labels = {"lanes.io/nvlink-islands": islands} | {
         f"lanes.io/nic-{nic}": ",".join(map(str, gpus)) for nic, gpus in matrix.nic_affinity.items()
     }
-    return Node.model_validate(
-        {"gpu_model": "unknown", **fields, "node_id": node_id, "gpus": matrix.gpus, "labels": labels}
-    )
+    return _node({"gpu_model": "unknown", **fields, "node_id": node_id, "gpus": matrix.gpus, "labels": labels}, None)
 
 
 FORMATS = ("slurm", "labels", "nvidia-smi", "lanes")
