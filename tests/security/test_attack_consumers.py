@@ -16,11 +16,11 @@ from collections.abc import Mapping
 
 import pytest
 from nats.aio.client import Client as NatsClient
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig
 from support.waiting import eventually
 
 from lanes_contract.client import LanesClient, connect_nats, denied_operations
+from lanes_contract.errors import PermissionDeniedError
 from lanes_contract.events import JobSubmitted, JobSubmittedData
 from lanes_contract.identities import SERVICE_IDENTITIES, identity_named
 from lanes_contract.jobs import JobSpec
@@ -62,8 +62,8 @@ async def victims(secured_nats: EmbeddedNats) -> EmbeddedNats:
 
 
 async def assert_refused(nc: NatsClient, subject: str, body: Mapping[str, object] | None = None) -> None:
-    """The server drops a request this identity may not send (never answered) and reports the violation."""
-    with pytest.raises(NatsTimeoutError):
+    """The server refuses a request this identity may not send (it drops it and reports the violation)."""
+    with pytest.raises(PermissionDeniedError):
         await nc.request(subject, json.dumps(body or {}).encode(), timeout=1.0)
 
     async def reported() -> bool:

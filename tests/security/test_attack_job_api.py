@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeoutError
 from support.waiting import eventually
 
 from lanes_contract.client import connect_nats, denied_operations
+from lanes_contract.errors import PermissionDeniedError
 from lanes_contract.identities import JOB_API, JOB_API_QUEUE
 from lanes_sandbox.embedded import EmbeddedNats
 
@@ -57,7 +57,7 @@ async def test_no_identity_but_the_cli_may_send_a_job_api_request(
 ) -> None:
     nc = await connect_nats(job_api.url_for(identity), name=identity)
     try:
-        with pytest.raises(NatsTimeoutError):
+        with pytest.raises(PermissionDeniedError):
             await nc.request("lanes.api.job.cancel", json.dumps({"job_id": f"x-{unique}"}).encode(), timeout=1.0)
         await refusal_of(nc, 'publish to "lanes.api.job.cancel"')
     finally:

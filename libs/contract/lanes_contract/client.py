@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Any, Self, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import nats
 import structlog
 from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
 from nats.errors import AuthorizationError, NoRespondersError, NoServersError
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
@@ -53,6 +54,7 @@ multi-subject consumer filters every service uses.
 EXPECTED_LAST_SUBJECT_SEQUENCE = "Nats-Expected-Last-Subject-Sequence"
 EXPECTED_LAST_SUBJECT_SEQUENCE_SUBJECT = "Nats-Expected-Last-Subject-Sequence-Subject"
 log = structlog.get_logger(__name__)
+_T = TypeVar("_T")
 
 
 def _version_tuple(version: str) -> tuple[int, int, int]:
@@ -112,6 +114,39 @@ class _Refusals:
 _DENIED: weakref.WeakKeyDictionary[NatsClient, _Refusals] = weakref.WeakKeyDictionary()
 _SIGNERS: weakref.WeakKeyDictionary[NatsClient, EventSigner] = weakref.WeakKeyDictionary()
 SIGNING_KEY_ENV = "LANES_SIGNING_KEY_FILE"
+
+
+async def _unless_refused(sending: asyncio.Future[_T], refusals: _Refusals | None, subject: str) -> _T:
+    """The outcome of a publish or request on `subject`, or PermissionDeniedError as soon as the server refuses it.
+
+    A message the server refuses is dropped, never answered; the refusal arrives on the connection, so wait
+    for whichever comes first instead of waiting out the timeout.
+    """
+    while refusals is not None and not sending.done():
+        refused = refusals.about(subject)
+        if refused is not None:
+            sending.cancel()
+            msg = f"this identity may not publish on {subject}: {refused}"
+            raise PermissionDeniedError(msg)
+        changed = asyncio.ensure_future(refusals.changed.wait())
+        either: set[asyncio.Future[Any]] = {sending, changed}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        changed.cancel()
+    return await sending
+
+
+def _refused_requests_fail_fast(nc: NatsClient, refusals: _Refusals) -> None:
+    """Make a request the server refuses (a JetStream API call this identity may not make) fail at once.
+
+    Without this it waits out its timeout: an ordered reader's clean-up delete, which least privilege
+    refuses (the consumer lapses by itself), would add the JetStream timeout (5 s) to every replay.
+    """
+    request = nc.request
+
+    async def checked(subject: str, *args: Any, **kwargs: Any) -> Msg:
+        return await _unless_refused(asyncio.ensure_future(request(subject, *args, **kwargs)), refusals, subject)
+
+    nc.request = checked  # type: ignore[method-assign]
 
 
 def sign_with(nc: NatsClient, signer: EventSigner | None) -> None:
@@ -176,6 +211,7 @@ async def connect_nats(
         msg = f"cannot reach NATS at {shown}: {exc or type(exc).__name__}"
         raise ServerUnavailableError(msg) from exc
     _DENIED[nc] = refusals
+    _refused_requests_fail_fast(nc, refusals)
     sign_with(nc, signer)
     nc.options["max_reconnect_attempts"] = -1
     try:
@@ -284,19 +320,8 @@ async def publish_encoded(
         if expected_subject is not None:
             headers[EXPECTED_LAST_SUBJECT_SEQUENCE_SUBJECT] = expected_subject
     publishing = asyncio.ensure_future(_store(js, encoded, headers, stream))
-    # A publish the server refuses is dropped, never answered; the refusal arrives on the connection, so
-    # wait for whichever comes first instead of waiting out the publish timeout.
     refusals = _DENIED.get(js._nc)  # noqa: SLF001 - the connection the context publishes on
-    while refusals is not None and not publishing.done():
-        refused = refusals.about(encoded.subject)
-        if refused is not None:
-            publishing.cancel()
-            msg = f"this identity may not publish on {encoded.subject}: {refused}"
-            raise PermissionDeniedError(msg)
-        changed = asyncio.ensure_future(refusals.changed.wait())
-        await asyncio.wait({publishing, changed}, return_when=asyncio.FIRST_COMPLETED)
-        changed.cancel()
-    ack = await publishing
+    ack = await _unless_refused(publishing, refusals, encoded.subject)
     if ack.duplicate:
         await _same_event_stored(js, ack, encoded)
     return Published(stream=ack.stream, seq=ack.seq, duplicate=bool(ack.duplicate))
