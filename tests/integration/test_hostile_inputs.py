@@ -163,6 +163,13 @@ CASES: dict[str, Case] = {
     "topology with a pool that is no id": Case(
         ["topology", "import", "--format", "slurm", "one.conf", "--pool", "a b"], EXIT_BAD_INPUT, "pool"
     ),
+    "an attempt of 2**70 to run": Case(
+        ["run", "--job", "x", "--attempt", str(2**70), "--", "true"], EXIT_BAD_INPUT, "10000"
+    ),
+    "an attempt of 2**70 to retry": Case(["retry", "x", "--attempt", str(2**70)], EXIT_BAD_INPUT, "10000"),
+    "a rank of 2**70 to drill": Case(["drill", "x", "--kind", "kill", "--rank", str(2**70)], EXIT_BAD_INPUT, "65535"),
+    "100,000 local nodes": Case(["up", "--nodes", "100000"], EXIT_BAD_INPUT, "256"),
+    "a 10,000-character replica": Case(["route", "drain", LONG_ID], EXIT_BAD_INPUT, "must be 1-128"),
     "poc of a wildcard job": Case(["poc", "--job", "a*"], EXIT_BAD_INPUT, "no wildcards"),
     "poc of an empty window": Case(
         ["poc", "--since", "2026-12-07", "--until", "2026-12-01"], EXIT_BAD_INPUT, "after --until"

@@ -18,7 +18,7 @@ import typer
 from lanes_agent.launcher import HEARTBEAT_S, STOP_GRACE_S, LocalLauncher
 from lanes_agent.netns import NodeNetworks
 from lanes_cli.console import EXIT_BAD_INPUT, EXIT_FAILED, err, fail, load_settings, require, run_async
-from lanes_cli.limits import MAX_OPTION_SECONDS
+from lanes_cli.limits import MAX_OPTION_SECONDS, excerpt
 from lanes_contract.client import connect_nats
 from lanes_contract.ids import is_valid_token
 from lanes_runtime.service import stop_on_signals
@@ -94,7 +94,7 @@ def agent(  # noqa: PLR0917 - typer maps each parameter to an option
     url = require(settings.nats_url, "NATS_URL")
     for name in node:
         if not is_valid_token(name):
-            fail(f"invalid node name {name!r}: letters, digits, '-' and '_' only", EXIT_BAD_INPUT)
+            fail(f"invalid node name {excerpt(name)}: letters, digits, '-' and '_' only", EXIT_BAD_INPUT)
     durable = durable_name(node)
     directory = state_dir or DEFAULT_STATE_DIR / durable
 

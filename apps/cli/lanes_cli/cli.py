@@ -61,7 +61,7 @@ from lanes_cli.console import (
 from lanes_cli.demo import DEMO_NODES, FaultPaths, local_nodes, register_nodes, run_demo
 from lanes_cli.html import render_page
 from lanes_cli.input_files import InputFileError, load_yaml, validation_problems
-from lanes_cli.limits import MAX_OPTION_SECONDS, MAX_STREAM_SEQUENCE, excerpt
+from lanes_cli.limits import MAX_LOCAL_NODES, MAX_OPTION_SECONDS, MAX_STREAM_SEQUENCE, excerpt
 from lanes_cli.render import render_demo, render_job
 from lanes_cli.replay import Pace, merged, selections, write_ndjson
 from lanes_cli.scheduling import scheduling_view
@@ -151,7 +151,9 @@ def demo(
 
 @app.command()
 def up(
-    nodes: Annotated[int, typer.Option(help="Simulated local nodes for the local launcher.", min=0)] = 2,
+    nodes: Annotated[
+        int, typer.Option(help="Simulated local nodes for the local launcher.", min=0, max=MAX_LOCAL_NODES)
+    ] = 2,
     gpus: Annotated[int, typer.Option(help="GPUs per simulated node.", min=1, max=64)] = 4,
     kernel_log: Annotated[
         Path | None,
@@ -216,7 +218,7 @@ def up(
 def serve(service: Annotated[str, typer.Argument(help=f"One of: {', '.join(SERVICES)}.")]) -> None:
     """Run one service against NATS_URL, DATABASE_URL and REDIS_URL until SIGTERM or Ctrl-C."""
     if service not in SERVICES:
-        fail(f"unknown service {service!r}; choose one of {', '.join(SERVICES)}", EXIT_BAD_INPUT)
+        fail(f"unknown service {excerpt(service)}; choose one of {', '.join(SERVICES)}", EXIT_BAD_INPUT)
     settings = load_settings()
     urls = ServerUrls(
         require(settings.nats_url, "NATS_URL"),

@@ -36,7 +36,7 @@ from lanes_cli.console import (
 )
 from lanes_cli.drills import DrillReport, complete, drill_report
 from lanes_cli.input_files import load_yaml, validation_problems
-from lanes_cli.limits import MAX_OPTION_SECONDS
+from lanes_cli.limits import MAX_OPTION_SECONDS, MAX_RANKS
 from lanes_cli.timeline import job_timeline, row_kind
 from lanes_contract.client import LanesClient, connect_nats
 from lanes_contract.events import DrillInjected, DrillInjectedData, DrillKind
@@ -150,7 +150,7 @@ def print_report(report: DrillReport) -> None:
 def drill(  # noqa: PLR0917 - typer maps each option to a parameter
     job: Annotated[str | None, typer.Argument(help="The running job to drill (or give --plan).")] = None,
     kind: Annotated[DrillKind | None, typer.Option(help="What to inject.")] = None,
-    rank: Annotated[int, typer.Option(help="Into which rank of the running attempt.", min=0)] = 0,
+    rank: Annotated[int, typer.Option(help="Into which rank of the running attempt.", min=0, max=MAX_RANKS - 1)] = 0,
     duration: Annotated[
         float | None, typer.Option(help="Seconds a hang or slow-down lasts.", min=0.1, max=MAX_OPTION_SECONDS)
     ] = None,

@@ -23,6 +23,7 @@ from lanes_cli.console import (
     require,
     run_async,
 )
+from lanes_cli.limits import MAX_ATTEMPT
 from lanes_contract.client import LanesClient, connect_nats
 from lanes_contract.events import (
     CancelRequested,
@@ -123,7 +124,8 @@ def cancel(
 def retry(
     job_id: str,
     attempt: Annotated[
-        int | None, typer.Option(min=1, help="The attempt to retry; a stale one is rejected. Default: current.")
+        int | None,
+        typer.Option(min=1, max=MAX_ATTEMPT, help="The attempt to retry; a stale one is rejected. Default: current."),
     ] = None,
     reason: Annotated[str, typer.Option(help="Why; shown on the timeline.")] = "",
     by: Annotated[str, typer.Option(help="Who asks; shown on the timeline.")] = "",

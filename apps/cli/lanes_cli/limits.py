@@ -46,6 +46,10 @@ MAX_HOSTLIST_DIGITS = 9
 """Digits of a number in a hostlist range (`gpu[000000001-000000002]`)."""
 MAX_RANKS = cast("int", next(bound.le for bound in JobSpec.model_fields["workers"].metadata if isinstance(bound, Le)))
 """Ranks of a job, as a job spec's `workers` allows (65,536): `lanes run --ranks` and `--world-size` too."""
+MAX_ATTEMPT = 10_000
+"""An attempt number given on the command line: far above any retry budget (a job spec allows 100 retries)."""
+MAX_LOCAL_NODES = 256
+"""Simulated nodes `lanes up` runs on this one machine."""
 MAX_STREAM_SEQUENCE = 2**64 - 1
 """JetStream sequences are unsigned 64-bit integers."""
 MAX_OPTION_SECONDS = 86_400.0

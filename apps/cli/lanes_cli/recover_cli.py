@@ -14,6 +14,7 @@ from typing import Annotated
 import typer
 
 from lanes_cli.console import EXIT_BAD_INPUT, EXIT_NOT_FOUND, fail, load_settings, out, require, run_async
+from lanes_cli.limits import excerpt
 from lanes_contract.client import LanesClient
 from lanes_contract.events import ManualAction, ManualActionData, ManualActionRequested
 from lanes_contract.ids import is_valid_token
@@ -46,7 +47,7 @@ def recover(  # noqa: PLR0917 - typer maps each parameter to an option
     if not reason.strip():
         fail("--reason is required: the decision is audited with who and why", EXIT_BAD_INPUT)
     if not is_valid_token(job_id):
-        fail(f"job id {job_id!r} must be 1-128 characters from A-Z a-z 0-9 _ -", EXIT_BAD_INPUT)
+        fail(f"job id {excerpt(job_id)} must be 1-128 characters from A-Z a-z 0-9 _ -", EXIT_BAD_INPUT)
     nats_url = require(load_settings(quiet=True).nats_url, "NATS_URL")
     who = by or _current_user()
     data = ManualActionData(action=chosen[0], reason=reason, requested_by=who)

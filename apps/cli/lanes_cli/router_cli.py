@@ -17,6 +17,7 @@ import typer
 from rich.table import Table
 
 from lanes_cli.console import EXIT_BAD_INPUT, EXIT_NOT_FOUND, as_utc, err, fail, load_settings, out, require, run_async
+from lanes_cli.limits import excerpt
 from lanes_contract.client import LanesClient, connect_nats
 from lanes_contract.codec import decode, to_structured
 from lanes_contract.errors import DecodeError
@@ -46,7 +47,7 @@ def register(app: typer.Typer) -> None:
 
 def _checked(value: str, what: str) -> str:
     if not is_valid_token(value):
-        fail(f"{what} {value!r} must be 1-128 characters from A-Z a-z 0-9 _ -", EXIT_BAD_INPUT)
+        fail(f"{what} {excerpt(value)} must be 1-128 characters from A-Z a-z 0-9 _ -", EXIT_BAD_INPUT)
     return value
 
 

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from lanes_cli.console import EXIT_BAD_INPUT, checked_job_id, err, fail, load_settings, run_async
-from lanes_cli.limits import MAX_RANKS
+from lanes_cli.limits import MAX_ATTEMPT, MAX_RANKS
 from lanes_observe.outbox import Outbox
 from lanes_observe.wrap import CommandNotStartedError, default_outbox, identity_from, run_wrapped, slurm_placement
 
@@ -17,7 +17,9 @@ from lanes_observe.wrap import CommandNotStartedError, default_outbox, identity_
 def run(  # noqa: PLR0917 - typer maps each option to a parameter
     command: Annotated[list[str], typer.Argument(help="The command to run, after `--`.", show_default=False)],
     job: Annotated[str | None, typer.Option(help="Job id (default: slurm-$SLURM_JOB_ID, else a new one).")] = None,
-    attempt: Annotated[int | None, typer.Option(min=1, help="Attempt (default: $SLURM_RESTART_COUNT + 1).")] = None,
+    attempt: Annotated[
+        int | None, typer.Option(min=1, max=MAX_ATTEMPT, help="Attempt (default: $SLURM_RESTART_COUNT + 1).")
+    ] = None,
     node: Annotated[str | None, typer.Option(help="Node (default: $SLURMD_NODENAME, else the host name).")] = None,
     ranks: Annotated[
         str | None, typer.Option(help="Ranks this command runs, e.g. 0-3 (default: from torchrun/srun or $RANK).")
