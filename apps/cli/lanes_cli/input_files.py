@@ -13,7 +13,7 @@ import yaml
 from pydantic import ValidationError
 
 from lanes_cli.console import EXIT_BAD_INPUT, fail
-from lanes_cli.limits import MAX_SPEC_BYTES, InputLimitError, check_yaml_shape
+from lanes_cli.limits import MAX_PROBLEMS_SHOWN, MAX_SPEC_BYTES, InputLimitError, check_yaml_shape
 from lanes_contract.errors import LanesError
 
 __all__ = [
@@ -105,5 +105,11 @@ def check_document(path: Path, *, what: str) -> None:
 
 
 def validation_problems(exc: ValidationError, whole: str = "spec") -> str:
-    """Every problem pydantic found, on one line: `workers: Input should be greater than 0; ...`."""
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) or whole}: {e['msg']}".replace("\n", " ") for e in exc.errors())
+    """The problems pydantic found, on one line: `workers: Input should be greater than 0; ...`.
+
+    At most MAX_PROBLEMS_SHOWN are named (a file of a thousand unknown keys is not repeated back), then how
+    many more there are.
+    """
+    problems = [f"{'.'.join(map(str, e['loc'])) or whole}: {e['msg']}".replace("\n", " ") for e in exc.errors()]
+    more = len(problems) - MAX_PROBLEMS_SHOWN
+    return "; ".join(problems[:MAX_PROBLEMS_SHOWN]) + (f"; and {more} more" if more > 0 else "")

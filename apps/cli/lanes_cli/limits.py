@@ -69,6 +69,10 @@ def excerpt(text: str) -> str:
     return repr(text if len(text) <= MAX_QUOTED_CHARS else text[:MAX_QUOTED_CHARS] + "...")
 
 
+MAX_PROBLEMS_SHOWN = 5
+"""How many of a file's validation problems one error line names before it says how many more there are."""
+
+
 class InputLimitError(LanesError, ValueError):
     """An input beyond one of the bounds above; the message names the bound."""
 
