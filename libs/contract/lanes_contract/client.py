@@ -116,13 +116,13 @@ _SIGNERS: weakref.WeakKeyDictionary[NatsClient, EventSigner] = weakref.WeakKeyDi
 SIGNING_KEY_ENV = "LANES_SIGNING_KEY_FILE"
 
 
-async def _unless_refused(sending: asyncio.Future[_T], refusals: _Refusals | None, subject: str) -> _T:
+async def _unless_refused(sending: asyncio.Future[_T], refusals: _Refusals, subject: str) -> _T:
     """The outcome of a publish or request on `subject`, or PermissionDeniedError as soon as the server refuses it.
 
     A message the server refuses is dropped, never answered; the refusal arrives on the connection, so wait
     for whichever comes first instead of waiting out the timeout.
     """
-    while refusals is not None and not sending.done():
+    while not sending.done():
         refused = refusals.about(subject)
         if refused is not None:
             sending.cancel()
@@ -319,9 +319,8 @@ async def publish_encoded(
         headers[EXPECTED_LAST_SUBJECT_SEQUENCE] = str(expected_last_subject_seq)
         if expected_subject is not None:
             headers[EXPECTED_LAST_SUBJECT_SEQUENCE_SUBJECT] = expected_subject
-    publishing = asyncio.ensure_future(_store(js, encoded, headers, stream))
-    refusals = _DENIED.get(js._nc)  # noqa: SLF001 - the connection the context publishes on
-    ack = await _unless_refused(publishing, refusals, encoded.subject)
+    # A refused publish raises PermissionDeniedError at once (`connect_nats` makes refused requests fail fast).
+    ack = await _store(js, encoded, headers, stream)
     if ack.duplicate:
         await _same_event_stored(js, ack, encoded)
     return Published(stream=ack.stream, seq=ack.seq, duplicate=bool(ack.duplicate))
