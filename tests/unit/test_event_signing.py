@@ -10,7 +10,15 @@ import pytest
 from lanes_audit.views import ProblemKind, SignedMessage, check_signers
 from lanes_contract.codec import EncodedEvent, encode
 from lanes_contract.events import JobPlaced, JobPlacedData, RankAssignment, RankExited, RankExitedData
-from lanes_contract.signing import SIGNATURE_HEADER, EventSigner, Keyring, SignatureError
+from lanes_contract.signing import (
+    SIGNATURE_HEADER,
+    SIGNER_HEADER,
+    EventSigner,
+    ForgeryError,
+    Keyring,
+    SignatureError,
+    verified_signer,
+)
 
 
 def placement(job: str = "j1") -> EncodedEvent:
@@ -77,3 +85,62 @@ def test_the_audit_check_flags_an_event_signed_by_a_role_that_may_not_write_it()
     unsigned = check_signers([stored(3, encode(exit_event))], KEYRING)
     assert unsigned is not None
     assert "unsigned" in unsigned.detail
+
+
+# --- what a consumer checks before it acts (`verified_signer`) ------------------------------------------------
+
+AGENT_1 = EventSigner.generate("agent-node-1")
+CONSUMER_KEYRING = KEYRING.with_key(AGENT_1)
+
+
+def rank_exit(node: str, source: str | None = None) -> EncodedEvent:
+    return encode(
+        RankExited(
+            source=source or f"agent/{node}",
+            jobid="j1",
+            attempt=1,
+            node=node,
+            rank=1,
+            data=RankExitedData(exit_code=1),
+        )
+    )
+
+
+def test_an_honest_event_names_its_signer() -> None:
+    for signer, event in ((SCHEDULER, placement()), (AGENT_1, rank_exit("node-1"))):
+        signed = signer.sign(event)
+        assert verified_signer(signed.subject, signed.headers, signed.payload, CONSUMER_KEYRING) == signer.identity
+
+
+def test_the_issue_34_forgery_a_garbage_signer_claiming_the_scheduler_is_refused() -> None:
+    event = rank_exit("node-2", source="lanes/scheduler")
+    garbage = dict(event.headers) | {SIGNER_HEADER: "scheduler:\x1b[31mk1", SIGNATURE_HEADER: "not base64!"}
+    with pytest.raises(SignatureError, match="not in the keyring") as refused:
+        verified_signer(event.subject, garbage, event.payload, CONSUMER_KEYRING)
+    assert not isinstance(refused.value, ForgeryError)
+    assert "\x1b" not in str(refused.value)  # a reason is printable whatever the header held
+    real_key_bad_signature = garbage | {SIGNER_HEADER: SCHEDULER.reference}
+    with pytest.raises(SignatureError, match="does not match"):
+        verified_signer(event.subject, real_key_bad_signature, event.payload, CONSUMER_KEYRING)
+    with pytest.raises(SignatureError, match="unsigned"):
+        verified_signer(event.subject, event.headers, event.payload, CONSUMER_KEYRING)
+
+
+def test_a_valid_signature_by_an_identity_whose_role_does_not_cover_the_subject_is_a_forgery() -> None:
+    forged = CLI.sign(rank_exit("node-2"))  # the cli's own key, but only node agents report rank exits
+    with pytest.raises(ForgeryError, match=r"signed by cli, whose role may not write lanes\.job\.j1\.rank_exited"):
+        verified_signer(forged.subject, forged.headers, forged.payload, CONSUMER_KEYRING)
+    stranger = EventSigner.generate("mallory")
+    unknown = stranger.sign(placement())
+    with pytest.raises(ForgeryError, match="mallory, which is no identity"):
+        verified_signer(unknown.subject, unknown.headers, unknown.payload, CONSUMER_KEYRING.with_key(stranger))
+
+
+def test_a_node_agent_speaks_only_for_its_own_node_and_as_itself() -> None:
+    for event, reason in (
+        (rank_exit("node-2"), "about node node-2: an agent speaks only for its own node"),
+        (rank_exit("node-1", source="lanes/scheduler"), "claims the source lanes/scheduler, not agent/node-1"),
+    ):
+        forged = AGENT_1.sign(event)
+        with pytest.raises(ForgeryError, match=reason):
+            verified_signer(forged.subject, forged.headers, forged.payload, CONSUMER_KEYRING)

@@ -700,3 +700,15 @@ def test_a_finding_for_an_old_attempt_refines_that_attempt_only():
     assert transition is None
     assert view.attempts[0].cause is FailureCause.COMMUNICATION_FAILURE
     assert view.current.finding_version is None
+
+
+def test_a_rank_event_from_a_node_the_rank_was_not_placed_on_is_refused():
+    """Issue 34: node-1's agent may sign only events about node-1, so a forged exit of rank 1 (placed on node-2)
+    names node-1; the fold refuses it, and the job goes on as its real ranks report."""
+    view, _ = fold(submitted(), placed(), started(0), started(1))
+    refusal = r"rank_exited\.v1 for rank 1 from node-1, but attempt 1 placed it on node-2"
+    with pytest.raises(IllegalTransitionError, match=refusal):
+        evolve(view, exited(1, exit_code=1, node="node-1"))
+    after, transition = evolve(view, exited(1, exit_code=0))
+    assert transition is None
+    assert after.current.ranks[1].exited

@@ -6,6 +6,10 @@ The signature covers the subject, every CloudEvents header (`ce-*`, `traceparent
 and `lanes audit verify --keyring` names any event unsigned, signed by an unknown key, or signed by an
 identity that may not write its subject (see `lanes_contract.identities`).
 
+Consumers check every event before they act on it (`verified_signer`): a valid signature by a key in the
+keyring, made by an identity whose role covers the subject, and, for a node agent, about its own node only.
+The services run it when LANES_KEYRING names a keyring (`lanes up` and `lanes demo` always do).
+
 Rotation: an identity gets a new key id (`scheduler:k2`) and signs with it from then on; the keyring keeps
 the old public key, so events signed before the rotation still verify. A key is only removed from the
 keyring if it was compromised, and then its events are reported as signed by an unknown key.
@@ -14,6 +18,9 @@ keyring if it was compromised, and then its events are reported as signed by an 
 from __future__ import annotations
 
 import base64
+import binascii
+import contextlib
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -25,9 +32,11 @@ from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption,
 
 from lanes_contract.codec import EncodedEvent
 from lanes_contract.errors import LanesError
+from lanes_contract.identities import AGENT_PREFIX, Identity, identity_named, may_publish
 
 KEYRING_ENV = "LANES_KEYRING"
-"""A keyring file (JSON) that `lanes audit verify` checks each event's signer against."""
+"""A keyring file (JSON): `lanes audit verify` checks each stored event's signer against it, and every
+service's consumers check each event against it before acting on it."""
 SIGNER_HEADER = "Lanes-Signer"
 SIGNATURE_HEADER = "Lanes-Signature"
 _SIGNED_HEADERS = ("traceparent", "content-type", "nats-msg-id")
@@ -36,6 +45,13 @@ _FORMAT = b"lanes-event-signature-v1\n"
 
 class SignatureError(LanesError):
     """An event's signature is missing, made by an unknown key, or does not match the event."""
+
+
+class ForgeryError(SignatureError):
+    """A valid signature, by an identity that may not say this.
+
+    A subject outside its role, or (a node agent) an event about another node.
+    """
 
 
 def signed_bytes(subject: str, headers: Mapping[str, str] | None, payload: bytes) -> bytes:
@@ -109,6 +125,15 @@ class Keyring:
 
     keys: Mapping[str, bytes]
 
+    @functools.cached_property
+    def _public_keys(self) -> dict[str, Ed25519PublicKey]:
+        """Each key parsed once (a consumer verifies every event it reads with one of a few keys)."""
+        parsed: dict[str, Ed25519PublicKey] = {}
+        for reference, raw in self.keys.items():
+            with contextlib.suppress(ValueError):  # a malformed key verifies nothing: "not in the keyring"
+                parsed[reference] = Ed25519PublicKey.from_public_bytes(raw)
+        return parsed
+
     def verify(self, subject: str, headers: Mapping[str, str] | None, payload: bytes) -> str:
         """The identity that signed this stored event; SignatureError when it cannot be shown."""
         found = headers or {}
@@ -116,15 +141,13 @@ class Keyring:
         if not reference or not signature:
             msg = "unsigned"
             raise SignatureError(msg)
-        public = self.keys.get(reference)
+        public = self._public_keys.get(reference)
         if public is None:
-            msg = f"signed by {reference}, a key not in the keyring"
+            msg = f"signed by {_shown(reference)}, a key not in the keyring"
             raise SignatureError(msg)
         try:
-            Ed25519PublicKey.from_public_bytes(public).verify(
-                base64.b64decode(signature, validate=True), signed_bytes(subject, found, payload)
-            )
-        except (InvalidSignature, ValueError) as exc:
+            public.verify(base64.b64decode(signature, validate=True), signed_bytes(subject, found, payload))
+        except (InvalidSignature, ValueError, binascii.Error) as exc:
             msg = f"the signature of {reference} does not match the event"
             raise SignatureError(msg) from exc
         return reference.split(":", 1)[0]
@@ -146,3 +169,56 @@ class Keyring:
         except (OSError, ValueError, AttributeError) as exc:
             msg = f"{path} is not a Lanes keyring (JSON of identity:key id -> hex public key): {exc}"
             raise SignatureError(msg) from exc
+
+
+def verified_signer(subject: str, headers: Mapping[str, str] | None, payload: bytes, keyring: Keyring) -> str:
+    """The identity that signed this event and may say it; what a consumer checks before it acts (pure).
+
+    SignatureError: unsigned, a garbage signature, a key the keyring does not hold, or a signature that does
+    not match the event. ForgeryError: a valid signature by an identity whose role does not cover the
+    subject, or a node agent speaking about another node (its event's `ce-node`, and `ce-source`, must be
+    its own). Which rank runs on which node is the lifecycle's to check: it refuses a rank event whose node
+    is not the node that rank was placed on.
+    """
+    signer = keyring.verify(subject, headers, payload)
+    identity = _identity(signer)
+    if identity is None:
+        msg = f"signed by {_shown(signer)}, which is no identity"
+        raise ForgeryError(msg)
+    if not may_publish(identity, subject):
+        msg = f"signed by {signer}, whose role may not write {subject}"
+        raise ForgeryError(msg)
+    if signer.startswith(AGENT_PREFIX):
+        _check_own_node(signer.removeprefix(AGENT_PREFIX), identity, headers or {})
+    return signer
+
+
+def _check_own_node(node: str, identity: Identity, headers: Mapping[str, str]) -> None:
+    """A node agent speaks only for its own node: the event must name that node, and that agent as source."""
+    lowered = {name.lower(): value for name, value in headers.items() if name.lower() in {"ce-node", "ce-source"}}
+    named = lowered.get("ce-node")
+    if named != node:
+        said = f"node {_shown(named)}" if named else "no node"
+        msg = f"signed by {identity.name}, but the event is about {said}: an agent speaks only for its own node"
+        raise ForgeryError(msg)
+    claimed = lowered.get("ce-source")
+    if claimed != identity.source:
+        msg = f"signed by {identity.name}, but it claims the source {_shown(claimed or '')}, not {identity.source}"
+        raise ForgeryError(msg)
+
+
+@functools.lru_cache(maxsize=4096)
+def _identity(name: str) -> Identity | None:
+    """An identity by name, built once (a node agent's role is built from its node on each call otherwise)."""
+    return identity_named(name)
+
+
+def _shown(value: str | None, limit: int = 80) -> str:
+    """A value from the event itself, fit for a dead letter's reason: printable, and cut if long.
+
+    It may be anything: an unprintable one is quoted, so no control character reaches a terminal.
+    """
+    text = value or ""
+    if not text.isprintable():
+        text = repr(text)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."

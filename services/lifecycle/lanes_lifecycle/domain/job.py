@@ -494,6 +494,13 @@ def _placed_rank(view: JobView, attempt: Attempt, event: Event) -> int:
         raise IllegalTransitionError(
             f"{event.type} for rank {rank}, which attempt {attempt.number} of job {view.job_id} did not place"
         )
+    placed_on = attempt.ranks[rank].node
+    if event.node is not None and event.node != placed_on:
+        # A node agent speaks only for its own node (consumers check that it signed as that node); this checks
+        # the node is the one the rank runs on, so no agent can end another node's rank.
+        raise IllegalTransitionError(
+            f"{event.type} for rank {rank} from {event.node}, but attempt {attempt.number} placed it on {placed_on}"
+        )
     return rank
 
 
