@@ -10,10 +10,12 @@ checks the message stored under the id and says the id is taken; an import repor
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 from nats.aio.client import Client as NatsClient
+from support.cli import run_lanes_async
 
 from lanes_contract.client import ImportOutcome, LanesClient, connect_nats, import_event, publish_encoded
 from lanes_contract.codec import MSG_ID_HEADER, encode
@@ -121,3 +123,17 @@ async def test_an_import_reports_a_conflict_never_already_present(secured_nats: 
     assert "other content" in outcomes[1].detail
     assert again.outcome is ImportOutcome.ALREADY_PRESENT
     assert again.seq == outcomes[2].seq
+
+
+async def test_lanes_submit_of_a_squatted_job_fails_and_prints_no_sequence(
+    secured_nats: EmbeddedNats, unique: str, tmp_path: Path
+) -> None:
+    """The reproduction as the issue gives it: before, `lanes submit` printed the attacker's sequence, exit 0."""
+    job = f"cli-squatted-{unique}"
+    await squat(secured_nats, job)
+    spec = tmp_path / "job.yaml"
+    spec.write_text(f"job_id: {job}\nname: victim\nworkers: 1\ngpus_per_worker: 1\n")
+    ran = await run_lanes_async(None, "submit", str(spec), env={"NATS_URL": secured_nats.url_for("cli")})
+    assert ran.returncode != 0
+    assert ran.stdout == ""
+    assert "already used by another event" in ran.stderr
