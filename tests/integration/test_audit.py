@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client import REGISTRY, generate_latest
+from support.cli import run_lanes_async
 from support.contract import submission
+from support.logs import json_logs
 from support.waiting import eventually
 
 from lanes_audit.adapters.signing import Signer
 from lanes_audit.domain.chain import ProblemKind
 from lanes_audit.entrypoints.recorder import AuditRecorder
 from lanes_cli.audit_cli import verify
+from lanes_cli.console import EXIT_FAILED
 from lanes_contract.client import LanesClient, publish_encoded
 from lanes_contract.codec import encode
 from lanes_contract.streams import JOBS
@@ -68,17 +72,29 @@ async def recorded(lanes: LanesClient, pool: asyncpg.Pool, unique: str) -> Signe
 
 
 async def test_a_clean_copy_verifies_with_signed_checkpoints(
-    recorded: Signer, urls: ServerUrls, pool: asyncpg.Pool
+    recorded: Signer, urls: ServerUrls, pool: asyncpg.Pool, unique: str
 ) -> None:
     signer = recorded
-    verdict = await verify(urls.nats_url, urls.database_url, signer.public_key)
-    assert verdict.problem is None, verdict.as_json()
+    verdict = await verify(urls.nats_url, urls.database_url, signer.public_key, recorder=f"audit-{unique}")
+    assert verdict.problems == [], verdict.as_json()
     assert verdict.links == await pool.fetchval("SELECT count(*) FROM audit_links")
     assert verdict.checkpoints == verdict.links // 5
     stranger = Signer(Ed25519PrivateKey.generate()).public_key
-    untrusted = await verify(urls.nats_url, urls.database_url, stranger)
+    untrusted = await verify(urls.nats_url, urls.database_url, stranger, recorder=f"audit-{unique}")
     assert untrusted.problem is not None
     assert "untrusted key" in untrusted.problem.detail
+    # Every checkpoint is named, not only the first.
+    assert sum("untrusted key" in p.detail for p in untrusted.problems) == verdict.checkpoints
+
+
+async def test_events_the_recorder_has_not_reached_are_lag_not_loss(
+    recorded: Signer, lanes: LanesClient, urls: ServerUrls, unique: str
+) -> None:
+    for _ in range(3):  # the recorder is stopped: nothing acknowledged these, nothing proves they were recorded
+        await lanes.publish(submission(f"late-{unique}"))
+    verdict = await verify(urls.nats_url, urls.database_url, recorded.public_key, recorder=f"audit-{unique}")
+    assert verdict.problems == [], verdict.as_json()
+    assert verdict.not_yet_recorded >= 3
 
 
 async def test_the_recorder_exports_the_consumer_metrics_the_services_do(recorded: Signer, unique: str) -> None:
@@ -125,11 +141,11 @@ async def test_the_table_refuses_changes(recorded: Signer, pool: asyncpg.Pool) -
     ids=["altered", "deleted", "reordered", "injected"],
 )
 async def test_tampering_is_found_at_its_place(
-    recorded: Signer, urls: ServerUrls, pool: asyncpg.Pool, sql: str, kind: ProblemKind
+    recorded: Signer, urls: ServerUrls, pool: asyncpg.Pool, *, sql: str, kind: ProblemKind, unique: str
 ) -> None:
     middle = int(await pool.fetchval("SELECT max(position) / 2 FROM audit_links"))
     await _tamper(pool, sql.format(p=middle))
-    verdict = await verify(urls.nats_url, urls.database_url, None)
+    verdict = await verify(urls.nats_url, urls.database_url, None, recorder=f"audit-{unique}")
     assert verdict.problem is not None
     if kind is ProblemKind.REORDERED:
         assert verdict.problem.kind in {ProblemKind.REORDERED, ProblemKind.BROKEN_LINK}
@@ -159,6 +175,107 @@ async def test_a_large_clean_history_raises_no_false_alarm(
         )
     recorder = AuditRecorder(lanes._nc, pool, signer=Signer(Ed25519PrivateKey.generate()), durable=f"bulk-{unique}")
     await _record_everything(lanes, pool, recorder)
-    verdict = await verify(urls.nats_url, urls.database_url, None)
-    assert verdict.problem is None, verdict.as_json()
+    verdict = await verify(urls.nats_url, urls.database_url, None, recorder=f"bulk-{unique}")
+    assert verdict.problems == [], verdict.as_json()
     assert verdict.links >= 100_000
+
+
+async def _acknowledged(lanes: LanesClient, durable: str) -> int:
+    info = await lanes.js.consumer_info(JOBS.name, durable)
+    return int(info.ack_floor.stream_seq)
+
+
+async def _all_acknowledged(lanes: LanesClient, pool: asyncpg.Pool, durable: str) -> int:
+    """The chain head's sequence, once the recorder's ack floor has reached it (acks are settled asynchronously)."""
+    head = int(await pool.fetchval("SELECT max(seq) FROM audit_links"))
+
+    async def reached() -> bool:
+        return await _acknowledged(lanes, durable) >= head
+
+    await eventually(reached, what="the recorder's acks to reach the chain head")
+    return head
+
+
+async def test_rows_deleted_after_the_recorder_acknowledged_them_are_loss(
+    recorded: Signer, lanes: LanesClient, urls: ServerUrls, pool: asyncpg.Pool, unique: str
+) -> None:
+    durable = f"audit-{unique}"
+    head = await _all_acknowledged(lanes, pool, durable)
+    # A database superuser deletes the last five rows: before, verify took them for events not yet recorded.
+    await _tamper(pool, "DELETE FROM audit_links WHERE position > (SELECT max(position) - 5 FROM audit_links)")
+
+    ran = await run_lanes_async(urls, "audit", "verify", "--recorder", durable)
+    assert ran.returncode == EXIT_FAILED, ran.stdout + ran.stderr
+    assert (
+        f"missing: 5 (first at sequence {head - 4}: in the stream, not in the audit copy); sequences {head - 4}-{head}"
+        in ran.stderr
+    )
+    assert (
+        f"stalled: 1 (first at sequence {head - 4}: recorder {durable} acknowledged through sequence {head}"
+        in ran.stderr
+    )
+    assert "newer events not yet recorded" not in ran.stdout
+
+    as_json = await run_lanes_async(urls, "audit", "verify", "--recorder", durable, "--json")
+    assert as_json.returncode == EXIT_FAILED
+    verdict = json.loads(as_json.stdout)
+    assert verdict["ok"] is False
+    missing = next(kind for kind in verdict["problems"] if kind["kind"] == "missing")
+    assert (missing["count"], missing["seqs"]) == (5, [[head - 4, head]])
+
+
+async def test_a_signed_checkpoint_proves_rows_existed_without_the_recorder(
+    recorded: Signer, lanes: LanesClient, urls: ServerUrls, pool: asyncpg.Pool, unique: str
+) -> None:
+    # No ack floor to go by (the recorder's consumer is gone): the last checkpoint still covers its position.
+    await lanes.js.delete_consumer(JOBS.name, f"audit-{unique}")
+    checkpointed = int(await pool.fetchval("SELECT max(position) FROM audit_checkpoints"))
+    rows = await pool.fetch("SELECT position, seq FROM audit_links WHERE position > $1 - 3", checkpointed)
+    await _tamper(pool, "DELETE FROM audit_links WHERE position > (SELECT max(position) FROM audit_checkpoints) - 3")
+    covered = [row["seq"] for row in rows if row["position"] <= checkpointed]
+
+    verdict = await verify(urls.nats_url, urls.database_url, recorded.public_key, recorder=f"audit-{unique}")
+    missing = [p.seq for p in verdict.problems if p.kind is ProblemKind.MISSING and p.seq is not None]
+    assert missing == covered
+    assert len(covered) == 3
+
+
+async def test_a_recorder_stuck_on_a_gap_turns_not_ready_and_verify_names_it(
+    lanes: LanesClient, urls: ServerUrls, pool: asyncpg.Pool, unique: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    durable = f"stuck-{unique}"
+    for _ in range(6):
+        await lanes.publish(submission(f"stuck-{unique}"))
+    recorder = AuditRecorder(
+        lanes._nc, pool, signer=Signer(Ed25519PrivateKey.generate()), durable=durable, gap_bound_s=0.5
+    )
+    stop = asyncio.Event()
+    with json_logs(capsys) as logs:
+        task = asyncio.create_task(recorder.run(stop))
+        try:
+            last = (await lanes.js.stream_info(JOBS.name)).state.last_seq
+
+            async def caught_up() -> bool:
+                return bool(await pool.fetchval("SELECT coalesce(max(seq), 0) >= $1 FROM audit_links", last))
+
+            await eventually(caught_up, timeout_s=60, what="the recorder to reach the end of the stream")
+            head = await _all_acknowledged(lanes, pool, durable)
+            await _tamper(pool, "DELETE FROM audit_links WHERE position > (SELECT max(position) - 3 FROM audit_links)")
+            for _ in range(2):  # the recorder now waits for sequences that were acknowledged and never come back
+                await lanes.publish(submission(f"after-{unique}"))
+
+            async def not_ready() -> bool:
+                return not recorder.ready
+
+            await eventually(not_ready, what="the stuck recorder to turn not ready")
+            assert REGISTRY.get_sample_value("lanes_consumer_ready", {"consumer": durable}) == 0
+            stuck = [line for line in logs.about(durable) if line["event"].startswith("audit: stuck on a gap")]
+            assert [(line["level"], line["missing"]) for line in stuck] == [("error", f"{head - 2}-{head}")]
+
+            ran = await run_lanes_async(urls, "audit", "verify", "--recorder", durable)
+            assert ran.returncode == EXIT_FAILED, ran.stdout + ran.stderr
+            assert f"stalled: 1 (first at sequence {head - 2}: recorder {durable} acknowledged" in ran.stderr
+            assert f"missing: 3 (first at sequence {head - 2}" in ran.stderr
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, timeout=10)

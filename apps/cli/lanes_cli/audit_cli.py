@@ -11,21 +11,31 @@ from typing import Annotated, Any
 
 import typer
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+from rich.markup import escape
 
 from lanes_audit import views as audit
 from lanes_audit.views import (
+    RECORDER_DURABLE,
     Link,
     Problem,
     ProblemKind,
+    ProblemSummary,
+    RecorderState,
     SignedMessage,
     StoredMessage,
+    as_ranges,
     canonical_bytes,
     check_signers,
     compare_with_stream,
+    must_reach,
+    recorder_problems,
     signature_is_valid,
+    summarize,
     verify_chain,
 )
-from lanes_cli.console import EXIT_BAD_INPUT, EXIT_FAILED, fail, load_settings, out, require, run_async
+from lanes_cli.console import EXIT_BAD_INPUT, EXIT_FAILED, err, fail, load_settings, one_line, out, require, run_async
 from lanes_cli.input_files import check_document
 from lanes_cli.limits import excerpt
 from lanes_contract.client import connect_nats
@@ -39,82 +49,159 @@ app = typer.Typer(help="The tamper-evident audit copy of the jobs stream.", no_a
 
 @dataclass(frozen=True)
 class Verdict:
-    """What verification found: the first problem (None when clean) and what was checked."""
+    """What verification found: every problem, in the order found (none when clean), and what was checked."""
 
-    problem: Problem | None
+    problems: list[Problem]
     links: int
     checkpoints: int
     not_yet_recorded: int
 
+    @property
+    def problem(self) -> Problem | None:
+        """The first problem found, or None for a clean copy."""
+        return self.problems[0] if self.problems else None
+
+    def summaries(self) -> list[ProblemSummary]:
+        """The problems grouped by kind: count, first, and every sequence (or position) each names."""
+        return summarize(self.problems)
+
     def as_json(self) -> dict[str, Any]:
         """The verdict as `lanes audit verify --json` prints it."""
-        problem = None
-        if self.problem is not None:
-            p = self.problem
-            problem = {"kind": p.kind.value, "seq": p.seq, "position": p.position, "detail": p.detail}
         return {
-            "ok": self.problem is None,
-            "problem": problem,
+            "ok": not self.problems,
+            "problem": None if self.problem is None else _problem_json(self.problem),
+            "problems": [
+                {
+                    "kind": summary.kind.value,
+                    "count": summary.count,
+                    "first": _problem_json(summary.first),
+                    "seqs": [list(run) for run in as_ranges(summary.seqs)],
+                    "positions": [list(run) for run in as_ranges(summary.positions)],
+                }
+                for summary in self.summaries()
+            ],
             "links": self.links,
             "checkpoints": self.checkpoints,
             "not_yet_recorded": self.not_yet_recorded,
         }
 
 
+def _problem_json(problem: Problem) -> dict[str, Any]:
+    return {"kind": problem.kind.value, "seq": problem.seq, "position": problem.position, "detail": problem.detail}
+
+
+MAX_RUNS_SHOWN = 10
+"""Runs of sequences one line names; a longer list is counted, and `--json` has it whole."""
+
+
+def _runs_text(numbers: tuple[int, ...]) -> str:
+    runs = as_ranges(numbers)
+    shown = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:MAX_RUNS_SHOWN])
+    return shown + (f" and {len(runs) - MAX_RUNS_SHOWN} more runs" if len(runs) > MAX_RUNS_SHOWN else "")
+
+
+def summary_line(summary: ProblemSummary) -> str:
+    """One line for one kind of problem: how many, the first, and which sequences (or positions)."""
+    first = summary.first
+    where = f"sequence {first.seq}" if first.seq is not None else f"position {first.position}"
+    line = f"{summary.kind.value}: {summary.count} (first at {where}: {first.detail})"
+    if summary.seqs:
+        line += f"; sequences {_runs_text(summary.seqs)}"
+    if summary.positions:
+        line += f"; positions {_runs_text(summary.positions)}"
+    return line
+
+
 def check_checkpoints(
     links: list[Link], checkpoints: list[tuple[int, bytes, bytes, bytes]], trusted_key: bytes | None
-) -> Problem | None:
+) -> list[Problem]:
     """Each checkpoint is signed by the (trusted) key and matches the chain at its position."""
     by_position = {link.position: link for link in links}
+    problems: list[Problem] = []
     for position, chain_hash, public_key, signature in checkpoints:
         link = by_position.get(position)
         if trusted_key is not None and public_key != trusted_key:
-            return Problem(ProblemKind.ALTERED, None, position, "checkpoint signed by an untrusted key")
-        if not signature_is_valid(public_key, signature, position, chain_hash):
-            return Problem(ProblemKind.ALTERED, None, position, "checkpoint signature does not verify")
-        if link is None or link.hash != chain_hash:
+            problems.append(Problem(ProblemKind.ALTERED, None, position, "checkpoint signed by an untrusted key"))
+        elif not signature_is_valid(public_key, signature, position, chain_hash):
+            problems.append(Problem(ProblemKind.ALTERED, None, position, "checkpoint signature does not verify"))
+        elif link is None or link.hash != chain_hash:
             seq = None if link is None else link.seq
-            return Problem(ProblemKind.ALTERED, seq, position, "chain no longer matches its signed checkpoint")
-    return None
+            detail = "chain no longer matches its signed checkpoint"
+            problems.append(Problem(ProblemKind.ALTERED, seq, position, detail))
+    return problems
+
+
+def last_checkpointed(checkpoints: list[tuple[int, bytes, bytes, bytes]], trusted_key: bytes | None) -> int:
+    """The highest position a valid (and, given a key, trusted) checkpoint proves the chain once reached."""
+    return max(
+        (
+            position
+            for position, chain_hash, public_key, signature in checkpoints
+            if (trusted_key is None or public_key == trusted_key)
+            and signature_is_valid(public_key, signature, position, chain_hash)
+        ),
+        default=0,
+    )
+
+
+async def _recorder_state(js: JetStreamContext, durable: str) -> RecorderState:
+    try:
+        info = await js.consumer_info(JOBS.name, durable)
+    except NotFoundError:
+        return RecorderState(durable, None)
+    return RecorderState(durable, int(info.ack_floor.stream_seq or 0) if info.ack_floor else 0)
 
 
 async def verify(
-    nats_url: str, database_url: str, trusted_key: bytes | None, keyring: Keyring | None = None
+    nats_url: str,
+    database_url: str,
+    trusted_key: bytes | None,
+    keyring: Keyring | None = None,
+    *,
+    recorder: str = RECORDER_DURABLE,
 ) -> Verdict:
-    """Re-read the table and the stream and report the first missing, altered, reordered or injected event.
+    """Re-read the table and the stream and report every missing, altered, reordered or injected event.
 
-    With a keyring, also the first event not signed by an identity allowed to write it (forged).
+    With a keyring, also every event not signed by an identity allowed to write it (forged). What lies past
+    the chain's head is lag only while nothing proves it was recorded: what the recorder acknowledged, or a
+    signed checkpoint covers, is loss when it is not in the chain, and a recorder that acknowledged past
+    the head is stalled.
     """
-    pool = await create_pool(database_url, max_size=2)
-    try:
-        async with pool.acquire() as conn:
-            links = await audit.links(conn)
-            checkpoints = await audit.checkpoints(conn)
-    finally:
-        await pool.close()
-    head_seq = max((link.seq for link in links), default=0)
-    stream: list[StoredMessage] = []
-    signed: list[SignedMessage] = []
-    later = 0
     nc = await connect_nats(nats_url, name="lanes-audit-verify")
     try:
-        async for msg in iter_stream(nc.jetstream(), Selection(JOBS.name, JOBS.subjects[0])):
+        js = nc.jetstream()
+        # Before the table: the recorder acknowledges only after its links commit, so an ack floor read
+        # first is covered by the rows read next, however fast the recorder moves in between.
+        state = await _recorder_state(js, recorder)
+        pool = await create_pool(database_url, max_size=2)
+        try:
+            async with pool.acquire() as conn:
+                links = await audit.links(conn)
+                checkpoints = await audit.checkpoints(conn)
+        finally:
+            await pool.close()
+        floor = must_reach(links, state.acknowledged or 0, last_checkpointed(checkpoints, trusted_key))
+        stream: list[StoredMessage] = []
+        signed: list[SignedMessage] = []
+        later = 0
+        async for msg in iter_stream(js, Selection(JOBS.name, JOBS.subjects[0])):
             seq = msg.metadata.sequence.stream
-            if seq > head_seq:
-                later += 1  # the recorder has not reached it yet: lag, not tampering
+            if seq > floor:
+                later += 1  # nothing proves the recorder reached it yet: lag, not tampering
                 continue
             stream.append(StoredMessage(seq, canonical_bytes(JOBS.name, seq, msg.subject, msg.headers, msg.data)))
             if keyring is not None:
                 signed.append(SignedMessage(seq, msg.subject, msg.headers, msg.data))
     finally:
         await nc.close()
-    problem = (
-        verify_chain(links)
-        or compare_with_stream(links, stream)
-        or check_checkpoints(links, checkpoints, trusted_key)
-        or (check_signers(signed, keyring) if keyring is not None else None)
-    )
-    return Verdict(problem, len(links), len(checkpoints), later)
+    problems = [
+        *verify_chain(links),
+        *compare_with_stream(links, stream),
+        *check_checkpoints(links, checkpoints, trusted_key),
+        *recorder_problems(links, state, later),
+        *(check_signers(signed, keyring) if keyring is not None else ()),
+    ]
+    return Verdict(problems, len(links), len(checkpoints), later)
 
 
 def _public_key(text: str) -> bytes:
@@ -135,8 +222,11 @@ def verify_command(
         Path | None,
         typer.Option("--keyring", envvar=KEYRING_ENV, help="Public keys of the producers: report forged events."),
     ] = None,
+    recorder: Annotated[
+        str, typer.Option(help="The recorder's durable consumer: what it acknowledged must be in the chain.")
+    ] = RECORDER_DURABLE,
 ) -> None:
-    """Verify the audit chain and compare it with the stream; exit 1 at the first problem."""
+    """Verify the audit chain and compare it with the stream; exit 1 naming every problem, one line per kind."""
     trusted = _public_key(public_key) if public_key else None
     settings = load_settings(quiet=True)
     nats_url = require(settings.nats_url, "NATS_URL")
@@ -147,7 +237,7 @@ def verify_command(
         keyring = Keyring.load(keyring_file) if keyring_file is not None else None
     except SignatureError as exc:
         fail(str(exc), EXIT_BAD_INPUT)
-    verdict = run_async(lambda: verify(nats_url, database_url, trusted, keyring))
+    verdict = run_async(lambda: verify(nats_url, database_url, trusted, keyring, recorder=recorder))
     if as_json:
         out.print_json(json.dumps(verdict.as_json()))
     elif verdict.problem is None:
@@ -156,8 +246,10 @@ def verify_command(
             f"{verdict.not_yet_recorded} newer events not yet recorded"
         )
     if verdict.problem is not None:
-        p = verdict.problem
-        fail(f"{p.kind.value} at sequence {p.seq} (position {p.position}): {p.detail}", EXIT_FAILED)
+        if not as_json:
+            for summary in verdict.summaries()[:-1]:  # the last kind is the exit line, as every failure's
+                err.print(f"[red]error:[/red] {escape(one_line(summary_line(summary)))}", highlight=False)
+        fail(summary_line(verdict.summaries()[-1]), EXIT_FAILED)
 
 
 @app.command("export")

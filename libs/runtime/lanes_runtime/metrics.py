@@ -6,6 +6,7 @@ the process runs. Label values are consumer names: a handful per service, never 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -65,6 +66,11 @@ class ConsumerMetrics:
         counter.inc(n)
 
 
-def serve_metrics(port: int, host: str = "0.0.0.0") -> None:  # noqa: S104 - scraped from outside the container
-    """Expose `/metrics` on `port` from a background thread."""
-    start_http_server(port, addr=host)
+METRICS_HOST_ENV = "LANES_METRICS_HOST"
+DEFAULT_METRICS_HOST = "127.0.0.1"
+"""Loopback unless told otherwise: a container, scraped from outside, sets LANES_METRICS_HOST=0.0.0.0."""
+
+
+def serve_metrics(port: int, host: str | None = None) -> None:
+    """Expose `/metrics` on `port` from a background thread, on `host` (else LANES_METRICS_HOST, else loopback)."""
+    start_http_server(port, addr=host or os.environ.get(METRICS_HOST_ENV) or DEFAULT_METRICS_HOST)

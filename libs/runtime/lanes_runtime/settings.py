@@ -26,6 +26,8 @@ ENV_VARS = {
     "LANES_CAUSE_WINDOW_S": "telemetry: seconds before an attempt's first exit that evidence may explain it (300)",
     "LANES_ROUTER_TENANTS_FILE": "router: tenants with their API key hashes and rate / concurrency limits",
     "LANES_METRICS_PORT": "a service process: serve Prometheus /metrics on this port (unset: no endpoint)",
+    "LANES_METRICS_HOST": "the address /metrics binds (default 127.0.0.1; 0.0.0.0 in a container, to be scraped)",
+    "LANES_AUDIT_GAP_BOUND_S": "audit service: seconds a gap in the copy may wait to fill before it is not ready (60)",
     "LANES_LOG_LEVEL": "debug | info | warning | error (default info)",
     "LANES_LOG_FORMAT": "json | console (default: console on a terminal, json otherwise)",
 }

@@ -25,17 +25,20 @@ class SignedMessage:
     payload: bytes
 
 
-def check_signers(messages: Iterable[SignedMessage], keyring: Keyring) -> Problem | None:
-    """The first message not signed by an identity allowed to write its subject, or None."""
+def check_signers(messages: Iterable[SignedMessage], keyring: Keyring) -> list[Problem]:
+    """Every message not signed by an identity allowed to write its subject (all of them, not the first)."""
+    problems: list[Problem] = []
     for message in messages:
         try:
             signer = keyring.verify(message.subject, message.headers, message.payload)
         except SignatureError as exc:
-            return Problem(ProblemKind.FORGED, message.seq, None, f"{message.subject}: {exc}")
+            problems.append(Problem(ProblemKind.FORGED, message.seq, None, f"{message.subject}: {exc}"))
+            continue
         identity = identity_named(signer)
         if identity is None:
-            return Problem(ProblemKind.FORGED, message.seq, None, f"{message.subject}: signer {signer} is no identity")
-        if not may_publish(identity, message.subject):
+            detail = f"{message.subject}: signer {signer} is no identity"
+            problems.append(Problem(ProblemKind.FORGED, message.seq, None, detail))
+        elif not may_publish(identity, message.subject):
             detail = f"{message.subject}: signed by {signer}, whose role may not write it"
-            return Problem(ProblemKind.FORGED, message.seq, None, detail)
-    return None
+            problems.append(Problem(ProblemKind.FORGED, message.seq, None, detail))
+    return problems

@@ -13,6 +13,10 @@ is still out for redelivery) is sent back to wait for the gap to fill, never app
 (PostgreSQL or NATS unavailable) holds the batch in place with backoff, as the consumer runtime does;
 any other error sends the batch back. There is no max_deliver: the copy may stall, loudly, but never skip.
 
+A gap that has not filled after LANES_AUDIT_GAP_BOUND_S (60 s) is no longer a redelivery on its way: the
+recorder turns not ready and logs which sequences it lacks (rows deleted from the table after they were
+acknowledged never come back; `lanes audit verify` names them as missing and the recorder as stalled).
+
 It reports as the services' consumers do: the `lanes_consumer_*` metrics under its durable name (links
 appended count as processed, messages already recorded as duplicates, those sent back as retries), and a
 readiness that the runtime's database probe and outage hold keep (`lanes_runtime.health`).
@@ -23,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 
 import asyncpg
@@ -33,17 +38,42 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from lanes_audit.adapters import repository
 from lanes_audit.adapters.signing import Signer
-from lanes_audit.domain.chain import Link, canonical_bytes, link_hash
+from lanes_audit.domain.chain import RECORDER_DURABLE, Link, canonical_bytes, link_hash
 from lanes_contract.streams import AUDIT, JOBS
 from lanes_runtime.consumer import ConsumerSpec, Outcome
 from lanes_runtime.delivery import BatchPull, hold_through_outages, pull_batches, settle
 from lanes_runtime.health import DatabaseWatch, Readiness
 from lanes_runtime.metrics import ConsumerMetrics
 
-log = structlog.get_logger(__name__)
+
+def _log() -> structlog.typing.FilteringBoundLogger:
+    """This module's logger, looked up at each line (a logger used once is cached with that moment's set-up)."""
+    logger: structlog.typing.FilteringBoundLogger = structlog.get_logger(__name__)
+    return logger
+
+
 RETRY_DELAY_S = 1.0
 _HOLD_SPEC = ConsumerSpec(durable="audit", stream=JOBS, subjects=JOBS.subjects, ack_wait_s=60.0)
 """For the runtime's outage hold (its backoff and ack wait): the recorder keeps its own consumer config."""
+GAP_BOUND_ENV = "LANES_AUDIT_GAP_BOUND_S"
+DEFAULT_GAP_BOUND_S = 60.0
+_GAP = "gap"
+"""The readiness cause of a gap waited on for longer than the bound."""
+
+
+def gap_bound_from_env() -> float:
+    """LANES_AUDIT_GAP_BOUND_S: seconds a gap may wait to fill before the recorder turns not ready."""
+    text = os.environ.get(GAP_BOUND_ENV)
+    if text is None:
+        return DEFAULT_GAP_BOUND_S
+    try:
+        bound = float(text)
+    except ValueError:
+        bound = -1.0
+    if not 0 < bound < float("inf"):
+        msg = f"{GAP_BOUND_ENV} must be a positive number of seconds, not {text!r}"
+        raise ValueError(msg)
+    return bound
 
 
 class AuditRecorder:
@@ -56,7 +86,8 @@ class AuditRecorder:
         *,
         signer: Signer | None = None,
         checkpoint_every: int = 1000,
-        durable: str = "audit",
+        durable: str = RECORDER_DURABLE,
+        gap_bound_s: float | None = None,
     ) -> None:
         self.name = durable
         self._nc = nc
@@ -67,10 +98,14 @@ class AuditRecorder:
         self.recorded = 0
         self._metrics = ConsumerMetrics.for_consumer(durable)
         self._readiness = Readiness(durable, self._metrics.ready)
+        self._gap_bound_s = gap_bound_from_env() if gap_bound_s is None else gap_bound_s
+        self._gap: tuple[int, float] | None = None
+        """The chain head a gap after it was first seen at, and when (monotonic)."""
+        self._stuck = False
 
     @property
     def ready(self) -> bool:
-        """True from the start; False while PostgreSQL or NATS is unavailable, and once the recorder failed."""
+        """True from the start; False while a server is away or a gap outwaits its bound, and once it failed."""
         return self._readiness.ready
 
     def config(self) -> ConsumerConfig:
@@ -124,7 +159,7 @@ class AuditRecorder:
                 readiness=self._readiness,
             )
         except Exception as exc:  # noqa: BLE001 - nothing was committed: send the batch back
-            log.warning("audit batch failed; redelivering", error=f"{type(exc).__name__}: {exc}", size=len(msgs))
+            _log().warning("audit batch failed; redelivering", error=f"{type(exc).__name__}: {exc}", size=len(msgs))
             await self._send_back(ordered)
             return
         recorded = [m for m in ordered if m.metadata.sequence.stream <= head_seq]
@@ -134,8 +169,40 @@ class AuditRecorder:
         self._metrics.count(Outcome.DUPLICATE, len(recorded) - appended)  # recorded before a lost ack or a crash
         waiting = ordered[len(recorded) :]
         if waiting:
-            log.info("audit: waiting for a gap to fill", head=head_seq, next=waiting[0].metadata.sequence.stream)
+            _log().info(
+                "audit: waiting for a gap to fill",
+                consumer=self.name,
+                head=head_seq,
+                next=waiting[0].metadata.sequence.stream,
+            )
             await self._send_back(waiting)
+        self._watch_gap(head_seq, waiting[0].metadata.sequence.stream if waiting else None)
+
+    def _watch_gap(self, head_seq: int, next_seq: int | None) -> None:
+        """Not ready once the same gap after the head has waited longer than the bound; ready again once it fills."""
+        if self._gap is not None and self._gap[0] != head_seq:
+            self._gap = None  # the head moved on: what the gap waited for has arrived
+            if self._stuck:
+                self._stuck = False
+                _log().info("audit: the gap filled; recording again", consumer=self.name, head=head_seq)
+                self._readiness.answered(_GAP)
+        if next_seq is None:
+            return
+        if self._gap is None:
+            self._gap = (head_seq, time.monotonic())
+            return
+        waited = time.monotonic() - self._gap[1]
+        if not self._stuck and waited > self._gap_bound_s:
+            self._stuck = True
+            missing = f"{head_seq + 1}" if next_seq == head_seq + 2 else f"{head_seq + 1}-{next_seq - 1}"
+            _log().error(
+                "audit: stuck on a gap; these sequences never came back",
+                consumer=self.name,
+                missing=missing,
+                head=head_seq,
+                waited_s=round(waited, 1),
+            )
+            self._readiness.unavailable(_GAP, f"sequences {missing} missing after {waited:.0f} s")
 
     async def _send_back(self, msgs: list[Msg]) -> None:
         for msg in msgs:
