@@ -132,7 +132,9 @@ async def test_no_identity_may_re_filter_delete_or_pull_another_identitys_durabl
     await assert_untouched(victims)
 
 
-@pytest.mark.parametrize("attacker", ["agent-node-1", "producer", "observer", "scheduler", "telemetry", "audit"])
+@pytest.mark.parametrize(
+    "attacker", ["agent-node-1", "producer", "observer", "scheduler", "lifecycle", "telemetry", "audit"]
+)
 async def test_an_identity_that_is_no_reader_may_not_create_an_ephemeral_that_names_a_durable_in_its_body(
     victims: EmbeddedNats, attacker: str
 ) -> None:
@@ -195,7 +197,7 @@ async def test_each_service_creates_reads_pulls_acks_and_deletes_its_own_durable
     assert not denied_operations(nc)
 
 
-@pytest.mark.parametrize("identity", ["cli", "lifecycle", "router", "platform"])
+@pytest.mark.parametrize("identity", ["cli", "router", "platform"])
 async def test_a_reader_replays_the_log_through_an_ephemeral_ordered_consumer(
     secured_nats: EmbeddedNats, identity: str, unique: str
 ) -> None:

@@ -134,7 +134,7 @@ def test_the_readers_are_exactly_those_that_replay_the_log() -> None:
     """The unnamed consumer create takes the name from the body, so it could re-filter any consumer: the list of
     identities that may send it is kept as short as the code allows, and widening it is a visible change."""
     readers = {i.name for i in identities(("node-1",)) if i.reads}
-    assert readers == {"lifecycle", "router", "cli", "platform"}
+    assert readers == {"router", "cli", "platform"}
 
 
 @pytest.mark.parametrize("identity", identities(("node-1",)), ids=lambda i: i.name)

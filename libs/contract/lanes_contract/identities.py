@@ -209,7 +209,7 @@ SERVICE_IDENTITIES = (
         (*subjects_of(JobStateChanged, TransitionRejected, AttemptRequested, JobSubmitted), DEAD_LETTERS),
         "job and attempt state machine (and the job API)",
         durables=("lifecycle-jobs",),
-        reads=True,  # `lanes rebuild` replays the job stream into the projection
+        # No ordered reads: the service never replays; `lanes projections rebuild` is an operator's command.
         serves=((JOB_API, JOB_API_QUEUE),),
     ),
     Identity(
