@@ -191,7 +191,11 @@ async def test_each_service_creates_reads_pulls_acks_and_deletes_its_own_durable
             (msg,) = await sub.fetch(1, timeout=5.0)
             await msg.ack_sync()
             await sub.unsubscribe()
+            # A service may hear about its own consumer (a loop that heals listens for its deletion).
+            deleted = await nc.subscribe(f"$JS.EVENT.ADVISORY.CONSUMER.DELETED.{JOBS.name}.{durable}")
             assert await js.delete_consumer(JOBS.name, durable)
+            assert (await deleted.next_msg(timeout=20.0)).subject.endswith(f".{durable}")
+            await deleted.unsubscribe()
     finally:
         await nc.close()
     assert not denied_operations(nc)

@@ -138,8 +138,12 @@ def consumer_apis(durable: str) -> tuple[str, ...]:
 
 
 def consumer_advisories(durable: str) -> tuple[str, ...]:
-    """The advisories a durable's own loop listens to (a message that ran out of deliveries)."""
-    return (f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.*.{durable}",)
+    """The advisories about one durable that its own loop may listen to, of any kind.
+
+    `$JS.EVENT.ADVISORY.CONSUMER.<kind>.<stream>.<name>`: a message that ran out of deliveries, the consumer
+    deleted or created, ...
+    """
+    return (f"$JS.EVENT.ADVISORY.CONSUMER.*.*.{durable}",)
 
 
 def subjects_of(*events: type[Event], key: str = "*") -> tuple[str, ...]:
