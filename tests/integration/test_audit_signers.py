@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from support.cli import run_lanes_async
+from support.cli import LANES, run_lanes_async
 from support.contract import submission
+from support.processes import interruptible
 from support.waiting import eventually
 
 from lanes_audit.adapters.signing import Signer
@@ -19,6 +25,7 @@ from lanes_cli.audit_cli import verify
 from lanes_cli.console import EXIT_FAILED
 from lanes_contract.client import SIGNING_KEY_ENV, LanesClient, connect_nats
 from lanes_contract.events import JobPlaced, JobPlacedData, RankAssignment, RankExited, RankExitedData
+from lanes_contract.signing import KEYRING_ENV
 from lanes_contract.streams import JOBS
 from lanes_runtime.settings import ServerUrls
 from lanes_runtime.store import apply_migrations, create_pool, migrations_of
@@ -120,3 +127,62 @@ async def test_a_forgery_behind_an_earlier_one_is_still_named_as_the_cli_sees_it
     forged = {problem.seq: problem.detail for problem in found.problems}
     assert set(forged) == {1, 3}
     assert "signed by cli, whose role may not write it" in forged[3]
+
+
+def _lanes(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([LANES, *args], env=env, capture_output=True, text=True, timeout=120, check=False)
+
+
+@pytest.mark.slow
+def test_the_readme_walkthrough_signs_and_verifies_clean(tmp_path: Path) -> None:
+    # `lanes up`, its export lines pasted into another shell, a submit, then `lanes audit verify` with the
+    # keyring the exports name: before, the exports lacked the signing key and verify failed at the submit.
+    env = {k: v for k, v in os.environ.items() if k not in {"NATS_URL", "DATABASE_URL", "REDIS_URL"}}
+    env = {k: v for k, v in env.items() if k not in {SIGNING_KEY_ENV, KEYRING_ENV}} | {"LANES_LOG_FORMAT": "json"}
+    up = subprocess.Popen(
+        [LANES, "up"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        preexec_fn=interruptible,  # noqa: PLW1509 - only sets a signal disposition before exec
+    )
+    try:
+        assert up.stdout is not None
+        exports: dict[str, str] = {}
+        for line in up.stdout:  # the export lines, then the fleet line
+            if line.startswith("export "):
+                name, _, value = line.removeprefix("export ").strip().partition("=")
+                exports[name] = value
+            elif "Ctrl-C to stop" in line:
+                break
+        assert sorted(exports) == sorted(["NATS_URL", "DATABASE_URL", "REDIS_URL", SIGNING_KEY_ENV, KEYRING_ENV])
+        assert Path(exports[SIGNING_KEY_ENV]).name == "cli.key"  # the operator's key, not the platform's
+        assert Path(exports[KEYRING_ENV]).name == KEYRING_FILE
+        shell = env | exports
+        spec = tmp_path / "job.yaml"
+        spec.write_text("job_id: walkthrough-1\nname: walkthrough\nworkers: 2\ngpus_per_worker: 1\n")
+        submitted = _lanes("submit", str(spec), env=shell)
+        assert submitted.returncode == 0, submitted.stderr
+        submitted_seq = json.loads(submitted.stdout)["seq"]
+
+        deadline = time.monotonic() + 120
+        while True:
+            shown = _lanes("job", "walkthrough-1", "--json", env=shell)
+            if shown.returncode == 0 and json.loads(shown.stdout)["state"] == "released":
+                break
+            assert time.monotonic() < deadline, shown.stdout + shown.stderr
+            time.sleep(0.5)
+        while True:  # every verify is clean; wait only for the copy to reach the submit and what followed it
+            verified = _lanes("audit", "verify", "--json", env=shell)  # --keyring from LANES_KEYRING
+            assert verified.returncode == 0, verified.stdout + verified.stderr
+            verdict = json.loads(verified.stdout)
+            assert verdict["ok"] is True, verdict
+            if verdict["links"] > submitted_seq:
+                break
+            assert time.monotonic() < deadline, verdict
+            time.sleep(0.5)
+        assert "audit chain verified" in _lanes("audit", "verify", env=shell).stdout
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(timeout=30)

@@ -65,7 +65,7 @@ from lanes_cli.limits import MAX_LOCAL_NODES, MAX_OPTION_SECONDS, MAX_STREAM_SEQ
 from lanes_cli.render import render_demo, render_job
 from lanes_cli.replay import Pace, merged, selections, write_ndjson
 from lanes_cli.scheduling import scheduling_view
-from lanes_cli.stack import servers
+from lanes_cli.stack import servers, signing_exports
 from lanes_cli.timeline import job_header, job_timeline
 from lanes_cli.topology_cli import app as topology_app
 from lanes_contract.client import LanesClient, connect_nats
@@ -183,6 +183,7 @@ def up(
                 ("NATS_URL", urls.nats_url),
                 ("DATABASE_URL", urls.database_url),
                 ("REDIS_URL", urls.redis_url),
+                *signing_exports(),  # the commands typed after these sign as the operator
             ):
                 out.print(f"export {name}={value}", highlight=False, soft_wrap=True)
             out.print(f"[dim]{len(fleet)} local nodes x {gpus} GPUs; Ctrl-C to stop[/dim]")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from contextvars import ContextVar
+from pathlib import Path
 
 import structlog
 
@@ -15,6 +17,10 @@ from lanes_runtime.settings import ServerUrls, Settings
 from lanes_sandbox.embedded import KEYRING_FILE, EmbeddedNats, EmbeddedPostgres, EmbeddedRedis
 
 log = structlog.get_logger(__name__)
+_embedded_credentials: ContextVar[Path | None] = ContextVar("lanes_embedded_credentials", default=None)
+"""The credentials directory of the NATS server `servers()` embedded, while it runs."""
+OPERATOR = "cli"
+"""The identity of a person at the `lanes` command line (lanes_contract.identities)."""
 
 
 @contextlib.contextmanager
@@ -35,6 +41,7 @@ def servers(settings: Settings) -> Iterator[ServerUrls]:
             # embedded server in the same process, as a bench's next run, has keys of its own).
             stack.enter_context(_env_default(SIGNING_KEY_ENV, str(nats.credentials_dir / f"{PLATFORM.name}.key")))
             stack.enter_context(_env_default(KEYRING_ENV, str(nats.credentials_dir / KEYRING_FILE)))
+            stack.callback(_embedded_credentials.reset, _embedded_credentials.set(nats.credentials_dir))
             log.info("embedded nats credentials", directory=str(nats.credentials_dir))
         database_url = settings.database_url or stack.enter_context(EmbeddedPostgres()).url
         redis_url = settings.redis_url or stack.enter_context(EmbeddedRedis()).url
@@ -50,6 +57,18 @@ def servers(settings: Settings) -> Iterator[ServerUrls]:
         if embedded:
             log.info("embedded servers started", servers=embedded)
         yield ServerUrls(nats_url=nats_url, database_url=database_url, redis_url=redis_url)
+
+
+def signing_exports(identity: str = OPERATOR) -> list[tuple[str, str]]:
+    """The key `identity` signs with and the keyring that verifies it, from the embedded NATS's credentials.
+
+    For the `export` lines of `lanes up`: a command run after them signs its events, so `lanes audit verify
+    --keyring` finds them signed. None when NATS_URL names a server of yours (its keys are yours to hand out).
+    """
+    credentials = _embedded_credentials.get()
+    if credentials is None:
+        return []
+    return [(SIGNING_KEY_ENV, str(credentials / f"{identity}.key")), (KEYRING_ENV, str(credentials / KEYRING_FILE))]
 
 
 @contextlib.contextmanager
