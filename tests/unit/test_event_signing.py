@@ -76,14 +76,12 @@ def test_the_audit_check_flags_an_event_signed_by_a_role_that_may_not_write_it()
     exit_event = RankExited(
         source="agent/node-1", jobid="j1", attempt=1, node="node-1", rank=0, data=RankExitedData(exit_code=0)
     )
-    assert check_signers([stored(1, genuine)], KEYRING) is None
+    assert check_signers([stored(1, genuine)], KEYRING) == []
     forged = CLI.sign(placement())  # the cli's own, valid key: but the cli may not place
-    problem = check_signers([stored(1, genuine), stored(2, forged)], KEYRING)
-    assert problem is not None
+    (problem,) = check_signers([stored(1, genuine), stored(2, forged)], KEYRING)
     assert (problem.kind, problem.seq) == (ProblemKind.FORGED, 2)
     assert "signed by cli" in problem.detail
-    unsigned = check_signers([stored(3, encode(exit_event))], KEYRING)
-    assert unsigned is not None
+    (unsigned,) = check_signers([stored(3, encode(exit_event))], KEYRING)
     assert "unsigned" in unsigned.detail
 
 
