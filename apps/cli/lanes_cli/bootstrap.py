@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from lanes_audit.entrypoints.service import SERVICE as AUDIT
+from lanes_contract.signing import Keyring
 from lanes_lifecycle.entrypoints.service import SERVICE as LIFECYCLE
 from lanes_recovery.entrypoints.service import SERVICE as RECOVERY
 from lanes_router.entrypoints.service import SERVICE as ROUTER
@@ -16,6 +17,12 @@ from lanes_telemetry.entrypoints.service import SERVICE as TELEMETRY
 SERVICES: dict[str, ServiceDefinition] = {s.name: s for s in (SCHEDULER, LIFECYCLE, TELEMETRY, RECOVERY, ROUTER, AUDIT)}
 
 
-async def prepare_services(conns: Connections, services: Iterable[str | ServiceDefinition]) -> list[Runner]:
-    """Provision services named (one of `SERVICES`) or given as definitions (e.g. recovery under a test's policy)."""
-    return await runtime.prepare_services(conns, [SERVICES[s] if isinstance(s, str) else s for s in services])
+async def prepare_services(
+    conns: Connections, services: Iterable[str | ServiceDefinition], *, keyring: Keyring | None = None
+) -> list[Runner]:
+    """Provision services named (one of `SERVICES`) or given as definitions (e.g. recovery under a test's policy).
+
+    With `keyring`, their consumers verify each event's signer before acting on it.
+    """
+    definitions = [SERVICES[s] if isinstance(s, str) else s for s in services]
+    return await runtime.prepare_services(conns, definitions, keyring=keyring)

@@ -3,7 +3,10 @@
 One durable pull consumer per service role. For each fetched batch:
 
 1. Decode every message. A message that is not a valid event is poison: it goes to LANES_DEAD with the
-   reason, the original headers and the original stream sequence, and is terminated.
+   reason, the original headers and the original stream sequence, and is terminated. With a keyring, each
+   message is verified first (`lanes_contract.signing.verified_signer`): a forged one (unsigned, an unknown
+   key, a bad signature, a signer that may not say it) is dead-lettered the same way, never retried, and
+   never reaches a handler.
 2. In one PostgreSQL transaction: record the batch's event ids as processed (one multi-row insert; an id
    already recorded is a duplicate and skips its handler: it was processed before a crash or a lost ack),
    run the handlers in stream order (they write their effects on the same connection) and store the
@@ -54,6 +57,7 @@ from lanes_contract.client import publish_encoded
 from lanes_contract.codec import EncodedEvent, decode, encode
 from lanes_contract.errors import DecodeError
 from lanes_contract.events import Event
+from lanes_contract.signing import Keyring, SignatureError, verified_signer
 from lanes_contract.streams import STREAM_OF_FAMILY, StreamSpec
 from lanes_runtime import decision
 from lanes_runtime.delivery import (
@@ -261,6 +265,7 @@ class EventConsumer:
         handler: Handler,
         *,
         metrics: ConsumerMetrics | None = None,
+        keyring: Keyring | None = None,
     ) -> None:
         self._nc = nc
         self._js = nc.jetstream()
@@ -277,6 +282,8 @@ class EventConsumer:
         self._decoded: dict[int, Event] = {}
         """Events this process staged, decoded, by stream sequence, until it folds them."""
         self._log = log.bind(consumer=spec.durable)
+        self._keyring = keyring
+        """The keys every event is verified against before its handler (None: signatures are not checked)."""
 
     @property
     def name(self) -> str:
@@ -349,7 +356,7 @@ class EventConsumer:
         """Process one fetched batch: one transaction, then the outbox, then each message's decision."""
         self._in_hand.add(msgs)
         self._tracing = sdk_configured()
-        items = [_decoded(msg) for msg in msgs]
+        items = [_decoded(msg, self._keyring) for msg in msgs]
         self._metrics.batch_size.observe(len(items))
         self._metrics.pending.set(msgs[-1].metadata.num_pending or 0)
         with contextlib.suppress(StoppedError):
@@ -790,7 +797,14 @@ async def prune_processed(pool: asyncpg.Pool, consumer: str, retention_s: float)
             return deleted
 
 
-def _decoded(msg: Msg) -> _Item:
+def _decoded(msg: Msg, keyring: Keyring | None = None) -> _Item:
+    if keyring is not None:
+        try:
+            verified_signer(msg.subject, msg.headers, msg.data, keyring)
+        except SignatureError as exc:
+            reason = f"forged: {exc}"
+            log.warning("forged event refused", subject=msg.subject, reason=reason)
+            return _Item(msg, None, reason)
     try:
         return _Item(msg, decode(msg.subject, msg.headers, msg.data))
     except DecodeError as exc:

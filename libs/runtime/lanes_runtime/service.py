@@ -15,6 +15,7 @@ import sys
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from importlib.resources.abc import Traversable
+from pathlib import Path
 from typing import Protocol
 
 import asyncpg
@@ -24,6 +25,7 @@ from nats.aio.client import Client as NatsClient
 
 from lanes_contract.client import connect_nats
 from lanes_contract.errors import LanesError
+from lanes_contract.signing import Keyring
 from lanes_contract.streams import provision_streams
 from lanes_runtime.cache import connect_redis
 from lanes_runtime.consumer import ConsumerSpec, EventConsumer, Handler
@@ -128,15 +130,23 @@ async def connected(urls: ServerUrls, *, name: str, stream_replicas: int = 1) ->
             await nc.close()
 
 
-async def prepare_services(conns: Connections, services: Iterable[ServiceDefinition]) -> list[Runner]:
-    """Apply each service's migrations and provision its consumers; return the consumers, not yet running."""
+async def prepare_services(
+    conns: Connections, services: Iterable[ServiceDefinition], *, keyring: Keyring | None = None
+) -> list[Runner]:
+    """Apply each service's migrations and provision its consumers; return the consumers, not yet running.
+
+    With a `keyring`, every consumer verifies each event's signer before its handler (a forged event is
+    dead-lettered); without one, nothing is verified, and that is logged once.
+    """
+    if keyring is None:
+        log.warning("signatures are not checked: no keyring (LANES_KEYRING), so any identity's events are acted on")
     consumers: list[Runner] = []
     for service in services:
         if service.migrations is not None:
             await apply_migrations(conns.pool, service.name, service.migrations)
         context = RunnerContext(conns.nc, conns.pool, conns.redis)
         for spec, handler in service.consumers:
-            consumer = EventConsumer(conns.nc, conns.pool, spec, bind(handler, context))
+            consumer = EventConsumer(conns.nc, conns.pool, spec, bind(handler, context), keyring=keyring)
             await consumer.provision()
             consumers.append(consumer)
         for make in service.runners:
@@ -187,14 +197,20 @@ def stop_on_signals() -> asyncio.Event:
     return stop
 
 
+def configured_keyring(settings: Settings) -> Keyring | None:
+    """The keyring LANES_KEYRING names, read once at start (a file that is not one fails the start), or None."""
+    return Keyring.load(Path(settings.keyring_file)) if settings.keyring_file else None
+
+
 async def serve(urls: ServerUrls, service: ServiceDefinition, *, stream_replicas: int = 1) -> None:
-    """Run one service against the given servers until SIGINT or SIGTERM."""
+    """Run one service against the given servers until SIGINT or SIGTERM, verifying with LANES_KEYRING if set."""
+    keyring = configured_keyring(Settings.from_env())
     port = os.environ.get("LANES_METRICS_PORT")
     if port:
         serve_metrics(int(port))
     async with connected(urls, name=f"lanes-{service.name}", stream_replicas=stream_replicas) as conns:
         stop = stop_on_signals()
-        consumers = await prepare_services(conns, [service])
+        consumers = await prepare_services(conns, [service], keyring=keyring)
         settle_heap()
         await run_consumers(consumers, stop)
 

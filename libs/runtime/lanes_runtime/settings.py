@@ -21,7 +21,8 @@ ENV_VARS = {
     "LANES_ROUTER_PREFIX_AFFINITY": "router: 1 to prefer the same replica for the same prompt prefix (KV cache)",
     "LANES_RECOVERY_POLICY": "recovery: a policy YAML file to run instead of the shipped one (docs/recovery.md)",
     "LANES_SIGNING_KEY_FILE": "a producer: its identity's Ed25519 signing key; every event it publishes is signed",
-    "LANES_KEYRING": "audit verify: the public keys of the identities allowed to sign (keyring.json)",
+    "LANES_KEYRING": "the public keys of the identities allowed to sign (keyring.json): every service verifies each"
+    " event against it before acting (a forged one is dead-lettered), and audit verify checks the chain with it",
     "LANES_SETTLE_WINDOW_S": "telemetry: seconds after an attempt fails before its finding settles anyway (5)",
     "LANES_CAUSE_WINDOW_S": "telemetry: seconds before an attempt's first exit that evidence may explain it (300)",
     "LANES_ROUTER_TENANTS_FILE": "router: tenants with their API key hashes and rate / concurrency limits",
@@ -53,6 +54,8 @@ class Settings:
     stream_replicas: int = 1
     log_level: str = "info"
     log_format: str | None = None
+    keyring_file: str | None = None
+    """LANES_KEYRING: unset, consumers act on events without checking who signed them."""
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -68,4 +71,5 @@ class Settings:
             stream_replicas=int(replicas),
             log_level=os.environ.get("LANES_LOG_LEVEL", "info"),
             log_format=os.environ.get("LANES_LOG_FORMAT") or None,
+            keyring_file=os.environ.get("LANES_KEYRING") or None,
         )
