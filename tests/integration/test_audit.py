@@ -19,7 +19,7 @@ from lanes_audit.adapters.signing import Signer
 from lanes_audit.domain.chain import ProblemKind
 from lanes_audit.entrypoints.recorder import AuditRecorder
 from lanes_cli.audit_cli import verify
-from lanes_cli.console import EXIT_FAILED
+from lanes_cli.console import EXIT_BAD_INPUT, EXIT_FAILED
 from lanes_contract.client import LanesClient, publish_encoded
 from lanes_contract.codec import encode
 from lanes_contract.streams import JOBS
@@ -279,3 +279,11 @@ async def test_a_recorder_stuck_on_a_gap_turns_not_ready_and_verify_names_it(
         finally:
             stop.set()
             await asyncio.wait_for(task, timeout=10)
+
+
+@pytest.mark.parametrize("name", ["audit.>", "*", "", "a" * 129])
+async def test_a_recorder_name_that_is_no_single_token_is_refused(urls: ServerUrls, name: str) -> None:
+    # It becomes a token of `$JS.API.CONSUMER.INFO.<stream>.<name>`: a wildcard would ask about other consumers.
+    ran = await run_lanes_async(urls, "audit", "verify", "--recorder", name)
+    assert ran.returncode == EXIT_BAD_INPUT
+    assert "a consumer name is 1-128 characters" in ran.stderr

@@ -35,10 +35,22 @@ from lanes_audit.views import (
     summarize,
     verify_chain,
 )
-from lanes_cli.console import EXIT_BAD_INPUT, EXIT_FAILED, err, fail, load_settings, one_line, out, require, run_async
+from lanes_cli.console import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    err,
+    fail,
+    load_settings,
+    one_line,
+    out,
+    print_big_json,
+    require,
+    run_async,
+)
 from lanes_cli.input_files import check_document
 from lanes_cli.limits import excerpt
 from lanes_contract.client import connect_nats
+from lanes_contract.ids import is_valid_token
 from lanes_contract.signing import KEYRING_ENV, Keyring, SignatureError
 from lanes_contract.streams import JOBS
 from lanes_runtime.reader import Selection, iter_stream
@@ -228,6 +240,10 @@ def verify_command(
 ) -> None:
     """Verify the audit chain and compare it with the stream; exit 1 naming every problem, one line per kind."""
     trusted = _public_key(public_key) if public_key else None
+    if not is_valid_token(recorder):  # it becomes a token of the consumer-info subject: never a wildcard
+        fail(
+            f"--recorder {excerpt(recorder)}: a consumer name is 1-128 characters from A-Z a-z 0-9 _ -", EXIT_BAD_INPUT
+        )
     settings = load_settings(quiet=True)
     nats_url = require(settings.nats_url, "NATS_URL")
     database_url = require(settings.database_url, "DATABASE_URL")
@@ -239,7 +255,7 @@ def verify_command(
         fail(str(exc), EXIT_BAD_INPUT)
     verdict = run_async(lambda: verify(nats_url, database_url, trusted, keyring, recorder=recorder))
     if as_json:
-        out.print_json(json.dumps(verdict.as_json()))
+        print_big_json(verdict.as_json())  # a forged event in every other sequence is a long list of runs
     elif verdict.problem is None:
         out.print(
             f"audit chain verified: {verdict.links} links, {verdict.checkpoints} signed checkpoints, "
