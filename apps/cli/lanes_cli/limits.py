@@ -59,9 +59,12 @@ MIN_YEAR, MAX_YEAR = 1970, 9998
 MAX_UTC_OFFSET_HOURS = 14.0
 """Clocks run from UTC-12 to UTC+14; `--utc-offset` is within 14 hours of UTC."""
 
+# --- what an error line repeats of the input ---------------------------------------------------------
 
 MAX_QUOTED_CHARS = 60
 """How much of a long input a message quotes (a 10,000-character id is not repeated back whole)."""
+MAX_PROBLEMS_SHOWN = 5
+"""How many of a file's validation problems one error line names before it says how many more there are."""
 
 
 def excerpt(text: str) -> str:
@@ -69,19 +72,8 @@ def excerpt(text: str) -> str:
     return repr(text if len(text) <= MAX_QUOTED_CHARS else text[:MAX_QUOTED_CHARS] + "...")
 
 
-MAX_PROBLEMS_SHOWN = 5
-"""How many of a file's validation problems one error line names before it says how many more there are."""
-
-
 class InputLimitError(LanesError, ValueError):
     """An input beyond one of the bounds above; the message names the bound."""
-
-
-def check_count(what: str, count: int, limit: int) -> None:
-    """Refuse `count` items of `what` beyond `limit`, before any of them is built."""
-    if count > limit:
-        msg = f"{what}: {count} is more than the limit of {limit}"
-        raise InputLimitError(msg)
 
 
 def check_utc_offset(hours: float) -> float:
