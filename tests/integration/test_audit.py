@@ -240,6 +240,10 @@ async def test_a_signed_checkpoint_proves_rows_existed_without_the_recorder(
     assert len(covered) == 3
 
 
+async def _ready(recorder: AuditRecorder) -> bool:
+    return recorder.ready
+
+
 async def test_a_recorder_stuck_on_a_gap_turns_not_ready_and_verify_names_it(
     lanes: LanesClient, urls: ServerUrls, pool: asyncpg.Pool, unique: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -260,12 +264,16 @@ async def test_a_recorder_stuck_on_a_gap_turns_not_ready_and_verify_names_it(
 
             await eventually(caught_up, timeout_s=60, what="the recorder to reach the end of the stream")
             head = await _all_acknowledged(lanes, pool, durable)
+            deleted = await pool.fetch(
+                "SELECT position, stream, seq, canonical, previous, hash FROM audit_links "
+                "WHERE position > (SELECT max(position) - 3 FROM audit_links)"
+            )
             await _tamper(pool, "DELETE FROM audit_links WHERE position > (SELECT max(position) - 3 FROM audit_links)")
             for _ in range(2):  # the recorder now waits for sequences that were acknowledged and never come back
                 await lanes.publish(submission(f"after-{unique}"))
 
             async def not_ready() -> bool:
-                return not recorder.ready
+                return not await _ready(recorder)
 
             await eventually(not_ready, what="the stuck recorder to turn not ready")
             assert REGISTRY.get_sample_value("lanes_consumer_ready", {"consumer": durable}) == 0
@@ -276,6 +284,18 @@ async def test_a_recorder_stuck_on_a_gap_turns_not_ready_and_verify_names_it(
             assert ran.returncode == EXIT_FAILED, ran.stdout + ran.stderr
             assert f"stalled: 1 (first at sequence {head - 2}: recorder {durable} acknowledged" in ran.stderr
             assert f"missing: 3 (first at sequence {head - 2}" in ran.stderr
+
+            # The rows put back (from a backup, say): the gap fills, the recorder goes on and is ready again.
+            await pool.executemany(
+                "INSERT INTO audit_links (position, stream, seq, canonical, previous, hash) "
+                "VALUES ($1, $2, $3, $4, $5, $6)",
+                [tuple(row) for row in deleted],
+            )
+            last = (await lanes.js.stream_info(JOBS.name)).state.last_seq
+            await eventually(caught_up, timeout_s=60, what="the recorder to go on past the filled gap")
+            await eventually(lambda: _ready(recorder), what="the recorder ready again")
+            assert REGISTRY.get_sample_value("lanes_consumer_ready", {"consumer": durable}) == 1
+            assert (await verify(urls.nats_url, urls.database_url, None, recorder=durable)).problems == []
         finally:
             stop.set()
             await asyncio.wait_for(task, timeout=10)
