@@ -186,7 +186,8 @@ def test_up_serves_submit_job_and_timeline_then_stops_cleanly_on_ctrl_c(tmp_path
     try:
         assert up.stdout is not None
         exports: dict[str, str] = {}
-        while len(exports) < 3:
+        line = ""
+        while not exports or line.startswith("export "):  # the URLs, then the signing key: the services verify
             line = up.stdout.readline()
             assert line, "lanes up exited before printing its URLs"
             if line.startswith("export "):
@@ -213,6 +214,9 @@ def test_up_serves_submit_job_and_timeline_then_stops_cleanly_on_ctrl_c(tmp_path
         events = json.loads(timeline.stdout)["timeline"]
         assert sum(e["type"] == "io.lanes.job.rank_exited.v1" for e in events) == 3
         assert sum(e["type"] == "io.lanes.job.submitted.v1" for e in events) == 1
+        # The text header says what the job's own transitions say (it said "state unknown attempts -").
+        text = _lanes("timeline", "cli-job-1", env=env)
+        assert "state released  attempts #1 released" in text.stdout, text.stdout[:500]
     finally:
         up.send_signal(signal.SIGINT)
         up.wait(timeout=30)

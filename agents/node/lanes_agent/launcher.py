@@ -78,6 +78,7 @@ from lanes_contract.events import (
 )
 from lanes_contract.ids import derived_event_id
 from lanes_contract.jobs import JobSpec, JobState
+from lanes_contract.signing import Keyring, SignatureError, verified_signer
 from lanes_contract.streams import BEATS, JOBS, TELEMETRY
 from lanes_evidence.evidence import Evidence, evidence_event
 from lanes_evidence.parsers import LogParser, SourceContext
@@ -85,6 +86,7 @@ from lanes_runtime import decision
 from lanes_runtime.consumer import ConsumerSpec
 from lanes_runtime.delivery import BatchPull, StoppedError, carry_out, hold_through_outages, pull_batches, settle
 from lanes_runtime.failures import classify
+from lanes_runtime.settings import configured_keyring
 
 _PIDS_KEPT = 65_536
 _KERNEL_LOG_POLL_S = 0.2
@@ -198,8 +200,11 @@ class LocalLauncher:
         networks: netns.NodeNetworks | None = None,
         heartbeat_s: float = HEARTBEAT_S,
         nvidia_smi: str | None = None,
+        keyring: Keyring | None = None,
     ) -> None:
         self._nc = nc
+        self._keyring = keyring or configured_keyring()
+        """Placements and stops are acted on only if signed by an identity that may say them (None: unchecked)."""
         self._heartbeat_s = heartbeat_s
         self._nvidia_smi = nvidia_smi
         """The nvidia-smi that inventories the GPUs (default: the one on PATH, if any)."""
@@ -335,6 +340,13 @@ class LocalLauncher:
         await carry_out(self._js, msg, decision.decide(outcome, msg.metadata.num_delivered, self._spec), self._spec)
 
     async def _apply(self, msg: Msg) -> None:
+        if self._keyring is not None:
+            try:
+                verified_signer(msg.subject, msg.headers, msg.data, self._keyring)
+            except SignatureError as exc:
+                # Not ours to dead-letter either: the services verify the same message and dead-letter it.
+                log.warning("launcher skips a forged event", subject=msg.subject, reason=str(exc))
+                return
         try:
             event = decode(msg.subject, msg.headers, msg.data)
         except DecodeError as exc:

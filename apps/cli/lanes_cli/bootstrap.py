@@ -11,6 +11,7 @@ from lanes_recovery.entrypoints.service import SERVICE as RECOVERY
 from lanes_router.entrypoints.service import SERVICE as ROUTER
 from lanes_runtime import service as runtime
 from lanes_runtime.service import Connections, Runner, ServiceDefinition
+from lanes_runtime.settings import configured_keyring
 from lanes_scheduler.entrypoints.service import SERVICE as SCHEDULER
 from lanes_telemetry.entrypoints.service import SERVICE as TELEMETRY
 
@@ -22,7 +23,8 @@ async def prepare_services(
 ) -> list[Runner]:
     """Provision services named (one of `SERVICES`) or given as definitions (e.g. recovery under a test's policy).
 
-    With `keyring`, their consumers verify each event's signer before acting on it.
+    Their consumers verify each event's signer before acting on it against `keyring`, or else the one
+    LANES_KEYRING names (`lanes up` and `lanes demo` set it to their embedded server's).
     """
     definitions = [SERVICES[s] if isinstance(s, str) else s for s in services]
-    return await runtime.prepare_services(conns, definitions, keyring=keyring)
+    return await runtime.prepare_services(conns, definitions, keyring=keyring or configured_keyring())

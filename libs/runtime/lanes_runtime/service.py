@@ -15,7 +15,6 @@ import sys
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from importlib.resources.abc import Traversable
-from pathlib import Path
 from typing import Protocol
 
 import asyncpg
@@ -31,7 +30,7 @@ from lanes_runtime.cache import connect_redis
 from lanes_runtime.consumer import ConsumerSpec, EventConsumer, Handler
 from lanes_runtime.log import configure_logging
 from lanes_runtime.metrics import serve_metrics
-from lanes_runtime.settings import ServerUrls, Settings
+from lanes_runtime.settings import ServerUrls, Settings, configured_keyring
 from lanes_runtime.store import apply_migrations, apply_runtime_migrations, create_pool
 
 log = structlog.get_logger(__name__)
@@ -195,11 +194,6 @@ def stop_on_signals() -> asyncio.Event:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     return stop
-
-
-def configured_keyring(settings: Settings) -> Keyring | None:
-    """The keyring LANES_KEYRING names, read once at start (a file that is not one fails the start), or None."""
-    return Keyring.load(Path(settings.keyring_file)) if settings.keyring_file else None
 
 
 async def serve(urls: ServerUrls, service: ServiceDefinition, *, stream_replicas: int = 1) -> None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
+
+from lanes_contract.signing import Keyring
 
 ENV_VARS = {
     "NATS_URL": "NATS with JetStream (>= 2.11), e.g. nats://127.0.0.1:4222; comma-separated for a cluster",
@@ -73,3 +76,12 @@ class Settings:
             log_format=os.environ.get("LANES_LOG_FORMAT") or None,
             keyring_file=os.environ.get("LANES_KEYRING") or None,
         )
+
+
+def configured_keyring(settings: Settings | None = None) -> Keyring | None:
+    """The keyring LANES_KEYRING names, read at a process's start (a file that is not one fails it), or None.
+
+    `lanes up` and `lanes demo` set it to their embedded server's keyring; compose sets it for each service.
+    """
+    path = (settings or Settings.from_env()).keyring_file
+    return Keyring.load(Path(path)) if path else None
