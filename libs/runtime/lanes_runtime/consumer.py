@@ -57,7 +57,7 @@ from lanes_contract.client import publish_encoded
 from lanes_contract.codec import EncodedEvent, decode, encode
 from lanes_contract.errors import DecodeError
 from lanes_contract.events import Event
-from lanes_contract.signing import Keyring, SignatureError, verified_signer
+from lanes_contract.signing import Keyring
 from lanes_contract.streams import STREAM_OF_FAMILY, StreamSpec
 from lanes_runtime import decision
 from lanes_runtime.delivery import (
@@ -77,6 +77,8 @@ from lanes_runtime.health import DatabaseWatch, Readiness
 from lanes_runtime.metrics import ConsumerMetrics
 from lanes_runtime.store import Db
 from lanes_runtime.tracing import event_span, sdk_configured, traced
+from lanes_runtime.upkeep import DurableUpkeep
+from lanes_runtime.verifier import batch_refusals
 
 log = structlog.get_logger(__name__)
 _T = TypeVar("_T")
@@ -275,6 +277,8 @@ class EventConsumer:
         self.outcomes: Counter[Outcome] = Counter()
         self._metrics = metrics or ConsumerMetrics.for_consumer(spec.durable)
         self._readiness = Readiness(spec.durable, self._metrics.ready)
+        self._upkeep = DurableUpkeep(self._js, pool, spec, self._readiness)
+        """Restores the durable if it disappears or drifts from the spec (`lanes_runtime.upkeep`)."""
         self._in_hand = InHand()
         """Messages fetched (the batch at work and the one fetched ahead) and not yet settled."""
         self._tracing = sdk_configured()
@@ -299,12 +303,13 @@ class EventConsumer:
         return self._readiness.ready
 
     async def provision(self) -> None:
-        """Create the durable consumer, or bring an existing one to this spec (idempotent).
+        """Create the durable consumer, restore it, or bring an existing one to this spec (idempotent).
 
-        The server's consumer-create call is create-or-update: the same config is a no-op, an updatable
-        change (ack wait, max deliver, filters) is applied in place, an impossible one is an APIError.
+        A durable that matches the spec is left as it is. One that is missing after it ran is created again
+        right after its recorded ack floor, one that drifted is updated in place or made again from there
+        (`lanes_runtime.upkeep`); `run` keeps checking it.
         """
-        await self._js.add_consumer(self.spec.stream.name, config=self.spec.config())
+        await self._upkeep.provision()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Fetch and process batches until `stop` is set; capture max-delivery advisories meanwhile.
@@ -325,7 +330,7 @@ class EventConsumer:
         next_prune = time.monotonic() + _PRUNE_EVERY_S
         working = _InFlight(self.spec.in_flight)
         try:
-            async with DatabaseWatch.watching(self._pool, self._readiness):
+            async with DatabaseWatch.watching(self._pool, self._readiness), self._upkeep.kept(stop):
                 batches = pull_batches(
                     sub, self.spec.batch, stop, consumer=self.name, readiness=self._readiness, in_hand=self._in_hand
                 )
@@ -356,7 +361,14 @@ class EventConsumer:
         """Process one fetched batch: one transaction, then the outbox, then each message's decision."""
         self._in_hand.add(msgs)
         self._tracing = sdk_configured()
-        items = [_decoded(msg, self._keyring) for msg in msgs]
+        if self._keyring is None:
+            items = [_decoded(msg) for msg in msgs]
+        else:
+            refused = await batch_refusals(msgs, self._keyring)
+            items = [
+                _decoded(msg) if reason is None else _forged(msg, reason)
+                for msg, reason in zip(msgs, refused, strict=True)
+            ]
         self._metrics.batch_size.observe(len(items))
         self._metrics.pending.set(msgs[-1].metadata.num_pending or 0)
         with contextlib.suppress(StoppedError):
@@ -797,14 +809,13 @@ async def prune_processed(pool: asyncpg.Pool, consumer: str, retention_s: float)
             return deleted
 
 
-def _decoded(msg: Msg, keyring: Keyring | None = None) -> _Item:
-    if keyring is not None:
-        try:
-            verified_signer(msg.subject, msg.headers, msg.data, keyring)
-        except SignatureError as exc:
-            reason = f"forged: {exc}"
-            log.warning("forged event refused", subject=msg.subject, reason=reason)
-            return _Item(msg, None, reason)
+def _forged(msg: Msg, refusal: str) -> _Item:
+    reason = f"forged: {refusal}"
+    log.warning("forged event refused", subject=msg.subject, reason=reason)
+    return _Item(msg, None, reason)
+
+
+def _decoded(msg: Msg) -> _Item:
     try:
         return _Item(msg, decode(msg.subject, msg.headers, msg.data))
     except DecodeError as exc:
