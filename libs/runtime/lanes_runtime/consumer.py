@@ -57,7 +57,7 @@ from lanes_contract.client import publish_encoded
 from lanes_contract.codec import EncodedEvent, decode, encode
 from lanes_contract.errors import DecodeError
 from lanes_contract.events import Event
-from lanes_contract.signing import Keyring
+from lanes_contract.signing import Keyring, SignatureError, verified_signer
 from lanes_contract.streams import STREAM_OF_FAMILY, StreamSpec
 from lanes_runtime import decision
 from lanes_runtime.delivery import (
@@ -78,7 +78,6 @@ from lanes_runtime.metrics import ConsumerMetrics
 from lanes_runtime.store import Db
 from lanes_runtime.tracing import event_span, sdk_configured, traced
 from lanes_runtime.upkeep import DurableUpkeep
-from lanes_runtime.verifier import batch_refusals
 
 log = structlog.get_logger(__name__)
 _T = TypeVar("_T")
@@ -361,14 +360,7 @@ class EventConsumer:
         """Process one fetched batch: one transaction, then the outbox, then each message's decision."""
         self._in_hand.add(msgs)
         self._tracing = sdk_configured()
-        if self._keyring is None:
-            items = [_decoded(msg) for msg in msgs]
-        else:
-            refused = await batch_refusals(msgs, self._keyring)
-            items = [
-                _decoded(msg) if reason is None else _forged(msg, reason)
-                for msg, reason in zip(msgs, refused, strict=True)
-            ]
+        items = [_decoded(msg, self._keyring) for msg in msgs]
         self._metrics.batch_size.observe(len(items))
         self._metrics.pending.set(msgs[-1].metadata.num_pending or 0)
         with contextlib.suppress(StoppedError):
@@ -809,13 +801,14 @@ async def prune_processed(pool: asyncpg.Pool, consumer: str, retention_s: float)
             return deleted
 
 
-def _forged(msg: Msg, refusal: str) -> _Item:
-    reason = f"forged: {refusal}"
-    log.warning("forged event refused", subject=msg.subject, reason=reason)
-    return _Item(msg, None, reason)
-
-
-def _decoded(msg: Msg) -> _Item:
+def _decoded(msg: Msg, keyring: Keyring | None = None) -> _Item:
+    if keyring is not None:
+        try:
+            verified_signer(msg.subject, msg.headers, msg.data, keyring)
+        except SignatureError as exc:
+            reason = f"forged: {exc}"
+            log.warning("forged event refused", subject=msg.subject, reason=reason)
+            return _Item(msg, None, reason)
     try:
         return _Item(msg, decode(msg.subject, msg.headers, msg.data))
     except DecodeError as exc:
