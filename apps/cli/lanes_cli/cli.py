@@ -57,6 +57,7 @@ from lanes_cli.console import (
     output_file,
     require,
     run_async,
+    signers_keyring,
 )
 from lanes_cli.demo import DEMO_NODES, FaultPaths, local_nodes, register_nodes, run_demo
 from lanes_cli.html import render_page
@@ -66,6 +67,7 @@ from lanes_cli.render import render_demo, render_job
 from lanes_cli.replay import Pace, merged, selections, write_ndjson
 from lanes_cli.scheduling import scheduling_view
 from lanes_cli.stack import servers, signing_exports
+from lanes_cli.terminal import print_json
 from lanes_cli.timeline import job_header, job_timeline
 from lanes_cli.topology_cli import app as topology_app
 from lanes_contract.client import LanesClient, connect_nats
@@ -308,7 +310,7 @@ def job(
     if view is None:
         fail(f"unknown job {job_id!r}", EXIT_NOT_FOUND)
     if as_json:
-        out.print_json(json.dumps(view))
+        print_json(out, view)
         return
     jobs_cli.render_job_view(view)
 
@@ -319,17 +321,22 @@ def timeline(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     html_file: Annotated[Path | None, typer.Option("--html", help="Write a self-contained HTML page here.")] = None,
 ) -> None:
-    """Read a job's timeline back from JetStream and show it grouped by lane (or as an HTML page)."""
+    """Read a job's timeline back from JetStream and show it grouped by lane (or as an HTML page).
+
+    Each event shows its signer next to the source it claims, checked against LANES_KEYRING when it is set.
+    """
     checked_job_id(job_id)
     if html_file is not None:
         output_file(html_file, "--html")
     settings = load_settings(quiet=True)
     nats_url = require(settings.nats_url, "NATS_URL")
 
+    keyring = signers_keyring(settings)
+
     async def read() -> list[Any]:
         nc = await connect_nats(nats_url, name="lanes-timeline")
         try:
-            return await job_timeline(nc.jetstream(), job_id)
+            return await job_timeline(nc.jetstream(), job_id, keyring)
         finally:
             await nc.close()
 
@@ -344,7 +351,7 @@ def timeline(
             cannot_write(html_file, exc)
         err.print(f"wrote {html_file}")
     if as_json:
-        out.print_json(json.dumps(report))
+        print_json(out, report)
     elif html_file is None:
         render_job(out, job_header(job_id, entries), entries)
 

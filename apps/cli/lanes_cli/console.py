@@ -19,13 +19,14 @@ from typing import NoReturn, TypeVar
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 
 from lanes_cli.limits import excerpt
+from lanes_cli.terminal import markup
 from lanes_contract.errors import InvalidEventError, LanesError, ServerUnavailableError, UnsupportedServerError
 from lanes_contract.ids import is_valid_token
+from lanes_contract.signing import Keyring
 from lanes_runtime.log import configure_logging
-from lanes_runtime.settings import Settings
+from lanes_runtime.settings import Settings, configured_keyring
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOT_FOUND, EXIT_SERVER = 1, 2, 3, 4
 out = Console()
@@ -40,8 +41,11 @@ def one_line(message: str) -> str:
 
 
 def fail(message: str, code: int) -> NoReturn:
-    """Print a one-line error on stderr and exit with `code` (the message is text, never rich markup)."""
-    err.print(f"[red]error:[/red] {escape(one_line(message))}", highlight=False)
+    """Print a one-line error on stderr and exit with `code` (the message is text, never rich markup).
+
+    A message may quote an event or an exception: its control characters are shown escaped.
+    """
+    err.print(f"[red]error:[/red] {markup(one_line(message))}", highlight=False, emoji=False)
     raise typer.Exit(code)
 
 
@@ -65,6 +69,14 @@ def load_settings(*, quiet: bool = False) -> Settings:
     level = settings.log_level if (os.environ.get("LANES_LOG_LEVEL") or not quiet) else "error"
     configure_logging(level, settings.log_format)
     return settings
+
+
+def signers_keyring(settings: Settings) -> Keyring | None:
+    """The keyring LANES_KEYRING names, to check who signed each event a command shows; exit 2 if unreadable."""
+    try:
+        return configured_keyring(settings)
+    except LanesError as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
 
 
 def run_async(

@@ -62,7 +62,10 @@ def missing_by_lane(missing: list[dict[str, Any]]) -> dict[str, list[str]]:
 def render_page(job: dict[str, Any]) -> str:
     """The whole page as a string."""
     payload = {"job": job, "lanes": LANE_ORDER, "firstError": first_error(job)}
-    data = json.dumps(payload, separators=(",", ":")).replace("</", "<\\/")
+    # Event text is data, never markup: with no `<` left in the JSON, nothing in it can end the script element
+    # or open an HTML comment inside it (`<!--<script>` would make the page's own `</script>` text).
+    data = json.dumps(payload, separators=(",", ":"))
+    data = data.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
     title = html.escape(f"Lanes timeline: {job.get('job_id', '?')}")
     return _TEMPLATE.replace("{{TITLE}}", title).replace("{{DATA}}", data)
 
@@ -173,7 +176,8 @@ padding:8px;margin-top:10px;min-height:40px}
       fill: colors[r.lane] || "#777", class: "mark" + (first && first.seq === r.seq ? " first-error" : ""),
       "data-lane": r.lane, "data-node": r.node || "", "data-seq": r.seq});
     el("title", {}, m).textContent = "#" + r.seq + " " + r.type + " node=" + (r.node || "-") + " rank=" +
-      (r.rank === null || r.rank === undefined ? "-" : r.rank);
+      (r.rank === null || r.rank === undefined ? "-" : r.rank) + " source=" + r.source + " signer=" +
+      (r.signer || "unsigned") + (r.signature && r.signature !== "verified" ? " (" + r.signature + ")" : "");
     m.addEventListener("click", () => {
       document.getElementById("detail").textContent = JSON.stringify(r, null, 2);
     });

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
@@ -20,11 +19,14 @@ from lanes_cli.console import (
     output_dir,
     require,
     run_async,
+    signers_keyring,
 )
 from lanes_cli.incident import bundle, write_bundle
+from lanes_cli.terminal import print_json
 from lanes_cli.timeline import entry_of, row_kind
 from lanes_contract.client import connect_nats
 from lanes_contract.codec import structured_line
+from lanes_contract.signing import Keyring
 from lanes_contract.streams import JOBS, REQUESTS
 from lanes_runtime.reader import Selection, iter_stream
 
@@ -36,7 +38,9 @@ def _serves(rows: list[dict[str, Any]]) -> bool:
     )
 
 
-async def gather(nats_url: str, job_id: str) -> tuple[dict[str, Any], list[bytes], list[dict[str, Any]]]:
+async def gather(
+    nats_url: str, job_id: str, keyring: Keyring | None = None
+) -> tuple[dict[str, Any], list[bytes], list[dict[str, Any]]]:
     """The job's timeline rows, the inference requests of its time window (a replica's), and both as NDJSON."""
     nc = await connect_nats(nats_url, name="lanes-incident")
     try:
@@ -47,7 +51,7 @@ async def gather(nats_url: str, job_id: str) -> tuple[dict[str, Any], list[bytes
 
         async def read(selection: Selection, into: list[dict[str, Any]]) -> None:
             async for msg in iter_stream(js, selection):
-                into.append(entry_of(msg).as_json())
+                into.append(entry_of(msg, keyring).as_json())
                 lines.append(structured_line(msg.headers, msg.data, {"sequence": str(msg.metadata.sequence.stream)}))
 
         await read(Selection(JOBS.name, f"lanes.job.{job_id}.>"), rows)
@@ -74,7 +78,8 @@ def incident(
         output_dir(out_dir, "--out")
     settings = load_settings(quiet=True)
     nats_url = require(settings.nats_url, "NATS_URL")
-    job, lines, requests = run_async(lambda: gather(nats_url, job_id))
+    keyring = signers_keyring(settings)
+    job, lines, requests = run_async(lambda: gather(nats_url, job_id, keyring))
     if not job["timeline"]:
         fail(f"unknown job {job_id!r}: no events on lanes.job.{job_id}.>", EXIT_NOT_FOUND)
     summary = bundle(job, requests)
@@ -86,4 +91,4 @@ def incident(
         for path in written:
             err.print(f"wrote {path}")
     if as_json or out_dir is None:
-        out.print_json(json.dumps(summary))
+        print_json(out, summary)

@@ -24,6 +24,7 @@ from lanes_cli.console import (
     run_async,
 )
 from lanes_cli.limits import MAX_ATTEMPT
+from lanes_cli.terminal import markup, print_json, print_line
 from lanes_contract.client import LanesClient, connect_nats
 from lanes_contract.events import (
     CancelRequested,
@@ -63,16 +64,20 @@ def job_json(view: JobView, *, now: datetime | None = None) -> dict[str, Any]:
 
 
 def render_job_view(job: dict[str, Any]) -> None:
-    """`lanes job` for people: state and flags, each attempt with its cause and ranks, time per state."""
+    """`lanes job` for people: state and flags, each attempt with its cause and ranks, time per state.
+
+    Causes, reasons, owners and node names come from events: every line goes out through `print_line`.
+    """
     spec = job["spec"]
     flags = f" [{', '.join(job['flags'])}]" if job["flags"] else ""
     gpus = f"{spec['workers']}x{spec['gpus_per_worker']} GPUs"
-    out.print(f"[bold]{job['job_id']}[/bold] {job['state']}{flags}  ({gpus})", highlight=False)
+    headline = f"{job['state']}{flags}  ({gpus})"
+    out.print(f"[bold]{markup(job['job_id'])}[/bold] {markup(headline)}", highlight=False, emoji=False)
     if job.get("wait_reason"):
-        out.print(f"  waiting: {job['wait_reason']} {job.get('wait_detail') or ''}", highlight=False)
+        print_line(out, f"  waiting: {job['wait_reason']} {job.get('wait_detail') or ''}")
     if job.get("manual"):
         manual = job["manual"]
-        out.print(f"  awaiting {manual['owner']} until {manual['deadline'] or 'no deadline'}: {manual['reason']}")
+        print_line(out, f"  awaiting {manual['owner']} until {manual['deadline'] or 'no deadline'}: {manual['reason']}")
     for attempt in job["attempts"]:
         nodes = ",".join(dict.fromkeys(p["node"] for p in attempt["placement"])) or "-"
         cause = f"  {attempt['cause']}: {attempt['cause_detail']}" if attempt["cause"] else ""
@@ -81,15 +86,15 @@ def render_job_view(job: dict[str, Any]) -> None:
         ckpt = attempt["last_checkpoint"]
         extra = f"  checkpoint step {ckpt['step']}" if ckpt else ""
         extra += f"  lost {attempt['lost_steps']} steps" if attempt["lost_steps"] else ""
-        out.print(f"  attempt {attempt['number']}: {attempt['state']} on {nodes}{cause}{extra}", highlight=False)
+        print_line(out, f"  attempt {attempt['number']}: {attempt['state']} on {nodes}{cause}{extra}")
         ranks = sorted(attempt["ranks"].values(), key=lambda r: r["rank"])
         for rank in ranks:
             how = ""
             if rank["exit_code"] is not None or rank["signal"] is not None:
                 how = f" (exit {rank['exit_code']})" if rank["signal"] is None else f" (signal {rank['signal']})"
-            out.print(f"    rank {rank['rank']} on {rank['node']}: {rank['state']}{how}", highlight=False)
+            print_line(out, f"    rank {rank['rank']} on {rank['node']}: {rank['state']}{how}")
     spent = ", ".join(f"{state} {seconds:.1f}s" for state, seconds in job["time_in_states"].items())
-    out.print(f"  time in state: {spent}", highlight=False)
+    print_line(out, f"  time in state: {spent}")
 
 
 async def _publish_command(nats_url: str, job_id: str, build: type[Event], event_id: str, **fields: Any) -> int:
@@ -109,7 +114,7 @@ def _send_command(
     sent_id = event_id or new_event_id()
     seq = run_async(lambda: _publish_command(nats_url, job_id, build, sent_id, **fields))
     command = build.name.removesuffix("_requested")
-    out.print_json(json.dumps({"job_id": job_id, "command": command, **(shown or {}), "seq": seq}))
+    print_json(out, {"job_id": job_id, "command": command, **(shown or {}), "seq": seq})
 
 
 def cancel(
@@ -185,13 +190,12 @@ def jobs(
 
     rows = run_async(load)
     if as_json:
-        out.print_json(json.dumps({"jobs": rows}))
+        print_json(out, {"jobs": rows})
         return
     for row in rows:
         flags = f" [{', '.join(row['flags'])}]" if row["flags"] else ""
         cause = f"  {row['cause']}" if row["cause"] else ""
-        line = f"{row['job_id']}  {row['state']}{flags}  attempt {row['attempt']}{cause}"
-        out.print(line, highlight=False)
+        print_line(out, f"{row['job_id']}  {row['state']}{flags}  attempt {row['attempt']}{cause}")
 
 
 @projections_app.command()

@@ -8,13 +8,13 @@ abandon: end the job) and records a decision naming who and why.
 from __future__ import annotations
 
 import getpass
-import json
 from typing import Annotated
 
 import typer
 
 from lanes_cli.console import EXIT_BAD_INPUT, EXIT_NOT_FOUND, fail, load_settings, out, require, run_async
 from lanes_cli.limits import excerpt
+from lanes_cli.terminal import print_json
 from lanes_contract.client import LanesClient
 from lanes_contract.events import ManualAction, ManualActionData, ManualActionRequested
 from lanes_contract.ids import is_valid_token
@@ -59,7 +59,8 @@ def recover(  # noqa: PLR0917 - typer maps each parameter to an option
             return await client.publish(ManualActionRequested(source=client.source, jobid=job_id, data=data))
 
     seq = run_async(publish)
-    out.print_json(json.dumps({"job_id": job_id, "action": chosen[0].value, "by": who, "reason": reason, "seq": seq}))
+    # The reason and the name are the user's own text, echoed back: as ASCII JSON, whatever they hold.
+    print_json(out, {"job_id": job_id, "action": chosen[0].value, "by": who, "reason": reason, "seq": seq})
 
 
 def _current_user() -> str:

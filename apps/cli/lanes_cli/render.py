@@ -1,7 +1,9 @@
 """Terminal rendering of a job's timeline, grouped by responsibility lane.
 
 Each line carries every join key (seq, time, attempt, node, rank, source, type), so a line copied into a
-ticket or grepped out of a log still says everything about its event.
+ticket or grepped out of a log still says everything about its event, and the signer next to the source the
+event claims. Whatever an event says is printed through `lanes_cli.terminal`: one event is one line, and no
+control character in it reaches the terminal.
 """
 
 from __future__ import annotations
@@ -10,9 +12,9 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
-from rich.markup import escape
 
 from lanes_cli.incident import bundle
+from lanes_cli.terminal import markup, print_line
 from lanes_cli.timeline import TimelineEntry
 from lanes_contract.events import (
     Event,
@@ -98,25 +100,30 @@ def render_job(console: Console, job: dict[str, Any], entries: list[TimelineEntr
     """Print a job header, then the events of each lane in stream order."""
     attempts = ", ".join(f"#{a['number']} {a['state']}" for a in job.get("attempts", []))
     console.print(
-        f"[bold]job {job['job_id']}[/bold]  state [bold]{job.get('state') or 'unknown'}[/bold]"
-        f"  attempts {attempts or '-'}  events {len(entries)}"
+        f"[bold]job {markup(job['job_id'])}[/bold]  state [bold]{markup(job.get('state') or 'unknown')}[/bold]"
+        f"  attempts {markup(attempts or '-')}  events {len(entries)}"
     )
     for lane in Lane:
-        rows = [(entry.seq, entry.event) for entry in entries if entry.event is not None and entry.event.lane is lane]
+        rows = [(entry, entry.event) for entry in entries if entry.event is not None and entry.event.lane is lane]
         if not rows:
             continue
         console.print(f"\n[bold cyan]{lane.value} lane[/bold cyan] ({len(rows)} events)")
-        for seq, event in rows:
+        for entry, event in rows:
             line = (
-                f"  #{seq:<4} {event.time.strftime('%H:%M:%S.%f')[:-3]}  {event.type.removeprefix('io.lanes.'):<28}"
+                f"  #{entry.seq:<4} {event.time.strftime('%H:%M:%S.%f')[:-3]}"
+                f"  {event.type.removeprefix('io.lanes.'):<28}"
                 f" job={event.jobid or '-'} attempt={event.attempt or '-'} node={event.node or '-'}"
-                f" rank={'-' if event.rank is None else event.rank} source={event.source}  {summarize(event)}"
+                f" rank={'-' if event.rank is None else event.rank} source={event.source}"
+                f" signer={entry.signature.label}  {summarize(event)}"
             )
-            console.print(escape(line), highlight=False, soft_wrap=True)
+            print_line(console, line)
     for entry in entries:
         if entry.event is None:
             console.print(
-                f"[red]#{entry.seq} on {escape(entry.subject)} could not be decoded: {escape(entry.error or '')}[/red]"
+                f"[red]#{entry.seq} on {markup(entry.subject)} could not be decoded: {markup(entry.error or '')}"
+                f" signer={markup(entry.signature.label)}[/red]",
+                highlight=False,
+                soft_wrap=True,
             )
 
 
@@ -128,46 +135,31 @@ def render_demo(console: Console, run: DemoRun) -> None:
     incident = run.incident()
     error = incident["summary"]["first_error"] or {}
     console.print(f"[bold]finding for {run.oom_job_id}[/bold]")
-    console.print(
-        escape(
-            f"  first error: {error.get('detail')} - {error.get('lane')} lane, rank {error.get('rank')}"
-            f" on {error.get('node')}; call {incident['summary']['owner']}"
-        ),
-        highlight=False,
-        soft_wrap=True,
+    print_line(
+        console,
+        f"  first error: {error.get('detail')} - {error.get('lane')} lane, rank {error.get('rank')}"
+        f" on {error.get('node')}; call {incident['summary']['owner']}",
     )
     for line in error.get("evidence") or []:
-        console.print(escape(f"    {line}"), highlight=False, soft_wrap=True)
+        print_line(console, f"    {line}")
     finding: dict[str, Any] = next(
         (row["data"] for row in reversed(_rows(run, run.oom_job_id)) if row["type"].endswith(".finding.v1")), {}
     )
     for group in finding.get("consequences", []):
-        console.print(
-            escape(f"  consequence: {group['summary']} ({group['count']} reports)"), highlight=False, soft_wrap=True
-        )
+        print_line(console, f"  consequence: {group['summary']} ({group['count']} reports)")
     for lane, items in incident["missing_evidence"].items():
-        console.print(escape(f"  pending evidence, {lane} lane: {'; '.join(items)}"), highlight=False, soft_wrap=True)
+        print_line(console, f"  pending evidence, {lane} lane: {'; '.join(items)}")
     _render_recovery(console, run)
     console.print(f"\n[bold]wait history of {run.topology_job_id}[/bold]")
     topology_job = next(job for job in run.jobs if job["job_id"] == run.topology_job_id)
     for wait in topology_job["scheduling"].get("wait_history", []):
-        console.print(
-            escape(f"  {wait['reason']} for {wait['seconds']:.3f}s: {wait['detail']}"), highlight=False, soft_wrap=True
-        )
+        print_line(console, f"  {wait['reason']} for {wait['seconds']:.3f}s: {wait['detail']}")
     console.print("\n[bold]POC scorecard[/bold]")
     for result in run.scorecard:
-        console.print(
-            escape(f"  {result.verdict.value:<17} {result.capability}: {result.reason}"),
-            highlight=False,
-            soft_wrap=True,
-        )
+        print_line(console, f"  {result.verdict.value:<17} {result.capability}: {result.reason}")
     console.print("\n[bold]how the faults were made[/bold]")
     for what, how in run.paths.described().items():
-        _line(console, f"  {what.replace('_', ' ')}: {how}")
-
-
-def _line(console: Console, text: str) -> None:
-    console.print(escape(text), highlight=False, soft_wrap=True)
+        print_line(console, f"  {what.replace('_', ' ')}: {how}")
 
 
 def _render_recovery(console: Console, run: DemoRun) -> None:
@@ -175,21 +167,24 @@ def _render_recovery(console: Console, run: DemoRun) -> None:
     for title, job_id in (("recovery of", run.oom_job_id), ("manual path of", run.manual_job_id)):
         job = run.job(job_id)
         attempts = ", ".join(f"#{a['number']} {a['state']}" for a in job.get("attempts", []))
-        console.print(f"\n[bold]{title} {job_id}[/bold] (now {job['state']}; attempts {attempts})", soft_wrap=True)
+        console.print(
+            f"\n[bold]{title} {markup(job_id)}[/bold] (now {markup(job['state'])}; attempts {markup(attempts)})",
+            soft_wrap=True,
+        )
         for step in bundle(job)["decision_chain"]:
-            _line(console, f"  {step['time'][11:23]}  {step['kind']:<17} {_decision_text(step)}")
+            print_line(console, f"  {step['time'][11:23]}  {step['kind']:<17} {_decision_text(step)}")
     inference = run.inference
     incident = run.replica_incident()
     console.print(f"\n[bold]inference: node {inference.failed_node} failed under load[/bold]")
-    _line(console, f"  clients saw: {', '.join(f'{k} {v}' for k, v in inference.clients.items())}")
+    print_line(console, f"  clients saw: {', '.join(f'{k} {v}' for k, v in inference.clients.items())}")
     touched = incident.get("requests", {})
     outcomes = ", ".join(f"{k} {v}" for k, v in touched.get("outcomes", {}).items())
-    _line(console, f"  requests that tried {inference.replica_job_ids[0]}: {touched.get('count', 0)} ({outcomes})")
+    print_line(console, f"  requests that tried {inference.replica_job_ids[0]}: {touched.get('count', 0)} ({outcomes})")
     for step in incident["decision_chain"]:
-        _line(console, f"  {step['time'][11:23]}  {step['kind']:<17} {_decision_text(step)}")
+        print_line(console, f"  {step['time'][11:23]}  {step['kind']:<17} {_decision_text(step)}")
     console.print("\n[bold]decisions against the final settled findings[/bold]")
     for verdict in run.verdicts():
-        _line(console, f"  {'agrees  ' if verdict.agrees else 'WRONG   '}{verdict.explain()}")
+        print_line(console, f"  {'agrees  ' if verdict.agrees else 'WRONG   '}{verdict.explain()}")
 
 
 def _decision_text(step: dict[str, Any]) -> str:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -11,6 +12,7 @@ from nats.js import JetStreamContext
 from lanes_contract.codec import decode, format_time
 from lanes_contract.errors import DecodeError
 from lanes_contract.events import Event, JobStateChanged
+from lanes_contract.signing import SIGNER_HEADER, Keyring, SignatureError, verified_signer
 from lanes_contract.streams import JOBS
 from lanes_runtime.reader import Selection, iter_stream
 
@@ -30,13 +32,59 @@ def is_failure(row: dict[str, Any]) -> bool:
 
 
 @dataclass(frozen=True)
+class Signature:
+    """Who signed a stored event, as its `Lanes-Signer` header says, and what a keyring made of that.
+
+    The timeline names the signer next to the `source` the event claims: anyone can write any `ce-source`,
+    only the holder of a key can sign. `refused` is the keyring's reason (`verified_signer`) when it does
+    not confirm the signer; `checked` is False when no keyring was at hand (the header is then only a claim).
+    """
+
+    signer: str | None = None
+    checked: bool = False
+    refused: str | None = None
+
+    @property
+    def verdict(self) -> str:
+        """`verified`, `unchecked`, `unsigned`, or `refused: <why>` (the `signature` of a JSON row)."""
+        if self.signer is None:
+            return "unsigned"
+        if not self.checked:
+            return "unchecked"
+        return f"refused: {self.refused}" if self.refused else "verified"
+
+    @property
+    def label(self) -> str:
+        """The `signer=` of a text row: the identity alone when verified, else what keeps it from being trusted."""
+        if self.signer is None:
+            return "unsigned"
+        return self.signer if self.verdict == "verified" else f"{self.signer}({self.verdict})"
+
+
+def signature_of(subject: str, headers: Mapping[str, str] | None, payload: bytes, keyring: Keyring | None) -> Signature:
+    """The signer a stored message names, checked against the keyring when there is one (pure)."""
+    reference = (headers or {}).get(SIGNER_HEADER)
+    if not reference:
+        return Signature()
+    signer = reference.split(":", 1)[0]
+    if keyring is None:
+        return Signature(signer)
+    try:
+        verified_signer(subject, headers, payload, keyring)
+    except SignatureError as exc:
+        return Signature(signer, checked=True, refused=str(exc))
+    return Signature(signer, checked=True)
+
+
+@dataclass(frozen=True)
 class TimelineEntry:
-    """One stored event and its stream sequence, or the reason it could not be decoded."""
+    """One stored event and its stream sequence, or the reason it could not be decoded, and who signed it."""
 
     seq: int
     subject: str
     event: Event | None
     error: str | None = None
+    signature: Signature = field(default_factory=Signature)
 
     def as_json(self) -> dict[str, Any]:
         """The row of `lanes demo --json` / `lanes timeline --json`."""
@@ -54,17 +102,20 @@ class TimelineEntry:
             "node": e.node,
             "rank": e.rank,
             "source": e.source,
+            "signer": self.signature.signer,
+            "signature": self.signature.verdict,
             "data": e.model_dump(mode="json")["data"],
         }
 
 
-def entry_of(msg: Msg) -> TimelineEntry:
-    """A stored message as a timeline entry; an undecodable one keeps its place with its error."""
+def entry_of(msg: Msg, keyring: Keyring | None = None) -> TimelineEntry:
+    """A stored message as a timeline entry with its signer; an undecodable one keeps its place with its error."""
     seq = msg.metadata.sequence.stream
+    signature = signature_of(msg.subject, msg.headers, msg.data, keyring)
     try:
-        return TimelineEntry(seq, msg.subject, decode(msg.subject, msg.headers, msg.data))
+        return TimelineEntry(seq, msg.subject, decode(msg.subject, msg.headers, msg.data), signature=signature)
     except DecodeError as exc:
-        return TimelineEntry(seq, msg.subject, None, str(exc))
+        return TimelineEntry(seq, msg.subject, None, str(exc), signature)
 
 
 def job_header(job_id: str, entries: list[TimelineEntry]) -> dict[str, Any]:
@@ -86,11 +137,13 @@ def job_header(job_id: str, entries: list[TimelineEntry]) -> dict[str, Any]:
     }
 
 
-async def read_stream(js: JetStreamContext, selection: Selection) -> list[TimelineEntry]:
-    """Every selected message, decoded, in stream order."""
-    return [entry_of(msg) async for msg in iter_stream(js, selection)]
+async def read_stream(
+    js: JetStreamContext, selection: Selection, keyring: Keyring | None = None
+) -> list[TimelineEntry]:
+    """Every selected message, decoded, in stream order, its signer checked against `keyring` if given."""
+    return [entry_of(msg, keyring) async for msg in iter_stream(js, selection)]
 
 
-async def job_timeline(js: JetStreamContext, job_id: str) -> list[TimelineEntry]:
+async def job_timeline(js: JetStreamContext, job_id: str, keyring: Keyring | None = None) -> list[TimelineEntry]:
     """The job's whole timeline: every event on `lanes.job.<job_id>.>`."""
-    return await read_stream(js, Selection(JOBS.name, f"lanes.job.{job_id}.>"))
+    return await read_stream(js, Selection(JOBS.name, f"lanes.job.{job_id}.>"), keyring)
