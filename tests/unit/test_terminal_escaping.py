@@ -11,14 +11,17 @@ from __future__ import annotations
 import io
 import json
 import unicodedata
+from pathlib import Path
 from typing import Any
 
 import pytest
 import typer
 from rich.console import Console
+from typer.testing import CliRunner
 
 from lanes_cli import console as cli_console
 from lanes_cli import jobs_cli
+from lanes_cli.cli import app
 from lanes_cli.html import render_page
 from lanes_cli.render import render_job
 from lanes_cli.terminal import markup, print_json, print_line, shown
@@ -207,3 +210,19 @@ def test_timeline_json_rows_name_the_signer_and_the_verdict() -> None:
     assert (row["source"], row["signer"], row["signature"]) == ("lanes/telemetry", "telemetry", "verified")
     unsigned = TimelineEntry(2, "lanes.job.j-1.evidence", evidence("ok", 2).event).as_json()
     assert (unsigned["signer"], unsigned["signature"]) == (None, "unsigned")
+
+
+def test_lanes_analyze_shows_a_hostile_log_line_escaped(tmp_path: Path) -> None:
+    # A process name is whatever the job chose: the kernel writes it into its OOM line verbatim.
+    name = "py\x1b[2J\x9bthon[red]\u202e"
+    log = tmp_path / "kernel.log"
+    log.write_text(
+        "Dec  2 10:20:04 node-2 kernel: [1836245.118950] Out of memory: Killed process 41235 "
+        f"({name}) total-vm:245638812kB, anon-rss:1963456000kB, file-rss:0kB, shmem-rss:0kB, UID:1000\n"
+    )
+    result = CliRunner().invoke(app, ["analyze", str(log), "--year", "2026"])
+    assert result.exit_code == 0, result.output
+    assert raw_controls(result.stdout) == []
+    assert f"> Dec  2 10:20:04 node-2 kernel: [1836245.118950] Out of memory: Killed process 41235 ({shown(name)})" in (
+        result.stdout
+    )

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Annotated, Any, BinaryIO
 
 import typer
-from rich.markup import escape
 
 from lanes_cli.console import EXIT_BAD_INPUT, EXIT_FAILED, fail, out
 from lanes_cli.limits import MAX_YEAR, MIN_YEAR, InputLimitError, check_utc_offset
+from lanes_cli.terminal import markup, print_line
 from lanes_contract.events import EvidenceCategory, JobFindingData
 from lanes_contract.ids import is_valid_token
 from lanes_evidence.evidence import Evidence
@@ -198,27 +198,32 @@ def analyze(
 
 
 def render_finding(finding: JobFindingData) -> None:
-    """The finding for a person: first error, its evidence, the grouped consequences, what is missing."""
+    """The finding for a person: first error, its evidence, the grouped consequences, what is missing.
+
+    Summaries, evidence lines and node names come from the logs read: each is printed through `markup` /
+    `print_line`, so a control character or `[red]` in a log line is shown, not acted on.
+    """
     first = finding.first_error
     if first is None:
         out.print("[bold]No first error[/bold]: no cause and no consequence in the evidence.")
     else:
         where = ", ".join(p for p in (first.node or "", f"rank {first.rank}" if first.rank is not None else "") if p)
         out.print(
-            f"[bold]First error[/bold] {escape(f'[{first.lane.value}]')} {first.category} {where} "
+            f"[bold]First error[/bold] {markup(f'[{first.lane.value}] {first.category} {where}')} "
             f"at {first.time.isoformat() if first.time else 'unknown time'} (confidence {finding.confidence:.2f})",
             highlight=False,
+            emoji=False,
         )
-        out.print(f"  {escape(first.summary)}", highlight=False, soft_wrap=True)
+        print_line(out, f"  {first.summary}")
         for line in first.evidence:
-            out.print(f"  [dim]> {escape(line)}[/dim]", highlight=False, soft_wrap=True)
-    out.print(f"[bold]Stage[/bold] {finding.stage}", highlight=False)
+            out.print(f"  [dim]> {markup(line)}[/dim]", highlight=False, soft_wrap=True, emoji=False)
+    out.print(f"[bold]Stage[/bold] {markup(finding.stage)}", highlight=False)
     if finding.consequences:
         out.print("[bold]Consequences[/bold]")
         for group in finding.consequences:
-            out.print(f"  {escape(group.summary)}", highlight=False, soft_wrap=True)
+            print_line(out, f"  {group.summary}")
     if finding.missing_evidence:
         out.print("[bold]Pending evidence[/bold]")
         for item in finding.missing_evidence:
-            out.print(f"  [{item.lane.value}] {item.what}", highlight=False, markup=False)
-    out.print(f"[bold]Call next[/bold] {finding.owner}", highlight=False)
+            print_line(out, f"  [{item.lane.value}] {item.what}")
+    out.print(f"[bold]Call next[/bold] {markup(finding.owner)}", highlight=False, emoji=False)

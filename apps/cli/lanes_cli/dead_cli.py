@@ -10,6 +10,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from lanes_cli.console import fail, load_settings, out, require, run_async
+from lanes_cli.terminal import print_line
 from lanes_contract.client import connect_nats
 from lanes_contract.codec import MSG_ID_HEADER
 from lanes_contract.streams import DEAD
@@ -58,14 +59,15 @@ def list_command(as_json: Annotated[bool, typer.Option("--json", help="Print JSO
         finally:
             await nc.close()
 
+    # A reason quotes the event it refused: never markup (`[red]` stays text), never a raw control character.
     for letter in run_async(work):
         if as_json:
-            out.print(json.dumps(letter), highlight=False)
+            print_line(out, json.dumps(letter, ensure_ascii=True))
         else:
-            out.print(
+            print_line(
+                out,
                 f"{letter['dead_seq']}  {letter['consumer']}  {letter['subject']} (seq {letter['stream_seq']})"
                 f"  {letter['reason']}",
-                highlight=False,
             )
 
 
@@ -105,4 +107,4 @@ def replay_command(
             await nc.close()
 
     for line in run_async(work):
-        out.print(line, highlight=False)
+        print_line(out, line)
