@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import unicodedata
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from lanes_cli import jobs_cli
 from lanes_cli.cli import app
 from lanes_cli.html import render_page
 from lanes_cli.render import render_job
+from lanes_cli.router_cli import _table as requests_table
 from lanes_cli.terminal import markup, print_json, print_line, shown
 from lanes_cli.timeline import Signature, TimelineEntry, job_header, signature_of
 from lanes_contract.codec import encode
@@ -35,6 +37,8 @@ from lanes_contract.events import (
     ManualAction,
     ManualActionData,
     ManualActionRequested,
+    RequestServed,
+    RequestServedData,
 )
 from lanes_contract.signing import SIGNATURE_HEADER, SIGNER_HEADER, EventSigner, Keyring
 
@@ -226,3 +230,19 @@ def test_lanes_analyze_shows_a_hostile_log_line_escaped(tmp_path: Path) -> None:
     assert f"> Dec  2 10:20:04 node-2 kernel: [1836245.118950] Out of memory: Killed process 41235 ({shown(name)})" in (
         result.stdout
     )
+
+
+def test_a_request_id_a_client_chose_is_text_in_the_requests_table() -> None:
+    served = RequestServedData(
+        request_id="[red]req[/red] [link=http://x]y[/link]",
+        model="tiny-chat",
+        replica="chat-a",
+        route="/v1/chat/completions",
+        status="ok",
+        http_status=200,
+        received_at=datetime(2026, 12, 2, 10, 20, 4, tzinfo=UTC),
+        latency_ms=2.0,
+    )
+    console, buffer = plain_console()
+    console.print(requests_table([RequestServed(source="lanes/router", jobid="chat-a", data=served)]))
+    assert "[red]req[/red] [link=http://x]y[/link]" in buffer.getvalue()

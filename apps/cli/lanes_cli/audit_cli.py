@@ -13,7 +13,6 @@ import typer
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
-from rich.markup import escape
 
 from lanes_audit import views as audit
 from lanes_audit.views import (
@@ -49,6 +48,7 @@ from lanes_cli.console import (
 )
 from lanes_cli.input_files import check_document
 from lanes_cli.limits import excerpt
+from lanes_cli.terminal import markup
 from lanes_contract.client import connect_nats
 from lanes_contract.ids import is_valid_token
 from lanes_contract.signing import KEYRING_ENV, Keyring, SignatureError
@@ -264,7 +264,7 @@ def verify_command(
     if verdict.problem is not None:
         if not as_json:
             for summary in verdict.summaries()[:-1]:  # the last kind is the exit line, as every failure's
-                err.print(f"[red]error:[/red] {escape(one_line(summary_line(summary)))}", highlight=False)
+                err.print(f"[red]error:[/red] {markup(one_line(summary_line(summary)))}", highlight=False)
         fail(summary_line(verdict.summaries()[-1]), EXIT_FAILED)
 
 

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from lanes_cli.console import EXIT_BAD_INPUT, EXIT_NOT_FOUND, as_utc, err, fail, load_settings, out, require, run_async
 from lanes_cli.limits import excerpt
+from lanes_cli.terminal import markup, print_json
 from lanes_contract.client import LanesClient, connect_nats
 from lanes_contract.codec import decode, to_structured
 from lanes_contract.errors import DecodeError
@@ -108,15 +109,16 @@ def _table(events: list[RequestServed]) -> Table:
         tries = " > ".join(f"{a.replica}:{a.outcome}" for a in data.attempts) or "-"
         tokens = f"{data.prompt_tokens if data.prompt_tokens is not None else '-'}/{data.completion_tokens or 0}"
         style = {"ok": "green", "failed": "red", "rejected": "yellow"}.get(data.status, "dim")
+        # A client names the request and the model: each cell of theirs is text, never markup or a control.
         table.add_row(
             data.received_at.strftime("%H:%M:%S.%f")[:-3],
-            data.request_id,
-            f"{data.model}@{data.version or '-'}",
-            data.replica,
-            event.node or "-",
-            f"[{style}]{data.status}[/{style}]",
+            markup(data.request_id),
+            markup(f"{data.model}@{data.version or '-'}"),
+            markup(data.replica),
+            markup(event.node or "-"),
+            f"[{style}]{markup(data.status)}[/{style}]",
             str(data.http_status),
-            tries,
+            markup(tries),
             _ms(data.ttft_ms),
             _ms(data.latency_ms),
             tokens,
@@ -156,7 +158,7 @@ def _set_state(replica: str, state: ReplicaState, reason: str) -> None:
 
     seq, serving = run_async(send)
     shown: dict[str, Any] = {"replica": replica, "model": serving.model, "version": serving.version}
-    out.print_json(json.dumps(shown | {"state": state.value, "seq": seq}))
+    print_json(out, shown | {"state": state.value, "seq": seq})
 
 
 @route_app.command()
