@@ -12,6 +12,8 @@ from pathlib import Path
 from support.optional import CHROMIUM, chromium, require
 
 from lanes_cli.html import LANE_ORDER, render_page
+from lanes_cli.timeline import TimelineEntry
+from lanes_contract.events import EvidenceCategory, EvidenceData, JobEvidence, JobEvidenceData
 
 LANES = str(Path(sys.executable).parent / "lanes")
 require(CHROMIUM)
@@ -57,3 +59,25 @@ def test_the_demo_timeline_page_renders_its_bands_and_marks(tmp_path: Path) -> N
     _chromium("--window-size=1200,560", f"--screenshot={shot}", page.as_uri(), profile=tmp_path / "profile-shot")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert shot.stat().st_size > 10_000  # a drawn page, not a blank one
+
+
+def test_event_text_that_looks_like_markup_stays_text_in_the_page(tmp_path: Path) -> None:
+    attack = "</script><script>document.body.dataset.owned='1'</script><!--<script><img src=x onerror=alert(1)>"
+    found = EvidenceData(category=EvidenceCategory.OOM_KILL, summary=attack, lines=(attack,))
+    event = JobEvidence(
+        source="lanes/telemetry",
+        jobid="j-1",
+        attempt=1,
+        node="node-1",
+        rank=0,
+        data=JobEvidenceData(evidence_id="e-1", evidence=found),
+    )
+    row = TimelineEntry(1, "lanes.job.j-1.evidence", event).as_json()
+    page = tmp_path / "timeline.html"
+    page.write_text(render_page({"job_id": "j-1", "timeline": [row]}))
+
+    dom = _chromium("--dump-dom", page.as_uri(), profile=tmp_path / "profile-dom").stdout
+    assert 'data-ready="true"' in dom  # the page's own script ran to the end: the data did not end it
+    assert "data-owned" not in dom  # the injected script never ran
+    assert "<img" not in dom
+    assert re.findall(r'<circle [^>]*data-seq="(\d+)"', dom) == ["1"]
