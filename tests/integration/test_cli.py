@@ -94,8 +94,11 @@ def test_demo_json_on_embedded_servers_runs_the_job_to_the_end(private_tmp: Path
             "node",
             "rank",
             "source",
+            "signer",
+            "signature",
             "data",
         }
+        assert entry["signature"] == "verified"  # the demo checks each event against its server's keyring
         assert entry["job_id"] == job["job_id"]
         assert entry["attempt"] == 1
     states = [e["data"]["to_state"] for e in timeline if e["type"] == "io.lanes.job.state_changed.v1"]

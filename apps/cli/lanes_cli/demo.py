@@ -48,7 +48,7 @@ from lanes_lifecycle import views as lifecycle_jobs
 from lanes_router.entrypoints.runner import RouterRunner
 from lanes_runtime.reader import Selection
 from lanes_runtime.service import Connections, connected, run_consumers
-from lanes_runtime.settings import ServerUrls
+from lanes_runtime.settings import ServerUrls, configured_keyring
 
 SOURCE = "lanes/demo"
 _T = TypeVar("_T")
@@ -261,7 +261,8 @@ async def run_demo(
             stop.set()
             await asyncio.gather(*workers, return_exceptions=True)
         js = conns.nc.jetstream()
-        entries = {job_id: await job_timeline(js, job_id) for job_id in job_ids}
+        keyring = configured_keyring()  # the embedded server's: each event's signer is shown checked
+        entries = {job_id: await job_timeline(js, job_id, keyring) for job_id in job_ids}
         jobs = [await job_report(conns, job_id, entries[job_id]) for job_id in job_ids]
         requests = [entry.as_json() for entry in await read_stream(js, Selection(REQUESTS.name, "lanes.req.>"))]
         rows = [row for job in jobs for row in job["timeline"]]
