@@ -78,7 +78,7 @@ def _quoted(text: str, chars: int = 60) -> str:
 
 
 def _number(value: str, where: str, *, at_most: int) -> int:
-    """A count or rank from a launcher's arguments or the environment, at most `at_most`; else ValueError naming where."""
+    """A count or rank from a launcher's arguments or the environment, at most `at_most` (ValueError naming where)."""
     text = value.strip()
     if not text.isdigit() or len(text) > len(str(at_most)) or int(text) > at_most:
         msg = f"{where}={_quoted(value)}: expected a whole number up to the limit of {at_most}"
