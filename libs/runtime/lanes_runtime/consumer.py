@@ -732,8 +732,7 @@ class EventConsumer:
 
     async def _ack_floor(self) -> int:
         """The highest stream sequence below which every message of this consumer was acknowledged."""
-        info = await self._js.consumer_info(self.spec.stream.name, self.spec.durable)
-        return int(info.ack_floor.stream_seq) if info.ack_floor else 0
+        return await self._upkeep.ack_floor()  # 0 while the durable is missing: nothing folds until it is back
 
     # --- dead letters ---------------------------------------------------------------------------------
 

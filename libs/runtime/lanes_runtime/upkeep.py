@@ -261,6 +261,14 @@ class DurableUpkeep:
             return True
         return abs((created - floor.stream_created).total_seconds()) < 1e-3  # noqa: PLR2004 - microseconds stored
 
+    async def ack_floor(self) -> int:
+        """The durable's ack floor; 0 while it is missing (nothing is folded until it is restored, by `check`).
+
+        A missing durable is not a failure of the fold that asked: the fold waits, as for any gap.
+        """
+        info = await self._info()
+        return int(info.ack_floor.stream_seq) if info is not None and info.ack_floor else 0
+
     async def _info(self) -> ConsumerInfo | None:
         try:
             info: ConsumerInfo = await self._js.consumer_info(self._spec.stream.name, self._spec.durable)
