@@ -71,6 +71,7 @@ from lanes_contract.topology import NodeState
 from lanes_recovery.domain.policy import CordonBudget
 from lanes_recovery.entrypoints.timers import RecoveryTimers
 from lanes_recovery.service_layer.handlers import Recovery
+from lanes_runtime.service import Connections
 from lanes_runtime.settings import ServerUrls
 
 pytestmark = pytest.mark.real_servers
@@ -84,21 +85,33 @@ async def _evidence(client: LanesClient, cls: type[Any], node: str, **data: Any)
 # --- inference -----------------------------------------------------------------------------------
 
 
+REPLICA_SPEC = JobSpec(
+    name="tiny-chat",
+    workload_class=WorkloadClass.INFERENCE,
+    workers=1,
+    gpus_per_worker=4,
+    serving=ServingSpec(model="tiny-chat", version="v7", protection=ProtectionMode.QUEUE, retry_after_s=3),
+)
+"""One replica of tiny-chat v7 on 4 GPUs."""
+
+
+async def _started_replica(conns: Connections, client: LanesClient, job_id: str) -> ScriptedLauncher:
+    """Submit `REPLICA_SPEC` as `job_id` on the registered nodes and start its one rank where it was placed."""
+    await register_nodes(conns, client, NODES)
+    await submit(client, job_id, REPLICA_SPEC)
+    placed = (await wait_for(client, job_id, JobPlaced, attempt=1))[0]
+    replica = ScriptedLauncher(client, placed)
+    await replica.start()
+    return replica
+
+
 async def test_an_inference_replica_on_a_failed_gpu_leaves_rotation_and_is_replaced_with_the_same_model_version(
     own_urls: ServerUrls, unique: str
 ) -> None:
     job_id = f"serve-{unique}"
-    serving = ServingSpec(model="tiny-chat", version="v7", protection=ProtectionMode.QUEUE, retry_after_s=3)
-    replica_spec = JobSpec(
-        name="tiny-chat", workload_class=WorkloadClass.INFERENCE, workers=1, gpus_per_worker=4, serving=serving
-    )
     async with stack(own_urls, policy(), "scheduler", "lifecycle", "telemetry") as conns:
         client = LanesClient(conns.nc, "tests")
-        await register_nodes(conns, client, NODES)
-        await submit(client, job_id, replica_spec)
-        placed = (await wait_for(client, job_id, JobPlaced, attempt=1))[0]
-        replica = ScriptedLauncher(client, placed)
-        await replica.start()
+        replica = await _started_replica(conns, client, job_id)
         node = replica.node_of(0)
         await _evidence(
             client,
@@ -450,17 +463,9 @@ async def test_an_exception_sixteen_minutes_before_the_agent_lost_the_replica_is
     own_urls: ServerUrls, unique: str
 ) -> None:
     job_id = f"serve-{unique}"
-    serving = ServingSpec(model="tiny-chat", version="v7", protection=ProtectionMode.QUEUE, retry_after_s=3)
-    replica_spec = JobSpec(
-        name="tiny-chat", workload_class=WorkloadClass.INFERENCE, workers=1, gpus_per_worker=4, serving=serving
-    )
     async with stack(own_urls, policy(), "scheduler", "lifecycle", "telemetry") as conns:
         client = LanesClient(conns.nc, "tests")
-        await register_nodes(conns, client, NODES)
-        await submit(client, job_id, replica_spec)
-        placed = (await wait_for(client, job_id, JobPlaced, attempt=1))[0]
-        replica = ScriptedLauncher(client, placed)
-        await replica.start()
+        replica = await _started_replica(conns, client, job_id)
         node = replica.node_of(0)
         keys: dict[str, Any] = {"source": f"agent/{node}", "jobid": job_id, "attempt": 1, "rank": 0, "node": node}
         # The server logged a harmless exception when the router was killed, sixteen minutes ago ...
