@@ -23,12 +23,16 @@ class JsonLogs:
         self._capsys = capsys
         self._lines: list[dict[str, Any]] = []
 
-    def about(self, name: str) -> list[dict[str, Any]]:
-        """The lines about one consumer or runner, in the order written."""
+    def lines(self) -> list[dict[str, Any]]:
+        """Every line so far, in the order written."""
         self._lines.extend(
             json.loads(line) for line in self._capsys.readouterr().err.splitlines() if line.startswith("{")
         )
-        return [line for line in self._lines if name in (line.get("consumer"), line.get("runner"))]
+        return self._lines
+
+    def about(self, name: str) -> list[dict[str, Any]]:
+        """The lines about one consumer or runner, in the order written."""
+        return [line for line in self.lines() if name in (line.get("consumer"), line.get("runner"))]
 
     def assert_one_outage(self, name: str) -> None:
         """One warning when the outage began, one line when it ended, and no traceback or error in between."""

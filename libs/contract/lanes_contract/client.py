@@ -163,6 +163,42 @@ def denied_operations(nc: NatsClient) -> list[str]:
     return [] if refusals is None else list(refusals.texts)
 
 
+class _ConnectionWatch:
+    """What the client's callbacks report on one connection: refusals, failed logins, and outages said once.
+
+    While the server is away the client fails a reconnect every half second; the outage is logged when the
+    connection drops and when it is back, not once per try.
+    """
+
+    def __init__(self, shown_url: str) -> None:
+        self.shown_url = shown_url
+        self.refusals = _Refusals()
+        self.auth_failed = False
+        self.away = False
+        self.connected: NatsClient | None = None
+
+    async def on_error(self, exc: Exception) -> None:
+        text = str(exc) or type(exc).__name__
+        if "permissions violation" in text.lower():
+            self.refusals.add(text)
+            log.warning("nats refused an operation", url=self.shown_url, error=text)
+            return
+        self.auth_failed = self.auth_failed or isinstance(exc, AuthorizationError) or "authorization" in text.lower()
+        if not self.away:
+            log.warning("nats connection error", url=self.shown_url, error=text)
+
+    async def on_disconnected(self) -> None:
+        if self.away or (self.connected is not None and self.connected.is_closed):
+            return  # already said, or our own close
+        self.away = True
+        log.warning("nats connection lost; reconnecting until it answers", url=self.shown_url)
+
+    async def on_reconnected(self) -> None:
+        if self.away:
+            self.away = False
+            log.info("nats connection back", url=self.shown_url)
+
+
 async def connect_nats(
     url: str, *, name: str, connect_timeout_s: float = 5.0, signer: EventSigner | None = None
 ) -> NatsClient:
@@ -174,17 +210,7 @@ async def connect_nats(
     if signer is None and key_file:
         signer = EventSigner.load(Path(key_file))
     shown = redact(url)
-    refusals = _Refusals()
-    auth_failed = False
-
-    async def on_error(exc: Exception) -> None:
-        nonlocal auth_failed
-        text = str(exc) or type(exc).__name__
-        if "permissions violation" in text.lower():
-            refusals.add(text)
-        auth_failed = auth_failed or isinstance(exc, AuthorizationError) or "authorization" in text.lower()
-        log.warning("nats connection error", url=shown, error=text)
-
+    watch = _ConnectionWatch(shown)
     try:
         # nats-py applies max_reconnect_attempts to the first connect too: try each server twice here so an
         # unreachable URL fails fast, then reconnect forever once connected (a service outlives NATS restarts).
@@ -197,10 +223,12 @@ async def connect_nats(
             connect_timeout=connect_timeout_s,
             max_reconnect_attempts=1,
             reconnect_time_wait=0.5,
-            error_cb=on_error,
+            error_cb=watch.on_error,
+            disconnected_cb=watch.on_disconnected,
+            reconnected_cb=watch.on_reconnected,
         )
     except (NoServersError, OSError, TimeoutError, NatsError) as exc:
-        if auth_failed or isinstance(exc, AuthorizationError):
+        if watch.auth_failed or isinstance(exc, AuthorizationError):
             user = identity_of(url)
             who = f"the credentials of {user!r}" if user else "a connection without credentials"
             msg = (
@@ -210,8 +238,9 @@ async def connect_nats(
             raise AuthenticationError(msg) from exc
         msg = f"cannot reach NATS at {shown}: {exc or type(exc).__name__}"
         raise ServerUnavailableError(msg) from exc
-    _DENIED[nc] = refusals
-    _refused_requests_fail_fast(nc, refusals)
+    watch.connected = nc
+    _DENIED[nc] = watch.refusals
+    _refused_requests_fail_fast(nc, watch.refusals)
     sign_with(nc, signer)
     nc.options["max_reconnect_attempts"] = -1
     try:
