@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.ports import free_port
 
 from lanes_sandbox.embedded import _find_nats
 
@@ -33,13 +34,6 @@ def _generator() -> Any:
 
 
 pytestmark = pytest.mark.real_servers
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _env_of(path: Path) -> dict[str, str]:
@@ -98,7 +92,7 @@ def test_the_generated_tls_and_users_work_on_a_real_server(tmp_path: Path) -> No
     )
     assert check.returncode == 0, check.stderr
 
-    port = _free_port()
+    port = free_port()
     single = secrets_dir / "single.conf"
     single.write_text(
         f'port: {port}\nlisten: "127.0.0.1:{port}"\njetstream {{ store_dir: "{tmp_path / "js"}" }}\n'

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from support.cli import lanes_process
+from support.ports import free_port
 from support.waiting import eventually
 
 from lanes_runtime.settings import ServerUrls
@@ -21,12 +22,6 @@ from lanes_sandbox.embedded import EmbeddedNats
 pytestmark = [pytest.mark.asyncio, pytest.mark.real_servers]
 _LISTEN = "0A"
 """The state column of a listening socket in /proc/net/tcp."""
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _listening_on(port: int) -> set[str]:
@@ -49,7 +44,7 @@ async def test_metrics_bind_loopback_unless_told_otherwise(
     secured_nats: EmbeddedNats, urls: ServerUrls, monkeypatch: pytest.MonkeyPatch, *, host: str | None, bound: str
 ) -> None:
     monkeypatch.delenv("LANES_METRICS_HOST", raising=False)  # the process inherits this environment
-    port = _free_port()
+    port = free_port()
     env = {
         "NATS_URL": secured_nats.url_for("audit"),
         "DATABASE_URL": urls.database_url,

@@ -14,15 +14,10 @@ from types import TracebackType
 from typing import Self
 
 from lanes_sandbox.embedded import _find_nats
+from support.ports import free_port
 from support.waiting import eventually_in_sync_code
 
 _READY_S = 30.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class RestartableNats:
@@ -30,7 +25,7 @@ class RestartableNats:
 
     def __init__(self, directory: Path) -> None:
         self._directory = directory
-        self.port = _free_port()
+        self.port = free_port()
         self._server: subprocess.Popen[bytes] | None = None
 
     @property
