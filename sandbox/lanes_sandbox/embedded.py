@@ -1,7 +1,7 @@
 """Embedded runtime: real NATS (JetStream), PostgreSQL and Redis servers from wheels.
 
 Used by ``lanes demo``, ``lanes up`` and the tests when no ``NATS_URL`` /
-``DATABASE_URL`` / ``REDIS_URL`` is provided (see DESIGN.md, "Runtime
+``DATABASE_URL`` / ``REDIS_URL`` is provided (see docs/architecture.md, "Runtime
 modes").  Every server listens on a free loopback port, keeps its data in a
 fresh temporary directory and is always cleaned up -- processes gone,
 directories removed:

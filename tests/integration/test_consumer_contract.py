@@ -1,4 +1,4 @@
-"""The processing guarantees of DESIGN.md, on real NATS JetStream and PostgreSQL servers."""
+"""The processing guarantees of docs/architecture.md, on real NATS JetStream and PostgreSQL servers."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@ the job stream under load: no acknowledged event is lost, and the producer is pu
 
 The time from the kill to the first acknowledged publish after it is measured and printed (run with -s to
 see it), beside the time the survivors take to elect a new stream leader; it is not asserted, since it depends
-on the machine's load (DESIGN.md: no timed assertions). The two track each other: a client's reconnect is
-immediate, and the stream accepts writes again as soon as raft's election (nats-server waits a random 4-9 s
+on the machine's load (a slow machine must only make a test slower). The two track each other: a client's
+reconnect is immediate, and the stream accepts writes again as soon as raft's election (nats-server waits a random 4-9 s
 without heartbeats before a follower campaigns) is over.
 """
 

@@ -17,7 +17,7 @@ from lanes_contract.jobs import Token
 
 
 class Lane(StrEnum):
-    """The responsibility lane an event's evidence belongs to (DESIGN.md, "Lanes")."""
+    """The responsibility lane an event's evidence belongs to (docs/architecture.md, "Lanes")."""
 
     ALGORITHM = "algorithm"
     PLATFORM = "platform"

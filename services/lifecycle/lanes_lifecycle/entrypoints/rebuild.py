@@ -1,6 +1,6 @@
 """Rebuilding the lifecycle projection from the log, and checking it against the live one.
 
-The log is the source of truth (DESIGN.md): replaying LANES_JOBS through the same pure fold into a scratch
+The log is the source of truth (docs/architecture.md): replaying LANES_JOBS through the same pure fold into a scratch
 schema must give exactly the rows the live service wrote. Bookkeeping that is not state (when a row was
 last written, the JetStream sequence of the last published transition) is left out of the comparison.
 """
