@@ -189,14 +189,6 @@ def _is_executable(path: Path) -> bool:
     return path.is_file() and os.access(path, os.X_OK)
 
 
-def _tcp_accepts(port: int) -> bool:
-    try:
-        with socket.create_connection((_HOST, port), timeout=_PROBE_TIMEOUT):
-            return True
-    except OSError:
-        return False
-
-
 def _recv_exact(sock: socket.socket, size: int) -> bytes:
     chunks: list[bytes] = []
     while size > 0:

@@ -15,7 +15,6 @@ hosts are counted before a hostlist is expanded, and YAML's depth and aliases ar
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -391,11 +390,6 @@ def parse_native(text: str) -> Cluster:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise TopologyFormatError(_line_at(raw, first["loc"]), f"{where}: {first['msg']}") from exc
-
-
-def dump_native(cluster: Cluster) -> str:
-    """The native inventory as YAML."""
-    return yaml.safe_dump(json.loads(cluster.model_dump_json(exclude_defaults=True)), sort_keys=False)
 
 
 # --- Kubernetes labels -------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import hashlib
 import os
 import stat
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -139,15 +139,6 @@ def _directory_digest(path: Path, algorithm: str, budget: _Budget) -> str:
             if stat.S_ISREG(file.lstat().st_mode):  # symlinks, devices and FIFOs inside are skipped
                 lines.append(f"{file.relative_to(path).as_posix()}\0{_file_digest(file, algorithm, budget)}\n")
     return hashlib.new(algorithm, "".join(sorted(lines)).encode()).hexdigest()
-
-
-async def verify_all(
-    checkpoints: Iterable[SavedCheckpoint], limits: DigestLimits | None = None
-) -> dict[tuple[str, str], DigestVerdict]:
-    """Verdicts for every distinct (path, digest), hashed off the event loop (checkpoints can be large)."""
-    keys = sorted({digest_key(c) for c in checkpoints})
-    verdicts = await asyncio.gather(*(asyncio.to_thread(verify_digest, path, d, limits) for path, d in keys))
-    return dict(zip(keys, verdicts, strict=True))
 
 
 class BackgroundDigests:

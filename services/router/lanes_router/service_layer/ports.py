@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
-from lanes_contract.events import Event, RequestServed
+from lanes_contract.events import Event
 from lanes_router.domain.routing import Lease
 
 
@@ -37,14 +37,6 @@ class EventPublisher(Protocol):
 
     async def publish(self, event: Event) -> int:
         """The stream sequence of the stored event."""
-        ...
-
-
-class ProvenanceSink(Protocol):
-    """Takes request events off the request path."""
-
-    def submit(self, build: Callable[[], RequestServed]) -> None:
-        """Queue one event, as the function that builds it; never blocks."""
         ...
 
 

@@ -356,12 +356,3 @@ async def releases(conn: Db, job_id: str) -> list[dict[str, Any]]:
         job_id,
     )
     return [{**dict(r), "at": r["at"].isoformat()} for r in rows]
-
-
-async def allocations_of(conn: Db) -> list[dict[str, Any]]:
-    """Every held GPU with its job attempt and that attempt's status (for leak detection)."""
-    rows = await conn.fetch(
-        """SELECT a.node_id, a.gpu_index, a.job_id, a.attempt, j.status
-           FROM scheduler_allocations a JOIN scheduler_jobs j USING (job_id, attempt) ORDER BY a.node_id, a.gpu_index"""
-    )
-    return [dict(r) for r in rows]

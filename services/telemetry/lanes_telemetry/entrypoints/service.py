@@ -7,7 +7,6 @@ and settles findings; the settle timer closes the settle window of failed attemp
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from datetime import timedelta
 
@@ -68,12 +67,6 @@ def telemetry_service(
         consumers=((events, telemetry.handle_evidence), (facts, telemetry.handle_job_event)),
         runners=(timers,),
     )
-
-
-def facts_for_jobs(job_ids: tuple[str, ...], durable: str) -> ConsumerSpec:
-    """Telemetry's job-facts consumer restricted to some jobs (tests on a shared server)."""
-    subjects = tuple(f"lanes.job.{job}.{name}" for job in job_ids for name in JOB_FACTS)
-    return dataclasses.replace(PLACEMENTS, durable=durable, subjects=subjects)
 
 
 SERVICE = telemetry_service()
