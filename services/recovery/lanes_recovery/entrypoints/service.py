@@ -1,8 +1,9 @@
 """The recovery as the composition root sees it: its tables, its consumer of job events and its timer runner.
 
-The consumer reads the job events recovery folds, one at a time in stream order (`max_ack_pending=1`, as
-the lifecycle does): a job's facts are small, but the order matters for a clean story (the submission
-before the failure, a checkpoint before the failure that it may resume from).
+The consumer reads the job events recovery folds one at a time in stream order (`batch=1`,
+`max_ack_pending=1`): a job's facts are few, but their order makes the story (the submission before the
+failure, a checkpoint before the failure it may resume from). The lifecycle, with far more events, gets its
+order another way: a per-job ordered fold (docs/ordering.md).
 """
 
 from __future__ import annotations
