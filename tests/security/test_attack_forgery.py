@@ -5,24 +5,28 @@ lanes/scheduler` and a garbage `Lanes-Signer`, failed the job and SIGTERMed its 
 the lifecycle's consumer verifies each event before its handler: every forgery here is dead-lettered with
 its reason (at once, never retried) and the job is untouched; the honest, signed exits still finish the job.
 An agent that signs as itself about a rank of another node passes the signature check, and the lifecycle
-refuses it instead (the rank was not placed on that node).
+refuses it instead (the rank was not placed on that node). A node agent, which acts on placements itself,
+skips a forged one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import asyncpg
 import pytest
+from nats.js.errors import NotFoundError
 from support.waiting import eventually
 
+from lanes_agent.launcher import LocalLauncher
 from lanes_cli.bootstrap import prepare_services
 from lanes_contract.client import LanesClient, connect_nats, sign_with
-from lanes_contract.codec import encode
+from lanes_contract.codec import EncodedEvent, encode
 from lanes_contract.events import (
-    Event,
     JobPlaced,
     JobPlacedData,
     JobSubmitted,
@@ -98,11 +102,11 @@ async def dead_reasons(nats: EmbeddedNats) -> list[str]:
         await admin.close()
 
 
-async def publish_raw(nats: EmbeddedNats, identity: str, event: Event, headers: dict[str, str]) -> None:
+async def publish_raw(nats: EmbeddedNats, identity: str, event: EncodedEvent, headers: dict[str, str]) -> None:
     """Publish on `identity`'s connection exactly these headers (the way an attacker would, not via a signer)."""
     nc = await connect_nats(nats.url_for(identity), name=f"as-{identity}")
     try:
-        await nc.jetstream().publish(encode(event).subject, encode(event).payload, headers=headers, stream=JOBS.name)
+        await nc.jetstream().publish(event.subject, event.payload, headers=headers, stream=JOBS.name)
     finally:
         await nc.close()
 
@@ -133,10 +137,10 @@ async def test_forged_rank_exits_are_dead_lettered_with_their_reason_and_honest_
     # 1. The reproduction: agent-node-1's connection, rank 1 of node-2, claiming the scheduler, garbage signer.
     claimed = encode(rank_exit(job, 1, "node-2", 1, source="lanes/scheduler"))
     garbage = dict(claimed.headers) | {SIGNER_HEADER: "scheduler:k1-forged", SIGNATURE_HEADER: "AAAA"}
-    await publish_raw(nats, "agent-node-1", rank_exit(job, 1, "node-2", 1, "lanes/scheduler"), garbage)
+    await publish_raw(nats, "agent-node-1", claimed, garbage)
     # 2. A valid signature, by an identity whose role does not cover rank exits (telemetry's key, stolen).
     stolen = nats.signer_for("telemetry").sign(encode(rank_exit(job, 1, "node-2", 1, "agent/node-2")))
-    await publish_raw(nats, "agent-node-1", rank_exit(job, 1, "node-2", 1, "agent/node-2"), dict(stolen.headers))
+    await publish_raw(nats, "agent-node-1", stolen, dict(stolen.headers))
     # 3. agent-node-1 signing as itself, about node-2.
     async with signed_as(nats, "agent-node-1") as agent_1:
         await agent_1.publish(rank_exit(job, 1, "node-2", 1, source="agent/node-1"))
@@ -163,3 +167,56 @@ async def test_forged_rank_exits_are_dead_lettered_with_their_reason_and_honest_
 
     await eventually(succeeded, timeout_s=30, what="the honest exits to finish the job")
     assert len(await dead_reasons(nats)) == 3
+
+
+async def test_the_local_launcher_starts_no_rank_for_a_forged_placement(
+    secured_nats: EmbeddedNats, unique: str, tmp_path: Path
+) -> None:
+    """An agent acts on placements directly (it starts ranks): with a keyring it skips a forged one, and runs
+    the honest one published after it."""
+    nats, forged_job, honest_job = secured_nats, f"forged-{unique}", f"honest-{unique}"
+    spec = JobSpec(name="forgery", workers=1, gpus_per_worker=1, command=(sys.executable, "-c", "pass"))
+    async with signed_as(nats, "cli") as cli:
+        for job in (forged_job, honest_job):
+            await cli.publish(JobSubmitted(source="lanes/cli", jobid=job, data=JobSubmittedData(spec=spec)))
+    one_rank = JobPlacedData(assignments=(RankAssignment(rank=0, node="node-1", gpus=(0,)),))
+    forged = encode(JobPlaced(source="lanes/scheduler", jobid=forged_job, attempt=1, data=one_rank))
+    garbage = dict(forged.headers) | {SIGNER_HEADER: "scheduler:k1", SIGNATURE_HEADER: "AAAA"}
+    await publish_raw(nats, "observer", forged, garbage)
+    async with signed_as(nats, "scheduler") as scheduler:
+        await scheduler.publish(JobPlaced(source="lanes/scheduler", jobid=honest_job, attempt=1, data=one_rank))
+
+    nc = await connect_nats(nats.url_for("platform"), name="launcher")
+    sign_with(nc, nats.signer_for("platform"))
+    stop = asyncio.Event()
+    launcher = LocalLauncher(nc, frozenset({"node-1"}), state_dir=tmp_path, heartbeat_s=60, keyring=nats.keyring)
+    running = asyncio.create_task(launcher.run(stop))
+    try:
+
+        async def honest_rank_exited() -> bool:
+            return await last_on(nats, f"lanes.job.{honest_job}.rank_exited") is not None
+
+        await eventually(honest_rank_exited, timeout_s=60, what="the honest placement's rank to run and exit")
+
+        async def every_placement_settled() -> bool:
+            info = await nc.jetstream().consumer_info(JOBS.name, launcher.name)
+            return bool(info.num_pending == 0 and info.num_ack_pending == 0)
+
+        await eventually(every_placement_settled, timeout_s=30, what="the launcher to settle both placements")
+    finally:
+        stop.set()
+        await running
+        await nc.close()
+    # The forged placement was settled without starting anything: a rank it started would be on the log first.
+    assert await last_on(nats, f"lanes.job.{forged_job}.rank_started") is None
+
+
+async def last_on(nats: EmbeddedNats, subject: str) -> int | None:
+    """The sequence of the last message on `subject` in the job stream, read as the admin; None if none."""
+    admin = await connect_nats(nats.url, name="inspector")
+    try:
+        return int((await admin.jetstream().get_last_msg(JOBS.name, subject)).seq or 0)
+    except NotFoundError:
+        return None
+    finally:
+        await admin.close()

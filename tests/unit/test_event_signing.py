@@ -11,6 +11,7 @@ from lanes_audit.views import ProblemKind, SignedMessage, check_signers
 from lanes_contract.codec import EncodedEvent, encode
 from lanes_contract.events import JobPlaced, JobPlacedData, RankAssignment, RankExited, RankExitedData
 from lanes_contract.signing import (
+    KEYRING_ENV,
     SIGNATURE_HEADER,
     SIGNER_HEADER,
     EventSigner,
@@ -19,6 +20,7 @@ from lanes_contract.signing import (
     SignatureError,
     verified_signer,
 )
+from lanes_runtime.settings import configured_keyring
 
 
 def placement(job: str = "j1") -> EncodedEvent:
@@ -142,3 +144,19 @@ def test_a_node_agent_speaks_only_for_its_own_node_and_as_itself() -> None:
         forged = AGENT_1.sign(event)
         with pytest.raises(ForgeryError, match=reason):
             verified_signer(forged.subject, forged.headers, forged.payload, CONSUMER_KEYRING)
+
+
+def test_a_process_reads_its_keyring_from_lanes_keyring_and_without_one_verifies_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(KEYRING_ENV, raising=False)
+    assert configured_keyring() is None
+    path = tmp_path / "keyring.json"
+    path.write_text(CONSUMER_KEYRING.dump())
+    monkeypatch.setenv(KEYRING_ENV, str(path))
+    loaded = configured_keyring()
+    assert loaded is not None
+    assert loaded.keys == CONSUMER_KEYRING.keys
+    path.write_text("not json")
+    with pytest.raises(SignatureError, match="is not a Lanes keyring"):
+        configured_keyring()  # a service whose keyring is unreadable does not start unverified
