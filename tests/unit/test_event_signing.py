@@ -160,3 +160,16 @@ def test_a_process_reads_its_keyring_from_lanes_keyring_and_without_one_verifies
     path.write_text("not json")
     with pytest.raises(SignatureError, match="is not a Lanes keyring"):
         configured_keyring()  # a service whose keyring is unreadable does not start unverified
+
+
+def test_a_signature_verified_before_passes_only_the_same_signed_bytes() -> None:
+    signed = AGENT_1.sign(rank_exit("node-1"))
+    for _ in range(2):  # the second is served from what this process already verified
+        assert verified_signer(signed.subject, signed.headers, signed.payload, CONSUMER_KEYRING) == "agent-node-1"
+    altered = signed.payload.replace(b'"exit_code":1', b'"exit_code":0')
+    assert altered != signed.payload
+    with pytest.raises(SignatureError, match="does not match"):
+        verified_signer(signed.subject, signed.headers, altered, CONSUMER_KEYRING)
+    other_key = Keyring({AGENT_1.reference: EventSigner.generate("agent-node-1").public_key})
+    with pytest.raises(SignatureError, match="does not match"):  # a keyring holding another key for that name
+        verified_signer(signed.subject, signed.headers, signed.payload, other_key)
