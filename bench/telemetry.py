@@ -266,6 +266,7 @@ async def batched_sketch(conns: Connections, run: str, subjects: tuple[str, ...]
                     copy = derive(
                         JobEvidence,
                         event,
+                        key="sketch",  # the ingest run derived this event's copy already: another id, not a clash
                         source="bench",
                         jobid=placement.job_id,
                         attempt=placement.attempt,
