@@ -173,3 +173,15 @@ def test_a_signature_verified_before_passes_only_the_same_signed_bytes() -> None
     other_key = Keyring({AGENT_1.reference: EventSigner.generate("agent-node-1").public_key})
     with pytest.raises(SignatureError, match="does not match"):  # a keyring holding another key for that name
         verified_signer(signed.subject, signed.headers, signed.payload, other_key)
+
+
+def test_the_audit_names_a_node_agent_speaking_for_another_node_as_a_consumer_would() -> None:
+    honest, about_another = AGENT_1.sign(rank_exit("node-1")), AGENT_1.sign(rank_exit("node-2"))
+    (problem,) = check_signers([stored(1, honest), stored(2, about_another)], CONSUMER_KEYRING)
+    assert (problem.kind, problem.seq) == (ProblemKind.FORGED, 2)
+    assert "an agent speaks only for its own node" in problem.detail
+
+
+def test_a_keyring_is_read_within_a_bound() -> None:
+    with pytest.raises(SignatureError, match="larger than"):
+        Keyring.load(Path("/dev/zero"))

@@ -38,6 +38,8 @@ from lanes_contract.identities import AGENT_PREFIX, Identity, identity_named, ma
 KEYRING_ENV = "LANES_KEYRING"
 """A keyring file (JSON): `lanes audit verify` checks each stored event's signer against it, and every
 service's consumers check each event against it before acting on it."""
+KEYRING_MAX_BYTES = 1 << 20
+"""The largest keyring file read: thousands of keys, far more than a deployment has."""
 SIGNER_HEADER = "Lanes-Signer"
 SIGNATURE_HEADER = "Lanes-Signature"
 _SIGNED_HEADERS = ("traceparent", "content-type", "nats-msg-id")
@@ -180,7 +182,11 @@ class Keyring:
     def load(cls, path: Path) -> Keyring:
         """Read a keyring written by `dump` (LANES_KEYRING)."""
         try:
-            raw = json.loads(path.read_text())
+            with path.open("rb") as file:
+                text = file.read(KEYRING_MAX_BYTES + 1)  # a keyring names a few keys; /dev/zero must not hang a start
+            if len(text) > KEYRING_MAX_BYTES:
+                raise ValueError(f"larger than {KEYRING_MAX_BYTES} bytes")  # noqa: TRY301 - reported as below
+            raw = json.loads(text)
             return cls({str(ref): bytes.fromhex(str(key)) for ref, key in raw.items()})
         except (OSError, ValueError, AttributeError) as exc:
             msg = f"{path} is not a Lanes keyring (JSON of identity:key id -> hex public key): {exc}"

@@ -1,8 +1,9 @@
-"""Who wrote each event: its signature against the keyring, and the signer's role against the subject.
+"""Who wrote each event: the same check every consumer runs before it acts (`verified_signer`).
 
 The hash chain proves the copy is complete and unaltered; this proves each event was written by an
 identity allowed to write it. An event that is unsigned, signed by a key the keyring does not hold, whose
-signature does not match, or whose signer's role does not cover its subject, is reported as forged.
+signature does not match, whose signer's role does not cover its subject, or that a node agent wrote about
+another node, is reported as forged.
 """
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from lanes_audit.domain.chain import Problem, ProblemKind
-from lanes_contract.identities import identity_named, may_publish
-from lanes_contract.signing import Keyring, SignatureError
+from lanes_contract.signing import Keyring, SignatureError, verified_signer
 
 
 @dataclass(frozen=True)
@@ -30,15 +30,7 @@ def check_signers(messages: Iterable[SignedMessage], keyring: Keyring) -> list[P
     problems: list[Problem] = []
     for message in messages:
         try:
-            signer = keyring.verify(message.subject, message.headers, message.payload)
-        except SignatureError as exc:
+            verified_signer(message.subject, message.headers, message.payload, keyring)
+        except SignatureError as exc:  # a ForgeryError too: a valid signature by one who may not say this
             problems.append(Problem(ProblemKind.FORGED, message.seq, None, f"{message.subject}: {exc}"))
-            continue
-        identity = identity_named(signer)
-        if identity is None:
-            detail = f"{message.subject}: signer {signer} is no identity"
-            problems.append(Problem(ProblemKind.FORGED, message.seq, None, detail))
-        elif not may_publish(identity, message.subject):
-            detail = f"{message.subject}: signed by {signer}, whose role may not write it"
-            problems.append(Problem(ProblemKind.FORGED, message.seq, None, detail))
     return problems
