@@ -126,7 +126,7 @@ async def test_a_forgery_behind_an_earlier_one_is_still_named_as_the_cli_sees_it
     found = await verify(as_cli.nats_url, urls.database_url, None, secured_nats.keyring)
     forged = {problem.seq: problem.detail for problem in found.problems}
     assert set(forged) == {1, 3}
-    assert "signed by cli, whose role may not write it" in forged[3]
+    assert "signed by cli, whose role may not write lanes.job.stolen-" in forged[3]
 
 
 def _lanes(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
