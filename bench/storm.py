@@ -32,7 +32,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from lanes_cli.bootstrap import prepare_services
 from lanes_cli.stack import servers
-from lanes_contract.client import publish_encoded
+from lanes_contract.client import configured_signer, publish_encoded
 from lanes_contract.codec import EncodedEvent, decode, encode
 from lanes_contract.events import (
     CommunicatorReady,
@@ -96,6 +96,10 @@ async def _raw_move(js: JetStreamContext, events: Sequence[Event], tag: str) -> 
         )
         for e in events
     ]
+    # Signed before the clock starts, as a producer's events are: the telemetry service verifies what it reads,
+    # these included (unsigned, each would be dead-lettered), and the baseline's cost stays nats-py's alone.
+    if (signer := configured_signer()) is not None:
+        encoded = [signer.sign(message) for message in encoded]
     durable = f"raw-{tag}"
     config = ConsumerConfig(
         durable_name=durable,

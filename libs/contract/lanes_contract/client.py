@@ -149,6 +149,12 @@ def _refused_requests_fail_fast(nc: NatsClient, refusals: _Refusals) -> None:
     nc.request = checked  # type: ignore[method-assign]
 
 
+def configured_signer() -> EventSigner | None:
+    """The signing key LANES_SIGNING_KEY_FILE names, or None: this process's events then go unsigned."""
+    key_file = os.environ.get(SIGNING_KEY_ENV)
+    return EventSigner.load(Path(key_file)) if key_file else None
+
+
 def sign_with(nc: NatsClient, signer: EventSigner | None) -> None:
     """Sign every event published on this connection with `signer` (None: stop signing)."""
     if signer is None:
@@ -206,9 +212,7 @@ async def connect_nats(
 
     Events published on the connection are signed by `signer`, or by the key in LANES_SIGNING_KEY_FILE.
     """
-    key_file = os.environ.get(SIGNING_KEY_ENV)
-    if signer is None and key_file:
-        signer = EventSigner.load(Path(key_file))
+    signer = signer or configured_signer()
     shown = redact(url)
     watch = _ConnectionWatch(shown)
     try:
