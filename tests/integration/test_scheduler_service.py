@@ -547,8 +547,15 @@ async def _flood(urls: ServerUrls, unique: str) -> list[tuple[str, int]]:
         await eventually(decided, timeout_s=60, what="all 40 jobs placed or waiting")
         js = conns.nc.jetstream()
         held: list[tuple[str, int]] = []
-        for j in jobs:
-            for event in await _job_events(js, j):
-                if event.type == "io.lanes.job.placed.v1":
-                    held.extend((a.node, g) for a in event.data.assignments for g in a.gpus)
+
+        async def all_published() -> bool:
+            # A placement commits before its event is published (the outbox): read the log until all 24 are there.
+            held.clear()
+            for j in jobs:
+                for event in await _job_events(js, j):
+                    if event.type == "io.lanes.job.placed.v1":
+                        held.extend((a.node, g) for a in event.data.assignments for g in a.gpus)
+            return len(held) >= 6 * 8
+
+        await eventually(all_published, timeout_s=60, what="the 24 placements on the log")
         return held

@@ -53,7 +53,6 @@ multi-subject consumer filters every service uses.
 """
 EXPECTED_LAST_SUBJECT_SEQUENCE = "Nats-Expected-Last-Subject-Sequence"
 EXPECTED_LAST_SUBJECT_SEQUENCE_SUBJECT = "Nats-Expected-Last-Subject-Sequence-Subject"
-log = structlog.get_logger(__name__)
 _T = TypeVar("_T")
 
 
@@ -169,6 +168,16 @@ def denied_operations(nc: NatsClient) -> list[str]:
     return [] if refusals is None else list(refusals.texts)
 
 
+def _connection_log() -> structlog.typing.FilteringBoundLogger:
+    """The logger of connection events, looked up at each (rare) one rather than once at import.
+
+    A logger used once is cached with the configuration of that moment, and a process may configure logging
+    more than once (every in-process `lanes` command does, a quiet one at level error).
+    """
+    logger: structlog.typing.FilteringBoundLogger = structlog.get_logger(__name__)
+    return logger
+
+
 class _ConnectionWatch:
     """What the client's callbacks report on one connection: refusals, failed logins, and outages said once.
 
@@ -187,22 +196,22 @@ class _ConnectionWatch:
         text = str(exc) or type(exc).__name__
         if "permissions violation" in text.lower():
             self.refusals.add(text)
-            log.warning("nats refused an operation", url=self.shown_url, error=text)
+            _connection_log().warning("nats refused an operation", url=self.shown_url, error=text)
             return
         self.auth_failed = self.auth_failed or isinstance(exc, AuthorizationError) or "authorization" in text.lower()
         if not self.away:
-            log.warning("nats connection error", url=self.shown_url, error=text)
+            _connection_log().warning("nats connection error", url=self.shown_url, error=text)
 
     async def on_disconnected(self) -> None:
         if self.away or (self.connected is not None and self.connected.is_closed):
             return  # already said, or our own close
         self.away = True
-        log.warning("nats connection lost; reconnecting until it answers", url=self.shown_url)
+        _connection_log().warning("nats connection lost; reconnecting until it answers", url=self.shown_url)
 
     async def on_reconnected(self) -> None:
         if self.away:
             self.away = False
-            log.info("nats connection back", url=self.shown_url)
+            _connection_log().info("nats connection back", url=self.shown_url)
 
 
 async def connect_nats(

@@ -55,8 +55,6 @@ from lanes_runtime.health import Readiness, describe
 if TYPE_CHECKING:
     from lanes_runtime.consumer import ConsumerSpec
 
-log = structlog.get_logger(__name__)
-
 CHECK_EVERY_S = 3.0
 """Pause between two checks of a durable: how long a lost durable may go unnoticed (its fetches fail meanwhile,
 so the consumer is already not ready)."""
@@ -151,7 +149,9 @@ class DurableUpkeep:
         self._pool = pool
         self._spec = spec
         self._readiness = readiness
-        self._log = log.bind(consumer=spec.durable, stream=spec.stream.name)
+        # Bound from a fresh logger, not the module's: a logger used once keeps the logging configuration of that
+        # moment, and a process (a test run, an in-process `lanes` command) may configure logging again.
+        self._log = structlog.get_logger(__name__).bind(consumer=spec.durable, stream=spec.stream.name)
         self._recorded: int | None = None
         """The floor this process last recorded (a write is skipped when the floor has not moved)."""
         self._last_error: str | None = None
