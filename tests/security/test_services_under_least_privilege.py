@@ -70,9 +70,15 @@ async def test_each_service_as_its_own_identity_places_a_job_the_cli_submitted(
 
                 await eventually(answered, timeout_s=30, what="the job API to accept the submission")
 
+            seen: dict[str, object] = {}
+
             async def placed_and_recorded() -> bool:
                 placed = await last_on(secured_nats, f"lanes.job.{job}.placed")
-                if placed is None or await last_on(secured_nats, f"lanes.job.{job}.state_changed") is None:
+                seen["submitted"] = await last_on(secured_nats, f"lanes.job.{job}.submitted")
+                seen["placed"] = placed
+                seen["state_changed"] = await last_on(secured_nats, f"lanes.job.{job}.state_changed")
+                seen["ready"] = [getattr(runner, "ready", None) for _, runners in services for runner in runners]
+                if placed is None or seen["state_changed"] is None:
                     return False
                 conn = await asyncpg.connect(urls.database_url)
                 try:
@@ -81,7 +87,15 @@ async def test_each_service_as_its_own_identity_places_a_job_the_cli_submitted(
                 finally:
                     await conn.close()
 
-            await eventually(placed_and_recorded, timeout_s=60, what="the job placed, its state changed and audited")
+            try:
+                await eventually(
+                    placed_and_recorded, timeout_s=60, what="the job placed, its state changed and audited"
+                )
+            except AssertionError as exc:
+                refusals = {name: denied_operations(nc) for name, (nc, _) in zip(EACH_AS_ITSELF, services, strict=True)}
+                raise AssertionError(
+                    f"{exc}; what the log and the services showed: {seen}; refused: {refusals}"
+                ) from exc
         finally:
             stop.set()
             await asyncio.gather(*running, return_exceptions=True)
