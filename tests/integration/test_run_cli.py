@@ -19,7 +19,20 @@ from support.cli import LANES, local_stack, run_lanes_async
 from support.observe import OBSERVE_SERVICES, closed_nats_url, in_state, job_view, poc_verdicts, timeline_events
 from support.waiting import eventually
 
-from lanes_contract.events import JobFinding, JobSubmitted, RankExited, RankStarted, RecoveryDecided
+from lanes_contract.client import LanesClient
+from lanes_contract.codec import MSG_ID_HEADER, decode_structured, encode
+from lanes_contract.events import (
+    Heartbeat,
+    HeartbeatData,
+    JobFinding,
+    JobSubmitted,
+    RankExited,
+    RankStarted,
+    RecoveryDecided,
+)
+from lanes_contract.ids import dedupe_id
+from lanes_contract.streams import JOBS
+from lanes_observe import observed
 from lanes_runtime.service import Connections
 from lanes_runtime.settings import ServerUrls
 
@@ -87,6 +100,59 @@ async def test_nats_down_the_exit_code_is_unchanged_and_import_delivers_each_eve
     assert view["attempts"][0]["ranks"]["0"]["exit_code"] == 3
     events = await timeline_events(stack, job_id)
     assert sum(isinstance(e, JobSubmitted) for e in events) == 1
+    assert sum(isinstance(e, RankExited) for e in events) == 1
+
+
+async def test_a_job_another_observer_registered_first_is_joined_not_refused(
+    stack: Connections, own_urls: ServerUrls, unique: str, tmp_path: Path
+) -> None:
+    """The Slurm adapter and `lanes run` register one job under the same ids; whoever comes second joins it."""
+    job_id = f"co-observed-{unique}"
+    spec = observed.observed_spec("co-observed", workers=1, managed_by="lanes-run")
+    async with await LanesClient.connect(own_urls.nats_url, source="lanes-slurm") as adapter:
+        await adapter.publish(observed.submitted(job_id, spec, source="lanes-slurm"))
+    outbox = tmp_path / "outbox.ndjson"
+    code, _, err = await _lanes_run(
+        own_urls.nats_url, "--job", job_id, "--node", "n-test", "--outbox", str(outbox), "--", sys.executable, "-c", ""
+    )
+    assert (code, outbox.exists()) == (0, False), err
+    assert "not stored" not in err
+    await eventually(lambda: in_state(own_urls, job_id, "released"), what="the job released", timeout_s=60)
+    events = await timeline_events(stack, job_id)
+    assert [e.source for e in events if isinstance(e, JobSubmitted)] == ["lanes-slurm"]
+    assert sum(isinstance(e, RankExited) for e in events) == 1
+
+
+async def test_an_event_whose_id_is_squatted_is_set_aside_and_the_rest_are_delivered(
+    stack: Connections, own_urls: ServerUrls, unique: str, tmp_path: Path
+) -> None:
+    """Before: the conflict counted as "Lanes unreachable", and every event after it stayed in the outbox."""
+    job_id = f"squatted-run-{unique}"
+    squatted_id = observed.observed_id(job_id, 1, JobSubmitted)
+    beat = encode(
+        Heartbeat(source="agent/n-x", jobid=job_id, attempt=1, node="n-x", rank=0, data=HeartbeatData(step=1))
+    )
+    async with await LanesClient.connect(own_urls.nats_url, source="squatter") as squatter:
+        headers = {
+            **beat.headers,
+            MSG_ID_HEADER: dedupe_id(f"lanes.job.{job_id}.submitted", squatted_id),
+            "ce-id": squatted_id,
+        }
+        await squatter.js.publish(beat.subject, beat.payload, headers=headers, stream=JOBS.name)
+    outbox = tmp_path / "outbox.ndjson"
+    code, _, err = await _lanes_run(
+        own_urls.nats_url, "--job", job_id, "--node", "n-test", "--outbox", str(outbox), "--", sys.executable, "-c", ""
+    )
+    conflicts = tmp_path / "outbox.conflicts.ndjson"
+    assert code == 0
+    assert not outbox.exists()  # the events after the squatted one were published
+    assert "1 events not stored: their ids are held by other events in Lanes (the log says which)" in err
+    assert f"they are kept in {conflicts}" in err
+    assert "already used by another event" in err  # the log line names what holds the id
+    (kept,) = conflicts.read_bytes().splitlines()
+    assert decode_structured(kept).id == squatted_id
+    events = await timeline_events(stack, job_id)
+    assert not any(isinstance(e, JobSubmitted) for e in events)
     assert sum(isinstance(e, RankExited) for e in events) == 1
 
 

@@ -6,6 +6,10 @@ one per line: the format `lanes replay` writes and `lanes import` reads) and a `
 whenever NATS answers. Published lines are cut from the file, so the file always holds exactly what has
 not been sent: `lanes import FILE` publishes the rest, and every event keeps its id, so a line published
 twice inside the stream's duplicate window is stored once.
+
+An event whose id the stream already holds for another event (`EventIdConflictError`) can never be stored:
+retrying it would hold back every event after it for good. It is set aside in a second file beside the
+outbox (`<name>.conflicts.ndjson`, same format) and logged as an error, and the rest go on.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from nats.errors import Error as NatsError
 
 from lanes_contract.client import connect_nats, publish_encoded
 from lanes_contract.codec import decode_structured, encode, to_structured
-from lanes_contract.errors import LanesError
+from lanes_contract.errors import EventIdConflictError, LanesError
 from lanes_contract.events import Event
 from lanes_contract.streams import STREAM_OF_FAMILY, provision_streams
 
@@ -32,6 +36,7 @@ class Outbox:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.conflicts_path = path.with_name(f"{path.stem}.conflicts{path.suffix or '.ndjson'}")
 
     def append(self, events: Sequence[Event]) -> None:
         """Write events at the end of the file (created with its directory when missing)."""
@@ -69,6 +74,11 @@ class Outbox:
         except FileNotFoundError:
             return []
 
+    def set_aside(self, line: bytes) -> None:
+        """Keep a line that can never be published (its id is taken) in the conflicts file, not in the outbox."""
+        with self.conflicts_path.open("ab") as handle:
+            handle.write(line + b"\n")
+
     def drop_first(self, count: int) -> None:
         """Cut the first `count` lines (published); remove the file once nothing is left.
 
@@ -93,6 +103,8 @@ class Sender:
         self._timeout = connect_timeout_s
         self._nc: NatsClient | None = None
         self.last_error: str | None = None if nats_url else "NATS_URL is not set"
+        self.set_aside = 0
+        """Events set aside so far because their id was taken (in `outbox.conflicts_path`)."""
 
     async def send(self) -> bool:
         """Publish every waiting event in file order; return whether the outbox is now empty."""
@@ -106,7 +118,17 @@ class Sender:
             js = self._nc.jetstream()
             for line in self.outbox.lines():
                 event = decode_structured(line)
-                await publish_encoded(js, encode(event), stream=STREAM_OF_FAMILY[event.family].name)
+                try:
+                    await publish_encoded(js, encode(event), stream=STREAM_OF_FAMILY[event.family].name)
+                except EventIdConflictError as exc:
+                    self.outbox.set_aside(line)
+                    self.set_aside += 1
+                    log.error(  # noqa: TRY400 - the conflict's message says it all; no traceback to add
+                        "event set aside: its id is taken",
+                        event_id=event.id,
+                        kept_in=str(self.outbox.conflicts_path),
+                        error=str(exc),
+                    )
                 sent += 1
         except (LanesError, NatsError, OSError, TimeoutError) as exc:
             self.last_error = str(exc) or type(exc).__name__

@@ -336,6 +336,8 @@ class RunResult:
     unsent: int
     outbox: Path
     error: str | None
+    set_aside: int = 0
+    """Events whose id the stream held for another event: kept in the outbox's conflicts file, not sent."""
 
 
 class CommandNotStartedError(Exception):
@@ -415,7 +417,8 @@ async def run_wrapped(
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(sender.send(), timeout=final_flush_s)
     await sender.close()
-    return RunResult(exit_status(returncode), len(outbox.lines()), outbox.path, sender.last_error)
+    unsent = len(outbox.lines())
+    return RunResult(exit_status(returncode), unsent, outbox.path, sender.last_error, sender.set_aside)
 
 
 async def _start(

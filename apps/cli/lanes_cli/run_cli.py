@@ -73,4 +73,11 @@ def run(  # noqa: PLR0917 - typer maps each option to a parameter
             highlight=False,
             soft_wrap=True,
         )
+    if result.set_aside:
+        err.print(
+            f"lanes run: {result.set_aside} events not stored: their ids are held by other events in Lanes "
+            f"(the log says which); they are kept in {box.conflicts_path}",
+            highlight=False,
+            soft_wrap=True,
+        )
     raise typer.Exit(result.status)

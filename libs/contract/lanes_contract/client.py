@@ -368,9 +368,12 @@ async def publish_encoded(
     return Published(stream=ack.stream, seq=ack.seq, duplicate=bool(ack.duplicate))
 
 
-_EVENT_IDENTITY = (EVENT_ID_HEADER, "ce-type", "ce-source")
+_EVENT_IDENTITY = (EVENT_ID_HEADER, "ce-type")
 """What makes a stored message the same event as a re-send: its subject and these. The time and data of an
-honest re-send may differ (a handler that ran again after a crash builds its derived event anew)."""
+honest re-send may differ (a handler that ran again after a crash builds its derived event anew), and so may
+its source: two observers of one fact derive its id alike on purpose (the Slurm adapter and `lanes run`
+registering the same job, each reporting a rank's exit), and the first report is the one kept. A source is a
+claim any publisher writes (the signature says who signed), so comparing it would stop no attacker."""
 
 
 def _conflict(encoded: EncodedEvent, stream: str, seq: int, subject: str, headers: Mapping[str, str]) -> str:
