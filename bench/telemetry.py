@@ -7,10 +7,13 @@
   placement + reporters / election when due + outbox; then the correlated copy and any finding are
   published, and the message acked). Beside it, in the same run on the same server, raw nats-py
   fetch + ack of the same messages. Target ratio >= 0.6.
+- Signed (`--signed`): every evidence event is signed by its node's agent key, and the consumer verifies
+  each against a keyring before its handler, as the services do under `lanes up`. The raw baseline stays
+  nats-py's fetch+ack alone, so the ratio includes the verification.
 - Batched sketch: the same work per fetched batch in one transaction (`batched_sketch`), to size what a
   batch consumer contract would buy; it is not the service path.
 
-    uv run python bench/telemetry.py [--quick] [--events 4000] [--runs 3]
+    uv run python bench/telemetry.py [--quick] [--signed] [--events 4000] [--runs 3]
 
 The last line of stdout is one JSON object. Servers: NATS_URL / DATABASE_URL / REDIS_URL when set,
 embedded otherwise.
@@ -44,6 +47,8 @@ from lanes_contract.events import (
     RankAssignment,
     derive,
 )
+from lanes_contract.identities import AGENT_PREFIX
+from lanes_contract.signing import EventSigner, Keyring
 from lanes_contract.streams import JOBS, TELEMETRY
 from lanes_evidence.evidence import Evidence, evidence_event, from_event
 from lanes_runtime.consumer import ConsumerSpec, EventConsumer, Outcome
@@ -129,7 +134,17 @@ async def _publish_all(js: JetStreamContext, encoded: list[EncodedEvent]) -> Non
         await asyncio.gather(*(publish_encoded(js, e, stream=TELEMETRY.name) for e in encoded[chunk : chunk + 500]))
 
 
-async def one_ingest_run(urls: ServerUrls, events: int) -> dict[str, float]:
+def _signed_by_agents(evidence: list[Evidence]) -> tuple[list[EncodedEvent], Keyring]:
+    """Each event from its node's agent (`agent/<node>`), signed with that agent's key; the keyring of them all."""
+    signers = {node: EventSigner.generate(f"{AGENT_PREFIX}{node}") for node in sorted({e.node or "" for e in evidence})}
+    encoded = [
+        signers[e.node or ""].sign(encode(evidence_event(e, source=f"agent/{e.node}", node=e.node or "", time=T0)))
+        for e in evidence
+    ]
+    return encoded, Keyring({s.reference: s.public_key for s in signers.values()})
+
+
+async def one_ingest_run(urls: ServerUrls, events: int, *, signed: bool = False) -> dict[str, float]:
     """Publish `events` evidence events of one placed job; time raw fetch+ack, then the telemetry handler."""
     async with connected(urls, name="bench-telemetry") as conns:
         if SERVICE.migrations is not None:
@@ -163,7 +178,11 @@ async def one_ingest_run(urls: ServerUrls, events: int) -> dict[str, float]:
         stop.set()
         await task
 
-        encoded = [encode(evidence_event(e, source="bench", node=e.node or "", time=T0)) for e in evidence]
+        keyring: Keyring | None = None
+        if signed:
+            encoded, keyring = _signed_by_agents(evidence)
+        else:
+            encoded = [encode(evidence_event(e, source="bench", node=e.node or "", time=T0)) for e in evidence]
         await _publish_all(js, encoded)
         subjects = tuple(sorted({f"lanes.tel.{node}.>" for node in world.ranks.values()}))
 
@@ -171,7 +190,7 @@ async def one_ingest_run(urls: ServerUrls, events: int) -> dict[str, float]:
 
         # The service's own evidence consumer (batch, batches in flight), on this run's durable and nodes.
         spec = dataclasses.replace(EVENTS, durable=f"bench-tel-{run}", subjects=subjects)
-        consumer = EventConsumer(conns.nc, conns.pool, spec, handle_evidence)
+        consumer = EventConsumer(conns.nc, conns.pool, spec, handle_evidence, keyring=keyring)
         settle_heap()  # as a service does once started
         # Its durable exists before the clock starts, as the raw baselines' do (`run` provisions it again: a no-op).
         await consumer.provision()
@@ -307,18 +326,20 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="Fewer events, for a run under a minute.")
     parser.add_argument("--events", type=int, default=None, help="Evidence events per ingest run.")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--signed", action="store_true", help="Agents sign the evidence; the consumer verifies.")
     args = parser.parse_args()
     events = args.events or (1000 if args.quick else 4000)
     configure_logging("warning")
     election = bench_election(max(args.runs, 3))
     with servers(Settings.from_env()) as urls:
-        runs = [asyncio.run(one_ingest_run(urls, events)) for _ in range(args.runs)]
+        runs = [asyncio.run(one_ingest_run(urls, events, signed=args.signed)) for _ in range(args.runs)]
     ratios = [r["ingest_per_s"] / r["raw_fetch_ack_per_s"] for r in runs]
     print(
         json.dumps(
             {
                 "bench": "telemetry",
                 "events_per_ingest_run": events,
+                "signed": args.signed,
                 "runs": runs,
                 "ingest_per_s": statistics.median(r["ingest_per_s"] for r in runs),
                 "raw_fetch_ack_per_s": statistics.median(r["raw_fetch_ack_per_s"] for r in runs),

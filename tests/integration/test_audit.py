@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 
@@ -23,8 +24,9 @@ from lanes_cli.console import EXIT_BAD_INPUT, EXIT_FAILED
 from lanes_contract.client import LanesClient, publish_encoded
 from lanes_contract.codec import encode
 from lanes_contract.streams import JOBS
+from lanes_runtime import upkeep
 from lanes_runtime.settings import ServerUrls
-from lanes_runtime.store import apply_migrations, create_pool, migrations_of
+from lanes_runtime.store import apply_migrations, apply_runtime_migrations, create_pool, migrations_of
 
 pytestmark = pytest.mark.real_servers
 
@@ -32,6 +34,7 @@ pytestmark = pytest.mark.real_servers
 @pytest.fixture
 async def pool(urls: ServerUrls) -> AsyncIterator[asyncpg.Pool]:
     db = await create_pool(urls.database_url)
+    await apply_runtime_migrations(db)  # the recorder's durable keeps its ack floor there, as a service's does
     await apply_migrations(db, "audit", migrations_of("lanes_audit.adapters"))
     yield db
     await db.close()
@@ -299,6 +302,53 @@ async def test_a_recorder_stuck_on_a_gap_turns_not_ready_and_verify_names_it(
         finally:
             stop.set()
             await asyncio.wait_for(task, timeout=10)
+
+
+@pytest.mark.parametrize("harm", ["deleted", "re-filtered"])
+async def test_a_recorder_whose_durable_is_deleted_or_re_filtered_restores_it_and_the_copy_misses_nothing(
+    lanes: LanesClient,
+    urls: ServerUrls,
+    pool: asyncpg.Pool,
+    unique: str,
+    *,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    harm: str,
+) -> None:
+    """Issue 34, item 1: before, the audit copy stopped for good and `verify` called the rest "not yet recorded"."""
+    monkeypatch.setattr(upkeep, "CHECK_EVERY_S", 0.5)  # the same path as every three seconds, sooner
+    durable = f"kept-{unique}"
+    for _ in range(5):
+        await lanes.publish(submission(f"kept-{unique}"))
+    stop = asyncio.Event()
+
+    async def caught_up(last: int) -> bool:
+        return bool(await pool.fetchval("SELECT coalesce(max(seq), 0) >= $1 FROM audit_links", last))
+
+    with json_logs(capsys) as logs:
+        recorder = AuditRecorder(lanes._nc, pool, signer=Signer(Ed25519PrivateKey.generate()), durable=durable)
+        task = asyncio.create_task(recorder.run(stop))
+        try:
+            first = (await lanes.js.stream_info(JOBS.name)).state.last_seq
+            await eventually(lambda: caught_up(first), timeout_s=60, what="the copy to reach the end of the stream")
+            head = await _all_acknowledged(lanes, pool, durable)
+            if harm == "deleted":
+                await lanes.js.delete_consumer(JOBS.name, durable)
+            else:  # as issue 34 reproduced it: a filter that matches nothing, set by a body naming the durable
+                bent = dataclasses.replace(recorder.config(), filter_subjects=["lanes.job.no-such-job.>"])
+                await lanes.js.add_consumer(JOBS.name, config=bent)
+            for _ in range(5):
+                await lanes.publish(submission(f"kept-after-{unique}"))
+            last = (await lanes.js.stream_info(JOBS.name)).state.last_seq
+            assert last > head
+            await eventually(lambda: caught_up(last), timeout_s=60, what="the copy to reach the end of the stream")
+            await eventually(lambda: _ready(recorder), what="the recorder ready again")
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, timeout=10)
+    restored = [line for line in logs.about(durable) if line["event"] == "durable consumer restored"]
+    assert len(restored) >= 1
+    assert (await verify(urls.nats_url, urls.database_url, None, recorder=durable)).problems == []
 
 
 @pytest.mark.parametrize("name", ["audit.>", "*", "", "a" * 129])

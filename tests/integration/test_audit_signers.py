@@ -28,7 +28,7 @@ from lanes_contract.events import JobPlaced, JobPlacedData, RankAssignment, Rank
 from lanes_contract.signing import KEYRING_ENV
 from lanes_contract.streams import JOBS
 from lanes_runtime.settings import ServerUrls
-from lanes_runtime.store import apply_migrations, create_pool, migrations_of
+from lanes_runtime.store import apply_migrations, apply_runtime_migrations, create_pool, migrations_of
 from lanes_sandbox.embedded import KEYRING_FILE, EmbeddedNats
 
 pytestmark = pytest.mark.real_servers
@@ -43,6 +43,7 @@ async def _record(nats: EmbeddedNats, database_url: str) -> None:
     pool = await create_pool(database_url)
     nc = await connect_nats(nats.url_for("audit"), name="audit")
     try:
+        await apply_runtime_migrations(pool)
         await apply_migrations(pool, "audit", migrations_of("lanes_audit.adapters"))
         recorder = AuditRecorder(nc, pool, signer=Signer(Ed25519PrivateKey.generate()), checkpoint_every=2)
         stop = asyncio.Event()

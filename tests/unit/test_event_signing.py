@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from nats.aio.msg import Msg
 
 from lanes_audit.views import ProblemKind, SignedMessage, check_signers
 from lanes_contract.codec import EncodedEvent, encode
@@ -20,6 +21,7 @@ from lanes_contract.signing import (
     SignatureError,
     verified_signer,
 )
+from lanes_runtime.consumer import _decoded_batch
 from lanes_runtime.settings import configured_keyring
 
 
@@ -185,3 +187,25 @@ def test_the_audit_names_a_node_agent_speaking_for_another_node_as_a_consumer_wo
 def test_a_keyring_is_read_within_a_bound() -> None:
     with pytest.raises(SignatureError, match="larger than"):
         Keyring.load(Path("/dev/zero"))
+
+
+async def test_a_large_batch_verifies_on_two_threads_and_keeps_its_order() -> None:
+    """The consumer verifies half of a large batch on a worker thread; each message keeps its own verdict."""
+    signed = [SCHEDULER.sign(placement(f"batch-{i}")) for i in range(40)]
+    short = {**signed[31].headers, SIGNATURE_HEADER: "c2hvcnQ="}  # base64 of 5 bytes: no Ed25519 signature
+    msgs = [
+        Msg(None, e.subject, f"$JS.ACK.LANES_JOBS.c.1.{seq}.{seq}.0.0", e.payload, dict(e.headers))  # type: ignore[arg-type]
+        for seq, e in enumerate(signed, start=1)
+    ]
+    msgs[5].data = msgs[5].data.replace(b"node-1", b"node-9")  # first half: altered after signing
+    msgs[31].headers = short  # second half, on the worker thread
+    items = await _decoded_batch(msgs, KEYRING)
+    refused = {i: item.invalid for i, item in enumerate(items) if item.event is None}
+    assert set(refused) == {5, 31}
+    assert all(
+        str(reason).startswith("forged: the signature of scheduler:k1 does not match") for reason in refused.values()
+    )
+    assert [item.seq for item in items] == list(range(1, 41))
+    assert [item.event.jobid for item in items if item.event is not None] == [
+        f"batch-{i}" for i in range(40) if i not in refused
+    ]

@@ -86,7 +86,10 @@ from lanes_runtime import decision
 from lanes_runtime.consumer import ConsumerSpec
 from lanes_runtime.delivery import BatchPull, StoppedError, carry_out, hold_through_outages, pull_batches, settle
 from lanes_runtime.failures import classify
+from lanes_runtime.health import Readiness
+from lanes_runtime.metrics import ConsumerMetrics
 from lanes_runtime.settings import configured_keyring
+from lanes_runtime.upkeep import DurableUpkeep, FileFloors
 
 _PIDS_KEPT = 65_536
 _KERNEL_LOG_POLL_S = 0.2
@@ -254,7 +257,7 @@ class LocalLauncher:
             self._ledger = RankLedger(directory)
             settled = await asyncio.to_thread(self._settle_earlier_runs, self._ledger)
             await self._report_settled(settled)
-            await self._consume(stop)
+            await self._consume(stop, directory)
 
     def _settle_earlier_runs(self, ledger: RankLedger) -> list[RankRecord]:
         """Kill what an earlier run of this agent left running, and record those ranks as lost (at most once)."""
@@ -290,8 +293,12 @@ class LocalLauncher:
         if len(self._ranks_by_pid) > _PIDS_KEPT:  # the oldest go first (dicts keep insertion order)
             del self._ranks_by_pid[next(iter(self._ranks_by_pid))]
 
-    async def _consume(self, stop: asyncio.Event) -> None:
-        await self._js.add_consumer(JOBS.name, config=self._spec.config())
+    async def _consume(self, stop: asyncio.Event, state: Path) -> None:
+        # The durable is kept as a service's is (`lanes_runtime.upkeep`): deleted or re-filtered by someone else,
+        # it is made again after its ack floor, recorded beside the ledger (an agent has no database).
+        readiness = Readiness(self.name, ConsumerMetrics.for_consumer(self.name).ready)
+        upkeep = DurableUpkeep(self._js, FileFloors(state / "floors"), self._spec, readiness)
+        await upkeep.provision()
         sub = await BatchPull.bind(self._nc, JOBS.name, self._spec.durable)
         running: set[asyncio.Task[None]] = set()
         if self._kernel_log is not None:
@@ -306,13 +313,14 @@ class LocalLauncher:
         running.add(beats)
         beats.add_done_callback(running.discard)
         try:
-            async for msgs in pull_batches(sub, 16, stop, consumer=self.name):
-                # Each message runs on its own (a placement's ranks live for as long as the job does); each
-                # ends with an explicit decision from the runtime's `decide`, never a silent drop.
-                for msg in msgs:
-                    task = asyncio.create_task(self._handle(msg, stop))
-                    running.add(task)
-                    task.add_done_callback(running.discard)
+            async with upkeep.kept(stop):
+                async for msgs in pull_batches(sub, 16, stop, consumer=self.name, readiness=readiness):
+                    # Each message runs on its own (a placement's ranks live for as long as the job does); each
+                    # ends with an explicit decision from the runtime's `decide`, never a silent drop.
+                    for msg in msgs:
+                        task = asyncio.create_task(self._handle(msg, stop))
+                        running.add(task)
+                        task.add_done_callback(running.discard)
         finally:
             for attempt_key in list(self._procs):
                 self._stop_attempt(attempt_key)  # no rank outlives its launcher

@@ -38,6 +38,7 @@ docs/ordering.md for why that order holds across crashes and replicas.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import time
@@ -77,7 +78,7 @@ from lanes_runtime.health import DatabaseWatch, Readiness
 from lanes_runtime.metrics import ConsumerMetrics
 from lanes_runtime.store import Db
 from lanes_runtime.tracing import event_span, sdk_configured, traced
-from lanes_runtime.upkeep import DurableUpkeep
+from lanes_runtime.upkeep import DurableUpkeep, PostgresFloors
 
 log = structlog.get_logger(__name__)
 _T = TypeVar("_T")
@@ -276,7 +277,7 @@ class EventConsumer:
         self.outcomes: Counter[Outcome] = Counter()
         self._metrics = metrics or ConsumerMetrics.for_consumer(spec.durable)
         self._readiness = Readiness(spec.durable, self._metrics.ready)
-        self._upkeep = DurableUpkeep(self._js, pool, spec, self._readiness)
+        self._upkeep = DurableUpkeep(self._js, PostgresFloors(pool), spec, self._readiness)
         """Restores the durable if it disappears or drifts from the spec (`lanes_runtime.upkeep`)."""
         self._in_hand = InHand()
         """Messages fetched (the batch at work and the one fetched ahead) and not yet settled."""
@@ -360,7 +361,7 @@ class EventConsumer:
         """Process one fetched batch: one transaction, then the outbox, then each message's decision."""
         self._in_hand.add(msgs)
         self._tracing = sdk_configured()
-        items = [_decoded(msg, self._keyring) for msg in msgs]
+        items = await _decoded_batch(msgs, self._keyring)
         self._metrics.batch_size.observe(len(items))
         self._metrics.pending.set(msgs[-1].metadata.num_pending or 0)
         with contextlib.suppress(StoppedError):
@@ -798,6 +799,25 @@ async def prune_processed(pool: asyncpg.Pool, consumer: str, retention_s: float)
         deleted += count
         if count < _PRUNE_CHUNK:
             return deleted
+
+
+_VERIFY_THREAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lanes-verify")
+_SHARED_FROM = 16
+"""A batch this large verifies half on `_VERIFY_THREAD`: libsodium lets go of the GIL while it checks a
+signature, so two cores verify at once (bench/telemetry.py --signed). A smaller batch is not worth the hop."""
+
+
+async def _decoded_batch(msgs: Sequence[Msg], keyring: Keyring | None) -> list[_Item]:
+    """Each message verified (with a keyring) and decoded, in order."""
+    if keyring is None or len(msgs) < _SHARED_FROM:
+        return [_decoded(msg, keyring) for msg in msgs]
+    half = len(msgs) // 2
+    second = asyncio.get_running_loop().run_in_executor(_VERIFY_THREAD, _decoded_all, msgs[half:], keyring)
+    return _decoded_all(msgs[:half], keyring) + await second
+
+
+def _decoded_all(msgs: Sequence[Msg], keyring: Keyring | None) -> list[_Item]:
+    return [_decoded(msg, keyring) for msg in msgs]
 
 
 def _decoded(msg: Msg, keyring: Keyring | None = None) -> _Item:

@@ -6,11 +6,13 @@ upkeep the service then fails every fetch ("pull request refused: 503") and neve
 takes a filter that matches nothing and leaves jobs queued forever.
 
 `DurableUpkeep` checks the durable every CHECK_EVERY_S, off the hot path (one consumer-info request, and a
-PostgreSQL write when the ack floor moved):
+write when the ack floor moved):
 
-- In order, it records the consumer's ack floor in `lanes_consumer_floors`: every message at or below it was
-  committed and acknowledged. Only a floor read from a durable that matches its spec is recorded, and a
-  recorded floor only rises (a replica's late write of an older reading is a smaller, still true, floor).
+- In order, it records the consumer's ack floor (`FloorStore`: `lanes_consumer_floors` in PostgreSQL for the
+  services and the audit recorder, a file in its state directory for a node agent, which has no database):
+  every message at or below it was committed and acknowledged. Only a floor read from a durable that matches
+  its spec is recorded, and a recorded floor only rises (a replica's late write of an older reading is a
+  smaller, still true, floor).
 - Missing, or drifted in what decides which messages it delivers (filter subjects, ack policy, start
   position, push delivery, paused, ...): it is deleted if need be and created again, starting right after
   the recorded floor (`DeliverPolicy.BY_START_SEQUENCE`). Starting at the start of the stream would apply
@@ -39,9 +41,11 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime as dt
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import asyncpg
 import structlog
@@ -72,6 +76,110 @@ class Floor:
 
     ack_floor: int
     stream_created: dt.datetime | None
+
+
+class FloorStore(Protocol):
+    """Where the ack floors of durables are recorded, so a lost durable is made again right after its floor."""
+
+    async def recorded(self, durable: str) -> Floor | None:
+        """The floor last recorded for `durable` (None: never recorded)."""
+        ...
+
+    async def record(self, durable: str, stream: str, floor: Floor) -> int:
+        """Record a floor read from the server; return the floor now recorded.
+
+        A recorded floor of the same stream (by creation time) only rises; one of another stream replaces it.
+        """
+        ...
+
+    def restoring(self, durable: str) -> contextlib.AbstractAsyncContextManager[None]:
+        """Held while a durable is restored: two replicas never restore the same durable at once."""
+        ...
+
+
+class PostgresFloors:
+    """Floors in `lanes_consumer_floors` (a runtime migration): shared by a service's replicas."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+
+    async def recorded(self, durable: str) -> Floor | None:
+        """The floor last recorded for `durable` (None: never recorded)."""
+        row = await self._pool.fetchrow(
+            "SELECT ack_floor, stream_created FROM lanes_consumer_floors WHERE consumer = $1", durable
+        )
+        return Floor(int(row["ack_floor"]), row["stream_created"]) if row is not None else None
+
+    async def record(self, durable: str, stream: str, floor: Floor) -> int:
+        """Record `floor` in one statement (it only rises for the same stream); return the floor recorded."""
+        recorded = await self._pool.fetchval(
+            """INSERT INTO lanes_consumer_floors (consumer, stream, stream_created, ack_floor) VALUES ($1, $2, $3, $4)
+               ON CONFLICT (consumer) DO UPDATE SET
+                   stream = EXCLUDED.stream, stream_created = EXCLUDED.stream_created, recorded_at = now(),
+                   ack_floor = CASE
+                       WHEN lanes_consumer_floors.stream_created IS NOT DISTINCT FROM EXCLUDED.stream_created
+                       THEN GREATEST(lanes_consumer_floors.ack_floor, EXCLUDED.ack_floor)
+                       ELSE EXCLUDED.ack_floor END
+               RETURNING ack_floor""",
+            durable,
+            stream,
+            floor.stream_created,
+            floor.ack_floor,
+        )
+        return int(recorded)
+
+    @contextlib.asynccontextmanager
+    async def restoring(self, durable: str) -> AsyncIterator[None]:
+        """A transaction holding an advisory lock on the durable's name: one replica restores at a time."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock(hashtext('lanes_upkeep'), hashtext($1))", durable)
+            yield
+
+
+class FileFloors:
+    """Floors as one small JSON file per durable in a directory: for a node agent, which has no database.
+
+    One agent runs per state directory, so restoring needs no lock. A file is replaced whole (written beside
+    it, then renamed): a crash leaves the old floor or the new one, never half of one.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self._directory = directory
+
+    def _path(self, durable: str) -> Path:
+        return self._directory / f"{durable}.floor.json"
+
+    async def recorded(self, durable: str) -> Floor | None:
+        """The floor in the durable's file (None: no file, or one that cannot be read)."""
+        try:
+            raw = json.loads(self._path(durable).read_text())
+            created = raw["stream_created"]
+            return Floor(int(raw["ack_floor"]), dt.datetime.fromisoformat(created) if created else None)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            # Unreadable: as if never recorded (a lost durable then starts over), and said once per read.
+            structlog.get_logger(__name__).warning("ack floor file unreadable", durable=durable, error=str(exc))
+            return None
+
+    async def record(self, durable: str, stream: str, floor: Floor) -> int:
+        """Replace the durable's file (the floor only rises for the same stream); return the floor recorded."""
+        held = await self.recorded(durable)
+        if held is not None and held.stream_created == floor.stream_created:
+            floor = dataclasses.replace(floor, ack_floor=max(held.ack_floor, floor.ack_floor))
+        created = floor.stream_created.isoformat() if floor.stream_created else None
+        body = json.dumps({"stream": stream, "stream_created": created, "ack_floor": floor.ack_floor})
+        self._directory.mkdir(parents=True, exist_ok=True)
+        partial = self._path(durable).with_suffix(".partial")
+        partial.write_text(body)
+        partial.replace(self._path(durable))
+        return floor.ack_floor
+
+    @contextlib.asynccontextmanager
+    async def restoring(self, durable: str) -> AsyncIterator[None]:
+        """Nothing to hold: one agent per state directory."""
+        del durable
+        yield
 
 
 @dataclass(frozen=True)
@@ -141,12 +249,12 @@ class DurableUpkeep:
     def __init__(
         self,
         js: JetStreamContext,
-        pool: asyncpg.Pool,
+        floors: FloorStore,
         spec: ConsumerSpec,
         readiness: Readiness,
     ) -> None:
         self._js = js
-        self._pool = pool
+        self._floors = floors
         self._spec = spec
         self._readiness = readiness
         # Bound from a fresh logger, not the module's: a logger used once keeps the logging configuration of that
@@ -218,10 +326,7 @@ class DurableUpkeep:
     async def _restore(self) -> str:
         """Look again under a lock (another replica may have restored it meanwhile), and restore; say how."""
         self._stream_created = None
-        async with self._pool.acquire() as conn, conn.transaction():
-            await conn.execute(
-                "SELECT pg_advisory_xact_lock(hashtext('lanes_upkeep'), hashtext($1))", self._spec.durable
-            )
+        async with self._floors.restoring(self._spec.durable):
             info = await self._info()
             floor = await self._floor()
             drift = drift_of(self._spec, info, floor) if info is not None else None
@@ -279,10 +384,7 @@ class DurableUpkeep:
         return info
 
     async def _floor(self) -> Floor | None:
-        row = await self._pool.fetchrow(
-            "SELECT ack_floor, stream_created FROM lanes_consumer_floors WHERE consumer = $1", self._spec.durable
-        )
-        return Floor(int(row["ack_floor"]), row["stream_created"]) if row is not None else None
+        return await self._floors.recorded(self._spec.durable)
 
     async def _record(self, info: ConsumerInfo | None) -> None:
         """Record the floor of a durable that matches its spec (a recorded floor of the same stream only rises)."""
@@ -291,21 +393,8 @@ class DurableUpkeep:
             return
         if self._stream_created is None:
             self._stream_created = (await self._js.stream_info(self._spec.stream.name)).created
-        recorded = await self._pool.fetchval(
-            """INSERT INTO lanes_consumer_floors (consumer, stream, stream_created, ack_floor) VALUES ($1, $2, $3, $4)
-               ON CONFLICT (consumer) DO UPDATE SET
-                   stream = EXCLUDED.stream, stream_created = EXCLUDED.stream_created, recorded_at = now(),
-                   ack_floor = CASE
-                       WHEN lanes_consumer_floors.stream_created IS NOT DISTINCT FROM EXCLUDED.stream_created
-                       THEN GREATEST(lanes_consumer_floors.ack_floor, EXCLUDED.ack_floor)
-                       ELSE EXCLUDED.ack_floor END
-               RETURNING ack_floor""",
-            self._spec.durable,
-            self._spec.stream.name,
-            self._stream_created,
-            acked,
-        )
-        self._recorded = int(recorded)
+        floor = Floor(acked, self._stream_created)
+        self._recorded = await self._floors.record(self._spec.durable, self._spec.stream.name, floor)
 
 
 _STREAM_NOT_FOUND = 10059

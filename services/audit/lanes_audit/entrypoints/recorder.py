@@ -17,6 +17,10 @@ A gap that has not filled after LANES_AUDIT_GAP_BOUND_S (60 s) is no longer a re
 recorder turns not ready and logs which sequences it lacks (rows deleted from the table after they were
 acknowledged never come back; `lanes audit verify` names them as missing and the recorder as stalled).
 
+Its durable is kept as the services' are (`lanes_runtime.upkeep`): deleted or re-filtered by someone else, it
+is made again right after its recorded ack floor, so a message the copy lacks comes back (those already
+in the chain are acknowledged again without a link).
+
 It reports as the services' consumers do: the `lanes_consumer_*` metrics under its durable name (links
 appended count as processed, messages already recorded as duplicates, those sent back as retries), and a
 readiness that the runtime's database probe and outage hold keep (`lanes_runtime.health`).
@@ -34,7 +38,7 @@ import asyncpg
 import structlog
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.api import ConsumerConfig
 
 from lanes_audit.adapters import repository
 from lanes_audit.adapters.signing import Signer
@@ -44,6 +48,7 @@ from lanes_runtime.consumer import ConsumerSpec, Outcome
 from lanes_runtime.delivery import BatchPull, hold_through_outages, pull_batches, settle
 from lanes_runtime.health import DatabaseWatch, Readiness
 from lanes_runtime.metrics import ConsumerMetrics
+from lanes_runtime.upkeep import DurableUpkeep, PostgresFloors
 
 
 def _log() -> structlog.typing.FilteringBoundLogger:
@@ -53,8 +58,19 @@ def _log() -> structlog.typing.FilteringBoundLogger:
 
 
 RETRY_DELAY_S = 1.0
-_HOLD_SPEC = ConsumerSpec(durable="audit", stream=JOBS, subjects=JOBS.subjects, ack_wait_s=60.0)
-"""For the runtime's outage hold (its backoff and ack wait): the recorder keeps its own consumer config."""
+
+
+def recorder_spec(durable: str = RECORDER_DURABLE) -> ConsumerSpec:
+    """Every message of the jobs stream, from the first, acknowledged one by one, never given up on.
+
+    The recorder runs its own loop; the spec gives the durable's configuration, its upkeep, and the backoff
+    and ack wait of the runtime's outage hold.
+    """
+    return ConsumerSpec(
+        durable=durable, stream=JOBS, subjects=JOBS.subjects, max_deliver=-1, ack_wait_s=60.0, max_ack_pending=2000
+    )
+
+
 GAP_BOUND_ENV = "LANES_AUDIT_GAP_BOUND_S"
 DEFAULT_GAP_BOUND_S = 60.0
 _GAP = "gap"
@@ -98,6 +114,8 @@ class AuditRecorder:
         self.recorded = 0
         self._metrics = ConsumerMetrics.for_consumer(durable)
         self._readiness = Readiness(durable, self._metrics.ready)
+        self._spec = recorder_spec(durable)
+        self._upkeep = DurableUpkeep(self._js, PostgresFloors(pool), self._spec, self._readiness)
         self._gap_bound_s = gap_bound_from_env() if gap_bound_s is None else gap_bound_s
         self._gap: tuple[int, float] | None = None
         """The chain head a gap after it was first seen at, and when (monotonic)."""
@@ -110,19 +128,11 @@ class AuditRecorder:
 
     def config(self) -> ConsumerConfig:
         """Every message of the jobs stream, from the first, acknowledged one by one."""
-        return ConsumerConfig(
-            durable_name=self.name,
-            deliver_policy=DeliverPolicy.ALL,
-            ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=_HOLD_SPEC.ack_wait_s,
-            max_deliver=-1,
-            filter_subject=f"{JOBS.subjects[0]}",
-            max_ack_pending=2000,
-        )
+        return self._spec.config()
 
     async def provision(self) -> None:
-        """Create or update the durable consumer (idempotent)."""
-        await self._js.add_consumer(JOBS.name, config=self.config())
+        """Create the durable, or restore it after its recorded ack floor, or bring it to its spec."""
+        await self._upkeep.provision()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Record batches until `stop` is set; a failure that ends the loop makes it not ready for good."""
@@ -133,7 +143,7 @@ class AuditRecorder:
         await self.provision()
         sub = await BatchPull.bind(self._nc, JOBS.name, self.name)
         try:
-            async with DatabaseWatch.watching(self._pool, self._readiness):
+            async with DatabaseWatch.watching(self._pool, self._readiness), self._upkeep.kept(stop):
                 async for msgs in pull_batches(sub, 500, stop, consumer=self.name, readiness=self._readiness):
                     if msgs:
                         await self.record(msgs)
@@ -153,7 +163,7 @@ class AuditRecorder:
         try:
             head_seq, appended = await hold_through_outages(
                 lambda: self._append_signed(ordered),
-                _HOLD_SPEC,
+                self._spec,
                 held=ordered,
                 on_hold=on_hold,
                 readiness=self._readiness,
