@@ -19,6 +19,7 @@ import time
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+from nats.js.api import ConsumerConfig
 
 from lanes_cli.replay import Pace, write_ndjson
 from lanes_cli.stack import servers
@@ -28,7 +29,7 @@ from lanes_contract.events import JobSubmitted, JobSubmittedData
 from lanes_contract.jobs import JobSpec
 from lanes_contract.streams import JOBS, provision_streams
 from lanes_runtime.log import configure_logging
-from lanes_runtime.reader import Selection, iter_stream
+from lanes_runtime.reader import Selection, iter_stream, reader_name
 from lanes_runtime.settings import Settings
 
 
@@ -52,7 +53,11 @@ async def fill(nc: NatsClient, events: int, jobs: int, prefix: str) -> None:
 
 
 async def raw_ordered(nc: NatsClient, expected: int) -> float:
-    """Messages per second of a plain nats-py ordered consumer over the whole stream."""
+    """Messages per second of a plain nats-py ordered consumer over the whole stream.
+
+    Named in its create subject, as a reader's consumers must be under auth (`lanes_runtime.reader`); it never
+    needs nats-py's recreate-after-a-gap here (nothing else reads meanwhile), which a name would break.
+    """
     done = asyncio.Event()
     seen = 0
 
@@ -63,7 +68,8 @@ async def raw_ordered(nc: NatsClient, expected: int) -> float:
             done.set()
 
     started = time.perf_counter()
-    sub = await nc.jetstream().subscribe(">", stream=JOBS.name, ordered_consumer=True, cb=on_message)
+    named = ConsumerConfig(name=reader_name())
+    sub = await nc.jetstream().subscribe(">", stream=JOBS.name, ordered_consumer=True, cb=on_message, config=named)
     await done.wait()
     elapsed = time.perf_counter() - started
     await sub.unsubscribe()

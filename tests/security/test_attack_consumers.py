@@ -3,7 +3,8 @@
 Issue 34, item 1: with `$JS.API.>` open to every identity, a node agent stopped the audit copy
 (`CONSUMER.CREATE.LANES_JOBS.audit` with no filter, or `CONSUMER.DELETE.LANES_JOBS.audit`), and deleting
 `lifecycle-jobs` or re-filtering `scheduler-jobs` stopped jobs. Each identity now creates, reads, deletes
-and pulls only its own durables (by name); only readers create ephemeral ordered consumers. Each attack
+and pulls only its own durables (by name); a reader creates, pulls and deletes consumers named in the
+subject (`read-<random>`), and is denied every durable of the deployment by name. Each attack
 here is sent raw (the way an attacker would, not through a helper that could refuse first), and must be
 refused by the server, leaving the victim's consumer as it was.
 """
@@ -133,13 +134,15 @@ async def test_no_identity_may_re_filter_delete_or_pull_another_identitys_durabl
 
 
 @pytest.mark.parametrize(
-    "attacker", ["agent-node-1", "producer", "observer", "scheduler", "lifecycle", "telemetry", "audit"]
+    "attacker",
+    ["agent-node-1", "producer", "observer", "scheduler", "lifecycle", "telemetry", "audit", "cli", "router"],
 )
-async def test_an_identity_that_is_no_reader_may_not_create_an_ephemeral_that_names_a_durable_in_its_body(
+async def test_no_identity_may_create_a_consumer_that_names_a_durable_in_its_body(
     victims: EmbeddedNats, attacker: str
 ) -> None:
-    """The unnamed create takes the consumer's name from the body: `{"name": "audit", ...}` would re-filter the
-    audit copy (the server updates an existing consumer there). Only readers may send it at all."""
+    """The unnamed create takes the consumer's name from the body: `{"name": "audit", ...}` re-filtered the audit
+    copy (the server updates an existing consumer there). Before, every reader could send it; now no one but the
+    admin may (readers name their consumers in the subject)."""
     nc = await connect_as(victims, attacker)
     try:
         body: Mapping[str, object] = {
@@ -147,6 +150,25 @@ async def test_an_identity_that_is_no_reader_may_not_create_an_ephemeral_that_na
             "config": {"name": "audit", "ack_policy": "explicit", "ack_wait": 60_000_000_000, "filter_subject": ""},
         }
         await assert_refused(nc, f"$JS.API.CONSUMER.CREATE.{JOBS.name}", body)
+    finally:
+        await nc.close()
+    await assert_untouched(victims)
+
+
+@pytest.mark.parametrize("reader", ["cli", "router"])
+async def test_a_reader_cannot_reach_a_durable_through_a_body_that_names_it_under_a_name_of_its_own(
+    victims: EmbeddedNats, reader: str
+) -> None:
+    """A reader may create consumers named in the subject; the name in the subject is the one the server uses."""
+    nc = await connect_as(victims, reader)
+    try:
+        for config in ({"name": "audit"}, {"durable_name": "audit"}):
+            body = {"stream_name": JOBS.name, "config": {**config, "ack_policy": "explicit", "filter_subject": ""}}
+            answer = await nc.request(f"$JS.API.CONSUMER.CREATE.{JOBS.name}.read-mine", json.dumps(body).encode())
+            reply = json.loads(answer.data)
+            if "error" not in reply:  # refused, or made under the subject's name: never the body's
+                assert reply["name"] == "read-mine", reply
+                assert await nc.jetstream().delete_consumer(JOBS.name, "read-mine")
     finally:
         await nc.close()
     await assert_untouched(victims)
@@ -202,11 +224,9 @@ async def test_each_service_creates_reads_pulls_acks_and_deletes_its_own_durable
 
 
 @pytest.mark.parametrize("identity", ["cli", "router", "platform"])
-async def test_a_reader_replays_the_log_through_an_ephemeral_ordered_consumer(
+async def test_a_reader_replays_the_log_through_a_consumer_of_its_own_and_leaves_none_behind(
     secured_nats: EmbeddedNats, identity: str, unique: str
 ) -> None:
-    """A reader may not delete its ordered consumer (names are the server's, so a delete right would reach every
-    consumer): the replay still yields every event and ends, and the consumer lapses by inactivity."""
     job = f"read-{unique}"
     async with await LanesClient.connect(secured_nats.url_for("cli"), source="lanes/cli") as cli:
         spec = JobSpec(name="read", workers=1, gpus_per_worker=1)
@@ -217,3 +237,10 @@ async def test_a_reader_replays_the_log_through_an_ephemeral_ordered_consumer(
     finally:
         await nc.close()
     assert read == [f"lanes.job.{job}.submitted"]
+    assert not denied_operations(nc)
+    admin = await connect_nats(secured_nats.url, name="inspector")
+    try:
+        left = [c.name for c in await admin.jetstream().consumers_info(JOBS.name) if c.name.startswith("read-")]
+    finally:
+        await admin.close()
+    assert left == []

@@ -22,11 +22,11 @@ from lanes_cli.bootstrap import SERVICES
 from lanes_contract import events
 from lanes_contract.events import Event
 from lanes_contract.identities import (
-    EPHEMERAL_CREATE,
     JOB_API,
     JOB_API_QUEUE,
     LOCAL_LAUNCHER_DURABLE,
     PLATFORM,
+    READER_APIS,
     SERVICE_IDENTITIES,
     SERVICE_NAMES,
     Identity,
@@ -131,15 +131,16 @@ def test_only_the_lifecycle_serves_the_job_api_and_only_the_cli_asks_it() -> Non
 
 
 def test_the_readers_are_exactly_those_that_replay_the_log() -> None:
-    """The unnamed consumer create takes the name from the body, so it could re-filter any consumer: the list of
-    identities that may send it is kept as short as the code allows, and widening it is a visible change."""
+    """Readers create consumers of their own: the list of identities that may is kept as short as the code
+    allows, and widening it is a visible change."""
     readers = {i.name for i in identities(("node-1",)) if i.reads}
     assert readers == {"router", "cli", "platform"}
 
 
 @pytest.mark.parametrize("identity", identities(("node-1",)), ids=lambda i: i.name)
 def test_no_identity_is_given_the_whole_jetstream_api_or_another_identitys_consumer(identity: Identity) -> None:
-    permissions = nats_permissions(identity)
+    everyone = identities(("node-1",))
+    permissions = nats_permissions(identity, tuple(d for other in everyone for d in other.durables))
     publish = permissions["publish"]
     subscribe = permissions["subscribe"]
     assert isinstance(publish, dict)
@@ -152,10 +153,18 @@ def test_no_identity_is_given_the_whole_jetstream_api_or_another_identitys_consu
     )
     if identity.owns_every_consumer:
         others = set()
+    denied = publish["deny"]
     for durable in others:
         for api in ("DELETE", "CREATE", "DURABLE.CREATE", "MSG.NEXT"):
             subject = f"$JS.API.CONSUMER.{api}.LANES_JOBS.{durable}"
-            assert not any(subject_matches(pattern, subject) for pattern in allowed), (identity.name, subject)
+            # In NATS a deny beats an allow: a reader is allowed consumers by any name, and denied these.
+            reachable = any(subject_matches(p, subject) for p in allowed)
+            assert not reachable or any(subject_matches(p, subject) for p in denied), (identity.name, subject)
+            with_filter = f"$JS.API.CONSUMER.CREATE.LANES_JOBS.{durable}.lanes.job.x"
+            reachable = any(subject_matches(p, with_filter) for p in allowed)
+            assert not reachable or any(subject_matches(p, with_filter) for p in denied), (identity.name, with_filter)
         assert not any(subject_matches(pattern, f"$JS.ACK.LANES_JOBS.{durable}.1.2.3.4.0") for pattern in allowed)
-    assert (EPHEMERAL_CREATE in allowed) is identity.reads
+    # The unnamed create (the name in the body) is no one's: readers name their consumers in the subject.
+    assert not any(subject_matches(p, "$JS.API.CONSUMER.CREATE.LANES_JOBS") for p in allowed)
+    assert all(api in allowed for api in READER_APIS) is identity.reads
     assert ("allow_responses" in permissions) is bool(identity.serves)

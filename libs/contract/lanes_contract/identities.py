@@ -105,18 +105,23 @@ JS_READ_APIS = (
     "$JS.API.DIRECT.GET.>",
 )
 """What every identity may ask JetStream: the account, the streams, single stored messages (read-only)."""
-EPHEMERAL_CREATE = "$JS.API.CONSUMER.CREATE.*"
-"""The one subject that creates a consumer without naming it in the subject (an ephemeral ordered reader).
+READER_APIS = (
+    "$JS.API.CONSUMER.CREATE.*.*",
+    "$JS.API.CONSUMER.CREATE.*.*.>",
+    "$JS.API.CONSUMER.INFO.*.*",
+    "$JS.API.CONSUMER.DELETE.*.*",
+    "$JS.API.CONSUMER.MSG.NEXT.*.*",
+)
+"""A reader's rights (`reads`): create, ask about, pull from and delete consumers named in the subject.
 
-The server takes the consumer's name from the request body here, and a body naming an existing consumer
-updates it (tested: `{"name": "audit", "filter_subjects": [...]}` re-filters the audit copy). A permission
-cannot look into a body, so only identities that must read the log through ordered consumers (`reads`) get
-it: never a node agent or an outside producer.
+A reader's consumers are its own (`lanes_runtime.reader`: `read-<random>`, unacknowledged, gone once idle).
+The name must be in the subject: the server takes the name of a consumer created without one
+(`$JS.API.CONSUMER.CREATE.<stream>`) from the request's body, and a body naming an existing durable updates
+it (tested: `{"name": "audit", "filter_subjects": [...]}` re-filtered the audit copy). A permission cannot
+look into a body, so that form is no one's but the admin's; with the name in the subject, the server uses that
+name whatever the body says (tested), and `nats_permissions` denies a reader every durable of the deployment
+by name (`durable_controls`).
 """
-ORDERED_READS = (EPHEMERAL_CREATE, "$JS.API.CONSUMER.INFO.*.*", "$JS.FC.>")
-"""A reader's rights: create its ordered consumers, ask how far they are (their names are the server's), and
-answer their flow control. It cannot delete them (names are random, so a delete right would cover every
-consumer): an ordered consumer lapses by itself after its inactivity threshold."""
 
 
 def consumer_apis(durable: str) -> tuple[str, ...]:
@@ -134,6 +139,17 @@ def consumer_apis(durable: str) -> tuple[str, ...]:
         f"$JS.API.CONSUMER.DELETE.*.{durable}",
         f"$JS.API.CONSUMER.MSG.NEXT.*.{durable}",
         f"$JS.ACK.*.{durable}.>",
+    )
+
+
+def durable_controls(durable: str) -> tuple[str, ...]:
+    """The subjects that change, pull from or delete one durable: what a reader is denied on every durable."""
+    return (
+        f"$JS.API.CONSUMER.DURABLE.CREATE.*.{durable}",
+        f"$JS.API.CONSUMER.CREATE.*.{durable}",
+        f"$JS.API.CONSUMER.CREATE.*.{durable}.>",
+        f"$JS.API.CONSUMER.DELETE.*.{durable}",
+        f"$JS.API.CONSUMER.MSG.NEXT.*.{durable}",
     )
 
 
@@ -347,25 +363,28 @@ def identity_named(name: str) -> Identity | None:
     return next((identity for identity in identities() if identity.name == name), None)
 
 
-def nats_permissions(identity: Identity) -> dict[str, object]:
+def nats_permissions(identity: Identity, durables: tuple[str, ...] = ()) -> dict[str, object]:
     """The nats-server `permissions` block of an identity: least privilege on the JetStream API.
 
     Publish: its event subjects and requests; the read-only JetStream API; its own durables' create, info,
-    delete, pull and ack subjects; ordered readers' create if it `reads`. Every API that changes or cuts a
-    stream is denied besides (in NATS a deny beats an allow). Subscribe: its own replies
-    (`_INBOX_<name>.>`), live events, its own durables' advisories; the API subjects only in the queue groups
-    it serves, so no one else can take (or overhear) a request. A server replies once to each request it
-    received (`allow_responses`).
+    delete, pull and ack subjects; a reader's consumers if it `reads`. Every API that changes or cuts a
+    stream is denied besides (in NATS a deny beats an allow), and so, to a reader, is every one of the
+    deployment's `durables` that is not its own. Subscribe: its own replies (`_INBOX_<name>.>`), live
+    events, its own durables' advisories; the API subjects only in the queue groups it serves, so no one
+    else can take (or overhear) a request. A server replies once to each request it received
+    (`allow_responses`).
     """
     owned = ("*",) if identity.owns_every_consumer else identity.durables
-    durables = [api for durable in owned for api in consumer_apis(durable)]
     publish = [
         *identity.publishes,
         *identity.requests,
         *JS_READ_APIS,
-        *durables,
-        *(ORDERED_READS if identity.reads else ()),
+        *(api for durable in owned for api in consumer_apis(durable)),
+        *(READER_APIS if identity.reads else ()),
     ]
+    deny = list(STREAM_ADMIN_APIS)
+    if identity.reads and not identity.owns_every_consumer:
+        deny += [api for durable in durables if durable not in owned for api in durable_controls(durable)]
     subscribe_allow = [
         f"{inbox_prefix(identity.name)}.>",
         EVENT_SUBJECTS,
@@ -378,7 +397,7 @@ def nats_permissions(identity: Identity) -> dict[str, object]:
         # without a queue group also refuses every queue subscription to it.
         subscribe["deny"] = [API_SUBJECTS]
     permissions: dict[str, object] = {
-        "publish": {"allow": list(dict.fromkeys(publish)), "deny": list(STREAM_ADMIN_APIS)},
+        "publish": {"allow": list(dict.fromkeys(publish)), "deny": deny},
         "subscribe": subscribe,
     }
     if identity.serves:
@@ -413,8 +432,14 @@ def authorization_users(passwords: Mapping[str, str], nodes: tuple[str, ...] = (
     users: list[dict[str, object]] = [
         {"user": ADMIN, "password": passwords[ADMIN], "permissions": {"publish": ">", "subscribe": ">"}}
     ]
+    everyone = identities(nodes)
+    durables = tuple(dict.fromkeys(durable for identity in everyone for durable in identity.durables))
     users.extend(
-        {"user": identity.name, "password": passwords[identity.name], "permissions": nats_permissions(identity)}
-        for identity in identities(nodes)
+        {
+            "user": identity.name,
+            "password": passwords[identity.name],
+            "permissions": nats_permissions(identity, durables),
+        }
+        for identity in everyone
     )
     return users

@@ -1,27 +1,66 @@
-"""Reading streams back: ordered, read-only, leaving no durable consumer behind.
+"""Reading streams back: in order, read-only, leaving no durable consumer behind.
 
-`iter_stream` is the one reader: an ephemeral ordered consumer with no acknowledgements, stored in memory on
-the server and removed when the read ends (or, if this process dies, after it has been idle for a while).
-`lanes replay`, `lanes timeline`, the demo and the projection rebuilds all read through it.
+`iter_stream` is the one reader of a stored range: a consumer of its own, named `read-<random>`, with no
+acknowledgements, stored in memory on the server, pulled a batch at a time (`BatchPull`) and deleted when the
+read ends (or, if this process dies, once it has been idle for READER_IDLE_S). `lanes replay`, `lanes
+timeline`, the demo and the projection rebuilds all read through it; the router's registry feed follows the
+log live with the same kind of consumer.
+
+Why named, and pulled: the server takes the name of a consumer created without one in the subject
+(`$JS.API.CONSUMER.CREATE.<stream>`) from the request's body, and a body naming a service's durable updates
+that durable (its filter, say). A permission cannot look into a body. A reader therefore creates its
+consumers with the name in the subject (`CREATE.<stream>.<name>[.<filter>]`, where the server refuses a body
+that names another), and the identity table denies every reader each service's durable by name
+(`lanes_contract.identities`). nats-py's ordered consumer creates without a name, and again under the same
+config after a gap, so it cannot be used; a pull consumer without acknowledgements has no gaps to recover.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import deque
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime
 
+from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-_BUFFER_LIMIT = 10_000
+from lanes_runtime.delivery import BatchPull
+
+READER_PREFIX = "read-"
+"""The names of readers' consumers start with it; no durable's name does (the identity table checks)."""
+READER_IDLE_S = 30.0
+"""How long the server keeps a reader's consumer that nobody pulls from (its reader died)."""
+_BATCH = 256
 _QUIET_S = 2.0
 """How long a read waits for a first or next message before deciding there is none."""
+
+
+def reader_name() -> str:
+    """A fresh consumer name for one read (random: no one else can guess it to ask about it)."""
+    return f"{READER_PREFIX}{uuid.uuid4().hex}"
+
+
+def reader_config(name: str, subjects: list[str], start: DeliverPolicy = DeliverPolicy.ALL) -> ConsumerConfig:
+    """An unacknowledged, in-memory pull consumer named in its create subject, gone once idle."""
+    config = ConsumerConfig(
+        name=name,
+        ack_policy=AckPolicy.NONE,
+        deliver_policy=start,
+        mem_storage=True,
+        num_replicas=1,
+        inactive_threshold=READER_IDLE_S,
+    )
+    if len(subjects) == 1:
+        config.filter_subject = subjects[0]  # nats-py puts a single filter in the create subject
+    else:
+        config.filter_subjects = subjects
+    return config
 
 
 @dataclass(frozen=True)
@@ -35,9 +74,9 @@ class Selection:
     since: datetime | None = None
     until: datetime | None = None
 
-    def consumer_config(self) -> ConsumerConfig:
-        """An ordered, unacknowledged, in-memory consumer positioned at the selection's start."""
-        config = ConsumerConfig(ack_policy=AckPolicy.NONE, mem_storage=True, deliver_policy=DeliverPolicy.ALL)
+    def consumer_config(self, name: str) -> ConsumerConfig:
+        """A reader's consumer positioned at the selection's start."""
+        config = reader_config(name, [self.subject])
         if self.from_seq is not None:
             config.deliver_policy, config.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, self.from_seq
         elif self.since is not None:
@@ -58,40 +97,21 @@ async def count(js: JetStreamContext, selection: Selection) -> int:
 async def iter_stream(js: JetStreamContext, selection: Selection) -> AsyncIterator[Msg]:
     """Yield the selected messages in stream order, then stop; read-only.
 
-    An ordered push consumer (flow-controlled by the server, recreated by the client on a gap) fills a
-    local buffer from its callback, and this generator drains the buffer in runs: no per-message task or
-    round trip. The buffer is bounded; a full buffer pauses the callback, and so the delivery.
+    Each pull brings a batch in one request; the read ends at the selection's bounds, at the last message
+    stored when it was delivered (`num_pending` 0), or after _QUIET_S without one.
     """
     if await count(js, selection) == 0:
         return
-    buffer: deque[Msg] = deque()
-    arrived, drained = asyncio.Event(), asyncio.Event()
-
-    async def on_message(msg: Msg) -> None:
-        buffer.append(msg)
-        arrived.set()
-        if len(buffer) >= _BUFFER_LIMIT:
-            drained.clear()
-            await drained.wait()
-
-    sub = await js.subscribe(
-        selection.subject,
-        stream=selection.stream,
-        ordered_consumer=True,
-        config=selection.consumer_config(),
-        cb=on_message,
-    )
+    nc: NatsClient = js._nc  # noqa: SLF001 - the connection the context makes its requests on; a pull is one
+    name = reader_name()
+    await js.add_consumer(selection.stream, config=selection.consumer_config(name))
+    pull = await BatchPull.bind(nc, selection.stream, name)
     try:
         while True:
-            if not buffer:
-                arrived.clear()
-                drained.set()
-                try:
-                    await asyncio.wait_for(arrived.wait(), timeout=_QUIET_S)
-                except TimeoutError:  # nothing (more) at or after the start position
-                    return
-            while buffer:
-                msg = buffer.popleft()
+            msgs = await pull.fetch(_BATCH, _QUIET_S)
+            if not msgs:
+                return  # nothing (more) at or after the start position
+            for msg in msgs:
                 meta = msg.metadata
                 if selection.to_seq is not None and meta.sequence.stream > selection.to_seq:
                     return
@@ -100,12 +120,8 @@ async def iter_stream(js: JetStreamContext, selection: Selection) -> AsyncIterat
                 yield msg
                 if meta.num_pending == 0:
                     return
-            drained.set()
     finally:
-        drained.set()
-        # Ordered consumers are ephemeral but outlive an unsubscribe until they go idle: remove it now.
         with contextlib.suppress(Exception):
-            name = (await sub.consumer_info()).name
+            await asyncio.shield(pull.unsubscribe())
+        with contextlib.suppress(Exception):
             await asyncio.shield(js.delete_consumer(selection.stream, name))
-        with contextlib.suppress(Exception):
-            await asyncio.shield(sub.unsubscribe())

@@ -1,9 +1,10 @@
-"""Feeds the replica registry from the log: ordered push consumers replaying LANES_JOBS and LANES_NODES.
+"""Feeds the replica registry from the log: a reader's pull consumers replaying LANES_JOBS and LANES_NODES.
 
 Each router rebuilds its registry from the start of the streams on every start (no durable state of its
-own), filtered to the event types the fold reads, and then follows them live. The consumers are ephemeral
-and ordered: the server replays in order, the client recreates the consumer on a gap, and nothing is left
-behind when the router stops.
+own), filtered to the event types the fold reads, and then follows them live. The consumers are a reader's
+(`lanes_runtime.reader`: named in their create subject, unacknowledged, in memory, gone once idle): the
+server delivers in order, and a consumer lost with a server restart is made again from the next sequence
+this router has not folded, so nothing is folded twice or skipped.
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ from collections.abc import Callable
 import structlog
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.errors import Error as NatsError
+from nats.js.api import DeliverPolicy
 
 from lanes_contract.codec import decode
 from lanes_contract.errors import DecodeError
 from lanes_contract.events import Event
 from lanes_contract.streams import JOBS, NODES
+from lanes_runtime.delivery import BatchPull
+from lanes_runtime.reader import reader_config, reader_name
 
 log = structlog.get_logger(__name__)
 JOB_SUBJECTS = tuple(
@@ -29,6 +32,10 @@ JOB_SUBJECTS = tuple(
     for name in ("submitted", "placed", "state_changed", "attempt_requested", "replica_listening", "replica_state")
 )
 NODE_SUBJECTS = ("lanes.node.*.state_changed",)
+_BATCH = 256
+_WAIT_S = 1.0
+"""How long one pull waits for a new event: also how soon a stopping router notices."""
+_RETRY_S = 1.0
 
 
 class RegistryFeed:
@@ -41,55 +48,68 @@ class RegistryFeed:
         self.caught_up = asyncio.Event()
         self.folded = 0
         self.undecodable = 0
-        self._received: dict[str, int] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Subscribe, replay to the end of both streams (then `caught_up` is set), follow until `stop`."""
-        subscriptions: list[JetStreamContext.PushSubscription] = []
+        """Replay both streams to their end (then `caught_up` is set), and follow them until `stop`."""
+        replayed = {JOBS.name: asyncio.Event(), NODES.name: asyncio.Event()}
+        followers: list[asyncio.Future[object]] = [
+            asyncio.create_task(self._follow(stream, subjects, replayed[stream], stop), name=f"registry-{stream}")
+            for stream, subjects in ((JOBS.name, JOB_SUBJECTS), (NODES.name, NODE_SUBJECTS))
+        ]
+        both: asyncio.Future[object] = asyncio.ensure_future(self._replayed(replayed))
         try:
-            for stream, subjects in ((JOBS.name, JOB_SUBJECTS), (NODES.name, NODE_SUBJECTS)):
-                config = ConsumerConfig(
-                    ack_policy=AckPolicy.NONE,
-                    deliver_policy=DeliverPolicy.ALL,
-                    mem_storage=True,
-                    filter_subjects=list(subjects),
-                    inactive_threshold=30.0,
-                )
-                sub = await self._js.subscribe(
-                    subjects[0], stream=stream, ordered_consumer=True, config=config, cb=self._on_message
-                )
-                subscriptions.append(sub)
-            # Polls the server's consumer state: there is no local flag to wait on.
-            while not await self._replayed(subscriptions):  # noqa: ASYNC110
-                await asyncio.sleep(0.02)
-            self.caught_up.set()
-            log.info("replica registry rebuilt from the log", events=self.folded)
-            await stop.wait()
+            # A follower ends only when stopped or failed: then there is no catching up to wait for.
+            await asyncio.wait([both, *followers], return_when=asyncio.FIRST_COMPLETED)
+            if both.done():
+                self.caught_up.set()
+                log.info("replica registry rebuilt from the log", events=self.folded)
+            await asyncio.gather(*followers)  # a follower's failure is the feed's
         finally:
-            for sub in subscriptions:
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
+            both.cancel()
+            for follower in followers:
+                follower.cancel()
+            await asyncio.gather(*followers, return_exceptions=True)
 
-    async def _replayed(self, subscriptions: list[JetStreamContext.PushSubscription]) -> bool:
-        # Replayed when the server has nothing left to deliver and this process has folded what it sent.
-        for sub in subscriptions:
+    @staticmethod
+    async def _replayed(replayed: dict[str, asyncio.Event]) -> object:
+        return await asyncio.gather(*(event.wait() for event in replayed.values()))
+
+    async def _follow(
+        self, stream: str, subjects: tuple[str, ...], replayed: asyncio.Event, stop: asyncio.Event
+    ) -> None:
+        """Pull the stream's events in order until `stop`; set `replayed` once a pull finds nothing newer."""
+        next_seq: int | None = None
+        """The first sequence not folded yet (None: nothing folded, start at the start of the stream)."""
+        while not stop.is_set():
+            name = reader_name()
+            config = reader_config(name, list(subjects))
+            if next_seq is not None:
+                config.deliver_policy, config.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, next_seq
+            pull: BatchPull | None = None
             try:
-                info = await sub.consumer_info()
-            except TimeoutError:  # nats-py's own TimeoutError is one too
-                # A busy server answers the JetStream API late: not caught up yet, ask again (a slow server
-                # is no reason for a router to die at start-up).
-                log.info("consumer state not answered in time; asking again")
-                return False
-            # Counted in this consumer's own deliveries: with a filter, the delivered *stream* sequence can
-            # point past messages that were never sent (they did not match).
-            delivered = (info.delivered.consumer_seq if info.delivered is not None else 0) or 0
-            if info.num_pending or delivered > self._received.get(info.stream_name, 0):
-                return False
-        return True
+                await self._js.add_consumer(stream, config=config)
+                pull = await BatchPull.bind(self._nc, stream, name)
+                while not stop.is_set():
+                    msgs = await pull.fetch(_BATCH, _WAIT_S)
+                    for msg in msgs:
+                        self._on_message(msg)
+                        next_seq = msg.metadata.sequence.stream + 1
+                    if not msgs or msgs[-1].metadata.num_pending == 0:
+                        replayed.set()
+            except (NatsError, OSError, TimeoutError) as exc:
+                # The server restarted (a reader's consumer lives in its memory) or is away: make it again,
+                # from the first event not folded, once the server answers.
+                log.warning("registry feed interrupted; following again", stream=stream, error=str(exc) or repr(exc))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=_RETRY_S)
+            finally:
+                if pull is not None:
+                    with contextlib.suppress(Exception):
+                        await pull.unsubscribe()
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self._js.delete_consumer(stream, name))
 
-    async def _on_message(self, msg: Msg) -> None:
-        stream = msg.metadata.stream
-        self._received[stream] = self._received.get(stream, 0) + 1
+    def _on_message(self, msg: Msg) -> None:
         try:
             event = decode(msg.subject, msg.headers, msg.data)
         except DecodeError as exc:
