@@ -35,7 +35,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from lanes_cli.stack import servers
-from lanes_contract.client import publish_encoded
+from lanes_contract.client import configured_signer, publish_encoded, sign_with
 from lanes_contract.codec import EncodedEvent, decode, encode
 from lanes_contract.events import (
     EvidenceCategory,
@@ -183,7 +183,10 @@ async def one_ingest_run(urls: ServerUrls, events: int, *, signed: bool = False)
             encoded, keyring = _signed_by_agents(evidence)
         else:
             encoded = [encode(evidence_event(e, source="bench", node=e.node or "", time=T0)) for e in evidence]
+        if signed:
+            sign_with(conns.nc, None)  # published as the agents signed them, not re-signed by this connection
         await _publish_all(js, encoded)
+        sign_with(conns.nc, configured_signer())  # the service's outputs are signed, as under `lanes up`
         subjects = tuple(sorted({f"lanes.tel.{node}.>" for node in world.ranks.values()}))
 
         raw = await fetch_ack_rates(conns.nc, TELEMETRY.name, list(subjects), events, run)
@@ -197,7 +200,10 @@ async def one_ingest_run(urls: ServerUrls, events: int, *, signed: bool = False)
         stop = asyncio.Event()
         started = time.perf_counter()
         task = asyncio.create_task(consumer.run(stop))
-        while consumer.outcomes[Outcome.PROCESSED] < events:  # noqa: ASYNC110 - the consumer exposes counts only
+        while consumer.outcomes[Outcome.PROCESSED] < events:
+            if consumer.outcomes[Outcome.DEAD_LETTERED]:
+                msg = f"{consumer.outcomes[Outcome.DEAD_LETTERED]} evidence events were dead-lettered (see the log)"
+                raise AssertionError(msg)
             await asyncio.sleep(0.01)
         ingest_rate = events / (time.perf_counter() - started)
         stop.set()
