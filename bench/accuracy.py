@@ -2,12 +2,17 @@
 
     uv run python bench/accuracy.py [CORPUS_DIR]
 
-Every directory of tests/data/logs holding a `label.toml` (lane, rank or "none", node, category, reason) is
-one case: its logs go through exactly what `lanes analyze` does (`load_evidence`, `elect_first_error`).
+Every directory of tests/data/logs holding a `label.toml` (lane, rank or "none", node, category, reason, and
+optionally the log family it belongs to) is one case: its logs go through exactly what `lanes analyze` does
+(`load_evidence`, `elect_first_error`).
 A case is right on the lane when the elected lane is the labelled one, right on the rank when the label
 names a rank and the elected rank is it (cases labelled "none" do not count for the rank: their log cannot
 say). The calibration table groups cases by the finding's confidence: a higher bucket must be at least as
 accurate as a lower one ("right" there means lane right and, where labelled, rank right).
+
+Tuned and held out: a case whose directory starts with `heldout_` was written and labelled before the rules
+were changed for its family and never tuned on; the figures are given for each part, overall and per family
+(a case without a `family` in its label counts under "earlier corpus").
 
 Baseline: wherever a case's log has torchelastic's ChildFailedError summary, its "Root Cause (first observed
 failure)" entry is what users already have: its rank, and the lane a reader gives it (a death by signal:
@@ -33,6 +38,8 @@ from lanes_telemetry.views import elect_first_error
 CORPUS = Path(__file__).resolve().parent.parent / "tests" / "data" / "logs"
 BUCKETS = ((0.0, 0.4), (0.4, 0.6), (0.6, 0.8), (0.8, 1.01))
 _ROOT_CAUSE = "torchelastic root cause"
+HELD_OUT = "heldout_"
+EARLIER = "earlier corpus"
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,7 @@ class Outcome:
     """One case: what the label says, what Lanes elected, what torchelastic's Root Cause said."""
 
     case: str
+    family: str
     lane: str
     rank: int | None
     got_lane: str | None
@@ -47,6 +55,11 @@ class Outcome:
     confidence: float
     summary: str
     baseline: tuple[str, int | None] | None
+
+    @property
+    def split(self) -> str:
+        """Which part of the corpus the case is in: "heldout" (never tuned on) or "tuned"."""
+        return "heldout" if self.case.startswith(HELD_OUT) else "tuned"
 
     @property
     def lane_right(self) -> bool:
@@ -81,6 +94,7 @@ def run_case(directory: Path) -> Outcome:
     first = finding.first_error
     return Outcome(
         case=directory.name,
+        family=str(label.get("family", EARLIER)),
         lane=label["lane"],
         rank=rank,
         got_lane=first.lane.value if first else None,
@@ -123,6 +137,27 @@ def calibration(outcomes: list[Outcome]) -> list[dict[str, Any]]:
     return table
 
 
+def _lanes_figures(outcomes: list[Outcome]) -> dict[str, Any]:
+    return _figures(outcomes, lambda o: (o.got_lane, o.got_rank))
+
+
+def by_split(outcomes: list[Outcome]) -> dict[str, Any]:
+    """Lane and rank accuracy on the tuned and the held-out parts, overall and per family."""
+    splits = ("tuned", "heldout")
+    families = sorted({o.family for o in outcomes})
+    return {
+        "overall": {split: _lanes_figures([o for o in outcomes if o.split == split]) for split in splits},
+        "families": {
+            family: {
+                split: _lanes_figures([o for o in outcomes if o.family == family and o.split == split])
+                for split in splits
+            }
+            | {"all": _lanes_figures([o for o in outcomes if o.family == family])}
+            for family in families
+        },
+    }
+
+
 def report(corpus: Path) -> dict[str, Any]:
     """The whole corpus: accuracy, calibration, misses, and the torchelastic baseline beside."""
     cases = sorted(p.parent for p in corpus.glob("*/label.toml"))
@@ -142,6 +177,7 @@ def report(corpus: Path) -> dict[str, Any]:
         "lane_accuracy": ours["lane_accuracy"],
         "rank_cases": ours["rank_cases"],
         "rank_accuracy": ours["rank_accuracy"],
+        "by_split": by_split(outcomes),
         "calibration": table,
         "calibration_monotone": all(a <= b for a, b in itertools.pairwise(accuracies)),
         "torchelastic_baseline": {
@@ -155,6 +191,8 @@ def report(corpus: Path) -> dict[str, Any]:
         "misses": [
             {
                 "case": o.case,
+                "family": o.family,
+                "split": o.split,
                 "expected": {"lane": o.lane, "rank": o.rank},
                 "got": {"lane": o.got_lane, "rank": o.got_rank},
                 "confidence": o.confidence,

@@ -45,3 +45,19 @@ def test_corpus_accuracy_and_calibration():
     assert baseline["cases"] >= 3
     assert baseline["lanes_lane_accuracy"] >= baseline["root_cause_lane_accuracy"]
     assert baseline["lanes_rank_accuracy"] >= baseline["root_cause_rank_accuracy"]
+
+
+def test_the_held_out_part_and_every_family_are_reported_apart():
+    report = _bench().report(CORPUS)
+    split = report["by_split"]
+    held_out = split["overall"]["heldout"]
+    assert held_out["cases"] >= 10
+    assert held_out["lane_accuracy"] >= 0.95, report["misses"]
+    assert held_out["rank_accuracy"] >= 0.90, report["misses"]
+    families = split["families"]
+    # the families issue 38 names, each with a tuned and a held-out part
+    for family in ("gpu_lost", "nvls_driver", "hccl", "xid_combined", "collective_mismatch", "bootstrap_consequence"):
+        assert families[family]["tuned"]["cases"] >= 1, family
+        assert families[family]["heldout"]["cases"] >= 1, family
+    total = sum(part["all"]["cases"] for part in families.values())
+    assert total == report["cases"]

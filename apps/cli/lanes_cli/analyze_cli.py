@@ -96,9 +96,9 @@ def _lines(handle: BinaryIO) -> Iterator[str]:
         yield chunk.decode("utf-8", "replace")
 
 
-def _stream_evidence(path: Path, context: SourceContext) -> Iterator[Evidence]:
-    """The evidence of one file, parsed line by line as it is read."""
-    parser = LogParser(context)
+def _stream_evidence(path: Path, context: SourceContext, parser: LogParser | None = None) -> Iterator[Evidence]:
+    """The evidence of one file, parsed line by line as it is read (by `parser`, to read its numbering after)."""
+    parser = parser or LogParser(context)
     try:
         with path.open("rb") as handle:
             for line in _lines(handle):
@@ -137,7 +137,8 @@ def load_evidence(
             ranks[context.rank] = context.node
         if context.node is not None:
             nodes.add(context.node)
-        for e in _stream_evidence(path, context):
+        parser = LogParser(context)
+        for e in _stream_evidence(path, context, parser):
             if e.rank is not None:
                 ranks.setdefault(e.rank, e.node)
                 if ranks[e.rank] is None and e.node is not None:
@@ -151,6 +152,11 @@ def load_evidence(
                 if raw_kept > _MAX_RAW_KEPT:
                     continue
             evidence.append(e)
+        # torchrun's rendezvous result lists the ranks it started on this node: a rank there that never
+        # wrote a line is still part of the world (and, when a GPU is lost, the likeliest to have had it).
+        for launched in parser.ranks.global_ranks:
+            if ranks.get(launched) is None:
+                ranks[launched] = context.node
     return evidence, World(ranks=ranks, nodes=frozenset(nodes))
 
 

@@ -93,6 +93,23 @@ LANE_OF_CATEGORY: dict[EvidenceCategory, Lane] = {
 }
 
 
+DRIVER_MODULE_MISMATCH = (
+    "the node's NVIDIA driver libraries and its loaded kernel module differ (driver upgraded, not reloaded)"
+)
+"""NVML's `Driver/library version mismatch` and the kernel's `NVRM: API mismatch` (see parsers.py)."""
+HOST_SIDE_SUMMARIES = frozenset({DRIVER_MODULE_MISMATCH})
+"""Summaries of evidence whose category's usual lane is wrong for it: a version mismatch is the platform's (an
+image built for another driver) unless the host's own driver install disagrees with itself, which the host
+team fixes by reloading the module or rebooting."""
+
+
+def lane_of(data: EvidenceData) -> Lane:
+    """The lane of one piece of evidence: its category's, unless what it says moves it (see HOST_SIDE_SUMMARIES)."""
+    if data.summary in HOST_SIDE_SUMMARIES:
+        return Lane.HOST
+    return LANE_OF_CATEGORY[data.category]
+
+
 @dataclass(frozen=True, slots=True)
 class Evidence:
     """One observation: what (data), when (time as the producer's clock said), where (node, rank)."""
@@ -135,7 +152,7 @@ def evidence_event(evidence: Evidence, *, source: str, node: str, time: datetime
         node=evidence.node or node,
         rank=evidence.rank,
         time=evidence.time or time,
-        lane=LANE_OF_CATEGORY[evidence.category],
+        lane=lane_of(evidence.data),
         data=evidence.data,
     )
 

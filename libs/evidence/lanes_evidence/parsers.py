@@ -26,7 +26,7 @@ from datetime import UTC, datetime, timedelta, timezone, tzinfo
 from typing import Any
 
 from lanes_contract.events import EvidenceCategory, EvidenceData
-from lanes_evidence.evidence import Evidence
+from lanes_evidence.evidence import DRIVER_MODULE_MISMATCH, Evidence
 
 C = EvidenceCategory
 MAX_LINE = 2048
@@ -298,10 +298,16 @@ def parse_gloo(line: str) -> LineMatch | None:
     return None
 
 
+# Some launchers stamp each line (`[2025-07-21 19:05:29] host:pid:tid [dev] ...`): the stamp is read for the time.
 _NCCL_DEBUG = re.compile(
-    r"^(?P<host>[\w.-]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] (?:[\w./-]+:\d+ )?NCCL (?P<level>WARN|INFO|TRACE) ?"
-    r"(?P<msg>.*)$"
+    r"^(?:\[\d{4}-\d{2}-\d{2}[ T][\d:.]+\] )?(?P<host>[\w.-]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] "
+    r"(?:(?P<where>[\w./-]+):\d+ )?NCCL (?P<level>WARN|INFO|TRACE) ?(?P<msg>.*)$"
 )
+NVLS_SETUP_FAILED = (
+    "NVLink SHARP (NVLS) multicast setup failed: the node or container cannot use multicast (NCCL_NVLS_ENABLE)"
+)
+"""NCCL's NVLS transport refused by CUDA: the fabric manager / IMEX setup or the container's view of it, not the
+job's code; the line names no rank (the file or prefix does)."""
 _IB_COMPLETION = re.compile(r"Got completion from peer ([\w.:%-]+?)<\d*> with (?:error |status=?)(?:\w+\()?(\d+)")
 _REMOTE_PEER = re.compile(r"(?:Connection closed by remote peer|Connection reset by peer)\s*([\w.:-]+?)(?:<\d+>|$)")
 _LOCAL_INTERFACE = re.compile(r"NET/Socket : Using \[\d+\](?:docker\d|lo|virbr\d|veth\w*):")
@@ -327,6 +333,8 @@ def parse_nccl_debug(line: str) -> LineMatch | None:
         return LineMatch(base | {"category": category, "peer": ib[1], "summary": f"IB completion error {code}"}, node)
     if peer := _REMOTE_PEER.search(msg):
         return LineMatch(base | {"category": C.PEER_CLOSED, "peer": peer[1] or None, "summary": msg[:200]}, node)
+    if (m["where"] or "").endswith("nvls.cc") and "Cuda failure" in msg:
+        return LineMatch(base | {"category": C.CONFIG_MISMATCH, "summary": f"{NVLS_SETUP_FAILED}: {msg}"[:200]}, node)
     if known := parse_known_messages(msg):
         return LineMatch(base | known.fields, node, known.rank)
     if "Cuda failure" in msg and "out of memory" in msg:
@@ -360,11 +368,16 @@ _LINK = re.compile(r"(?P<iface>[\w.:-]+): (?:NIC )?Link (?:is )?(?P<state>[Dd]ow
 _PORT_ERROR_WORDS = ("symbol error", "link error recovery", "port_rcv_errors", "link_downed")
 _IFACE = re.compile(r"([\w.:-]+): ")
 _EDAC = re.compile(r"EDAC .*?(?:CE|UE) .*error")
+_DRIVER_MODULE_MISMATCH = re.compile(r"NVRM: API mismatch|Driver/library version mismatch")
+# The host's own driver install is inconsistent (the host lane, see `lane_of`), unlike an image's CUDA that is
+# newer than the host's driver (CUDA error 803 / insufficient driver: the platform's).
 
 
 def parse_kernel(line: str) -> LineMatch | None:
     """Kernel lines (dmesg, journal, syslog): NVRM Xid, the OOM killer, NIC link changes, ECC, disk full."""
     node = m["host"] if " kernel: " in line and (m := _KERNEL_HOST.search(line)) else None
+    if _DRIVER_MODULE_MISMATCH.search(line):
+        return LineMatch({"category": C.CONFIG_MISMATCH, "summary": DRIVER_MODULE_MISMATCH}, node)
     if m := _XID.search(line):
         xid = int(m["xid"])
         category = (
@@ -509,6 +522,17 @@ _FAMILIES: tuple[_Family, ...] = (
         re.compile(r"Cuda failure '(?:invalid argument|operation not supported|operation not permitted)"),
         C.CONFIG_MISMATCH,
         "NCCL CUDA call refused by the runtime environment (container IPC / shm / driver)",
+    ),
+    _Family(
+        re.compile(r"unsupported display driver / cuda driver combination|cudaErrorSystemDriverMismatch"),
+        C.CONFIG_MISMATCH,
+        "the CUDA runtime the job ships does not match the node's driver (CUDA error 803)",
+    ),
+    _Family(
+        # EI0006 (socket) and EI0002 (notify wait): this rank waited on a remote rank that never came.
+        re.compile(r"\bEI000[26]\b|Remote Rank did not send|Notify register times out"),
+        C.COLLECTIVE_TIMEOUT,
+        "HCCL: timed out waiting on a remote rank (EI0006 / EI0002)",
     ),
     _Family(
         re.compile(r"CUDA driver version is insufficient|cudaErrorInsufficientDriver|NCCL version mismatch"),

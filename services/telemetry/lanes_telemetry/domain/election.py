@@ -41,7 +41,7 @@ from lanes_contract.events import (
     MissingEvidence,
 )
 from lanes_contract.ids import is_valid_token
-from lanes_evidence.evidence import LANE_OF_CATEGORY, Evidence
+from lanes_evidence.evidence import Evidence, lane_of
 
 C = EvidenceCategory
 DEFAULT_SKEW_TOLERANCE = timedelta(seconds=2)
@@ -155,8 +155,9 @@ def elect_first_error(
     """
     world = world or World()
     # A canonical order first: the finding must not depend on the order evidence arrived in.
-    chosen = sorted((e for e in evidence if e.category not in NOT_ELECTED), key=_evidence_key)
-    items = sorted(_correct_clocks(_attribute(chosen, world)), key=_canonical)
+    every = sorted(evidence, key=_evidence_key)
+    chosen = [e for e in every if e.category not in NOT_ELECTED]
+    items = sorted(_correct_clocks(_attribute(chosen, world, _pid_clues(every))), key=_canonical)
     if ended_at is not None:
         items = _recent(items, ended_at, cause_window)
     consequence_seen = _first_consequence_time(items)
@@ -165,7 +166,9 @@ def elect_first_error(
     first: FindingCause | None
     if causes:
         cause, chain, contenders = _elect_cause(causes, progress, skew_tolerance)
-        first = _cause_of(cause, chain, _rank_of_rankless(items, cause, skew_tolerance))
+        first = _cause_of(cause, chain, _rank_of_rankless(items, cause, skew_tolerance, world))
+        if cause.evidence.category is C.COLLECTIVE_MISMATCH:
+            first = _blame_odd_one_out(first, items, world)
         confidence = _confidence(cause, contenders)
         if first.rank is None and first.node is not None and len(_placed_on(world, first.node)) > 1:
             confidence -= _UNKNOWN_RANK_PENALTY  # the node is known, but not which of its ranks
@@ -223,13 +226,43 @@ def _placed_on(world: World, node: str) -> list[int]:
 # --- attribution ---------------------------------------------------------------------------------
 
 
-def _attribute(evidence: list[Evidence], world: World) -> list[Evidence]:
-    """Fill in the rank of node-level evidence and the node of rank-level evidence.
+@dataclass(frozen=True)
+class _PidClues:
+    """What lines the election does not elect still say about processes (read before they are set aside)."""
 
-    A node-level line gets the rank of the pid it names, or the only rank placed on its node (as the live
-    service does on ingest: offline and live must elect the same).
+    rank_of_pid: Mapping[tuple[str | None, int], int]
+    """(node, pid) -> rank, from any line that carries both (an NCCL INFO line `host:pid:tid` in a rank's log)."""
+    cleaned_up: Mapping[tuple[str | None, str], frozenset[int]]
+    """(node, GPU) -> the pids an aftermath Xid (45: preemptive cleanup) names on that GPU."""
+
+
+def _pid_clues(evidence: list[Evidence]) -> _PidClues:
+    """Pid clues from all the evidence, unrecognised lines included.
+
+    An Xid 149 names no process, but the Xid 45 that cleans up after it on the same GPU does, and an NCCL INFO
+    line in a rank's log pairs that pid with the rank. A live service that drops raw lines loses only this rank.
     """
     rank_of_pid: dict[tuple[str | None, int], int] = {}
+    cleaned: dict[tuple[str | None, str], set[int]] = defaultdict(set)
+    for e in evidence:
+        if e.rank is not None and e.data.pid is not None:
+            rank_of_pid.setdefault((e.node, e.data.pid), e.rank)
+            rank_of_pid.setdefault((None, e.data.pid), e.rank)
+        if e.data.xid in _AFTERMATH_XIDS and e.data.pid is not None and e.data.gpu:
+            cleaned[(e.node, e.data.gpu)].add(e.data.pid)
+    return _PidClues(rank_of_pid, {key: frozenset(pids) for key, pids in cleaned.items()})
+
+
+_AFTERMATH_XIDS = frozenset({45})
+
+
+def _attribute(evidence: list[Evidence], world: World, clues: _PidClues | None = None) -> list[Evidence]:
+    """Fill in the rank of node-level evidence and the node of rank-level evidence.
+
+    A node-level line gets the rank of the pid it names (or of the one pid an Xid 45 cleaned up on its GPU), or
+    the only rank placed on its node (as the live service does on ingest: offline and live must elect the same).
+    """
+    rank_of_pid: dict[tuple[str | None, int], int] = dict(clues.rank_of_pid) if clues else {}
     for e in evidence:
         if e.rank is not None and e.data.pid is not None:
             rank_of_pid.setdefault((e.node, e.data.pid), e.rank)
@@ -243,6 +276,10 @@ def _attribute(evidence: list[Evidence], world: World) -> list[Evidence]:
         rank, node = e.rank, e.node
         if rank is None and e.data.pid is not None:
             rank = rank_of_pid.get((node, e.data.pid))
+        if rank is None and e.data.pid is None and e.data.gpu and clues is not None:
+            pids = clues.cleaned_up.get((node, e.data.gpu), frozenset())
+            if len(pids) == 1:
+                rank = rank_of_pid.get((node, next(iter(pids))))
         if rank is None and node is not None and len(placed[node]) == 1:
             rank = placed[node][0]  # a node that runs one rank: its node-level evidence is that rank's
         if node is None and rank is not None:
@@ -442,12 +479,14 @@ def _chain(winner: _Item, causes: list[_Item], window: list[_Item]) -> list[_Ite
     return chain[:_MAX_CHAIN]
 
 
-def _rank_of_rankless(items: list[_Item], winner: _Item, tolerance: timedelta) -> int | None:
+def _rank_of_rankless(items: list[_Item], winner: _Item, tolerance: timedelta, world: World) -> int | None:
     """The rank a rank-less cause is about, when the evidence names only one (else None).
 
     The one rank of its node that reported anything within the skew tolerance after it (an Xid, then that
     rank's CUDA / NCCL error), or else the one rank whose process exited with an error where the cause's
-    node allows it (an unprefixed traceback, then torchrun's report of the rank that failed).
+    node allows it (an unprefixed traceback, then torchrun's report of the rank that failed), or else, for a
+    GPU lost on the node, the one rank placed there that never said a word: its GPU went, and its process
+    with it, while its neighbours went on to time out.
     """
     node, at = winner.evidence.node, winner.at
     if node is not None and at is not None:
@@ -469,7 +508,50 @@ def _rank_of_rankless(items: list[_Item], winner: _Item, tolerance: timedelta) -
         and _priority(i.evidence) is not None
         and (node is None or i.evidence.node in {None, node})
     }
-    return failed.pop() if len(failed) == 1 else None
+    if len(failed) == 1:
+        return failed.pop()
+    if node is not None and winner.evidence.category in _GPU_FAULTS:
+        heard = {i.evidence.rank for i in items if i.evidence.rank is not None}
+        unheard = [rank for rank in _placed_on(world, node) if rank not in heard]
+        if len(unheard) == 1:
+            return unheard[0]
+    return None
+
+
+_GPU_FAULTS = frozenset({C.GPU_XID, C.ECC_ERROR})
+_FINGERPRINT = re.compile(r"Rank (\d{1,7}) is running collective: CollectiveFingerPrint\([^)]*?OpType=(\w+)")
+
+
+def _blame_odd_one_out(first: FindingCause, items: list[_Item], world: World) -> FindingCause:
+    """A collective mismatch is the fault of the rank that called what no one else did, not of its reporter.
+
+    Each report names two ranks and their collectives; every rank's timeout names the collective it waits in.
+    Counting one collective per rank, the ranks outside the clear majority are the odd ones out (the lowest is
+    named); a tie (two ranks, one against one) leaves the reporter named, as the log does.
+    """
+    op_of: dict[int, str] = {}
+    for item in items:
+        e = item.evidence
+        if e.category is C.COLLECTIVE_MISMATCH:
+            for line in e.data.lines:
+                for rank, op in _FINGERPRINT.findall(line):
+                    op_of.setdefault(int(rank), op)
+    for item in items:
+        e = item.evidence
+        if e.category is C.COLLECTIVE_TIMEOUT and e.rank is not None and e.data.op_type:
+            op_of.setdefault(e.rank, e.data.op_type)
+    counts = Counter(op_of.values()).most_common()
+    if len(counts) <= 1 or counts[0][1] == counts[1][1]:
+        return first  # all agree (nothing to settle), or no majority to be odd against
+    odd = sorted(rank for rank, op in op_of.items() if op != counts[0][0])
+    rank = odd[0]
+    if rank == first.rank:
+        return first
+    summary = (
+        f"rank {rank} called {op_of[rank]} where {counts[0][1]} ranks called {counts[0][0]}: "
+        f"the odd one out (reported by rank {first.rank})"
+    )
+    return first.model_copy(update={"rank": rank, "node": world.ranks.get(rank), "summary": summary})
 
 
 def _cause_of(winner: _Item, chain: list[_Item], rank_of_rankless: int | None) -> FindingCause:
@@ -492,7 +574,7 @@ def _cause_of(winner: _Item, chain: list[_Item], rank_of_rankless: int | None) -
         )  # fmt: skip
     return FindingCause(
         category=e.category.value,
-        lane=LANE_OF_CATEGORY[e.category],
+        lane=lane_of(e.data),
         node=e.node,
         rank=rank,
         time=e.time,
