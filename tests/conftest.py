@@ -1,4 +1,4 @@
-"""Real servers for the tests, chosen per server in the order DESIGN.md gives.
+"""Real servers for the tests, chosen per server in the order of docs/architecture.md, "Runtime modes".
 
 1. The URL in the environment (NATS_URL, DATABASE_URL, REDIS_URL), if it answers. A NATS that is too old
    stops the whole run with Lanes' refusal message: the tests never quietly fall back.
@@ -7,7 +7,7 @@
 
 Nothing is ever skipped for want of a server: if none of the three works, the run fails and says why.
 Each test gets its own PostgreSQL database; NATS isolation comes from unique job ids and consumer names.
-The embedded NATS runs with auth on (DESIGN.md, "Trust"): `servers.nats_url` carries the admin's credentials,
+The embedded NATS runs with auth on (docs/architecture.md, "Trust"): `servers.nats_url` carries the admin's credentials,
 so every test connects authenticated and may write any subject; tests of least privilege take
 `secured_nats` and connect as the identity they exercise.
 """

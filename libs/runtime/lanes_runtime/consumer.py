@@ -1,4 +1,4 @@
-"""The consumer contract every service uses (DESIGN.md, "Processing guarantees"), one fetched batch at a time.
+"""The consumer contract every service uses, one fetched batch at a time (docs/architecture.md: guarantees).
 
 One durable pull consumer per service role. For each fetched batch:
 
