@@ -7,11 +7,13 @@ import json
 import pytest
 from support.cli import run_lanes_async
 from support.contract import submission
+from support.waiting import eventually
 
 from lanes_contract.client import LanesClient
 from lanes_contract.codec import decode
 from lanes_contract.events import NodeRegistered, NodeRegisteredData
 from lanes_contract.streams import JOBS
+from lanes_runtime import reader
 from lanes_runtime.settings import ServerUrls
 
 pytestmark = pytest.mark.real_servers
@@ -88,3 +90,34 @@ async def test_replay_refuses_contradictory_or_bad_options(servers: ServerUrls) 
     assert "--pace" in stderr
     code, _, stderr = await _replay(servers.nats_url, "--job", "never-seen")
     assert code == 3
+
+
+async def test_a_read_that_waits_longer_than_its_consumer_lives_goes_on_where_it_was(
+    lanes: LanesClient, unique: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A paced replay or a merge may leave a read's consumer idle past its lifetime: the server removes it, and
+    the read makes another from the next sequence, so nothing is skipped or yielded twice."""
+    monkeypatch.setattr(reader, "READER_IDLE_S", 1.0)
+    job_id = f"lapsed-{unique}"
+    published = [await lanes.publish(submission(job_id)) for _ in range(300)]  # more than one batch of 256
+    selection = reader.Selection(JOBS.name, f"lanes.job.{job_id}.>")
+
+    async def ours() -> list[str]:
+        consumers = await lanes.js.consumers_info(JOBS.name)
+        return [c.name for c in consumers if c.config.filter_subject == selection.subject]
+
+    seen: list[int] = []
+    lapsed = False
+    async for msg in reader.iter_stream(lanes.js, selection):
+        seen.append(msg.metadata.sequence.stream)
+        if len(seen) == 256 and not lapsed:  # the first batch taken; the next pull comes after the lapse
+            (name,) = await ours()
+
+            async def gone(name: str = name) -> bool:
+                return name not in await ours()
+
+            await eventually(gone, timeout_s=30, what="the idle reader's consumer removed by the server")
+            lapsed = True
+    assert lapsed
+    assert seen == published
+    assert await ours() == []  # the second consumer is deleted when the read ends

@@ -227,9 +227,14 @@ class BatchPull:
         status = (msg.headers or {}).get("Status", "")
         if status not in _REQUEST_ENDED:
             description = (msg.headers or {}).get("Description", "")
-            request.end(NatsError(f"pull request refused: {status} {description}".rstrip()))
+            refused = ConsumerGoneError if status == _NO_RESPONDERS else NatsError
+            request.end(refused(f"pull request refused: {status} {description}".rstrip()))
         else:
             request.end()
+
+
+class ConsumerGoneError(NatsError):
+    """No one serves the consumer's pull subject (503): the consumer does not exist (deleted, or lapsed idle)."""
 
 
 class BusAwayError(NatsError):
@@ -239,6 +244,7 @@ class BusAwayError(NatsError):
 _ACK_PREFIX = "$JS.ACK."
 """Every message JetStream delivers has its ack subject as reply; a status message has none."""
 _REQUEST_ENDED = {"404", "408"}
+_NO_RESPONDERS = "503"
 """No more messages now, request expired: the request is over, nothing is wrong."""
 _REQUEST_MARGIN_S = 1.0
 """How much longer than its `expires` a fetch waits for the server to end a request."""

@@ -30,7 +30,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from lanes_runtime.delivery import BatchPull
+from lanes_runtime.delivery import BatchPull, ConsumerGoneError
 
 READER_PREFIX = "read-"
 """The names of readers' consumers start with it; no durable's name does (the identity table checks)."""
@@ -102,13 +102,10 @@ async def iter_stream(js: JetStreamContext, selection: Selection) -> AsyncIterat
     """
     if await count(js, selection) == 0:
         return
-    nc: NatsClient = js._nc  # noqa: SLF001 - the connection the context makes its requests on; a pull is one
-    name = reader_name()
-    await js.add_consumer(selection.stream, config=selection.consumer_config(name))
-    pull = await BatchPull.bind(nc, selection.stream, name)
+    reading = _Reading(js, selection)
     try:
         while True:
-            msgs = await pull.fetch(_BATCH, _QUIET_S)
+            msgs = await reading.fetch()
             if not msgs:
                 return  # nothing (more) at or after the start position
             for msg in msgs:
@@ -121,7 +118,55 @@ async def iter_stream(js: JetStreamContext, selection: Selection) -> AsyncIterat
                 if meta.num_pending == 0:
                     return
     finally:
-        with contextlib.suppress(Exception):
-            await asyncio.shield(pull.unsubscribe())
-        with contextlib.suppress(Exception):
-            await asyncio.shield(js.delete_consumer(selection.stream, name))
+        await asyncio.shield(reading.close())
+
+
+class _Reading:
+    """One read's consumer, made again from where the read is when it lapsed.
+
+    A reader's consumer goes once nobody has pulled from it for READER_IDLE_S, and a read may rightly wait
+    longer between two pulls: `lanes replay --pace original` sleeps for the events' own spacing, and a merge
+    of several selections leaves one waiting while it takes the others.
+    """
+
+    def __init__(self, js: JetStreamContext, selection: Selection) -> None:
+        self._js = js
+        self._selection = selection
+        self._name: str | None = None
+        self._pull: BatchPull | None = None
+        self._next_seq: int | None = None
+        """The first sequence not delivered yet (None: nothing delivered, from the selection's start)."""
+
+    async def fetch(self) -> list[Msg]:
+        """The next batch (empty: nothing more within _QUIET_S)."""
+        if self._pull is None:
+            self._pull = await self._open()
+        try:
+            msgs = await self._pull.fetch(_BATCH, _QUIET_S)
+        except ConsumerGoneError:
+            await self.close()
+            self._pull = await self._open()
+            msgs = await self._pull.fetch(_BATCH, _QUIET_S)
+        if msgs:
+            self._next_seq = msgs[-1].metadata.sequence.stream + 1  # delivered without acks: the read is past it
+        return msgs
+
+    async def _open(self) -> BatchPull:
+        self._name = reader_name()
+        config = self._selection.consumer_config(self._name)
+        if self._next_seq is not None:
+            config.deliver_policy, config.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, self._next_seq
+            config.opt_start_time = None
+        await self._js.add_consumer(self._selection.stream, config=config)
+        nc: NatsClient = self._js._nc  # noqa: SLF001 - the connection the context makes its requests on
+        return await BatchPull.bind(nc, self._selection.stream, self._name)
+
+    async def close(self) -> None:
+        """Stop pulling and delete the consumer (one that lapsed is gone already)."""
+        pull, self._pull = self._pull, None
+        if pull is not None:
+            with contextlib.suppress(Exception):
+                await pull.unsubscribe()
+        if self._name is not None:
+            with contextlib.suppress(Exception):
+                await self._js.delete_consumer(self._selection.stream, self._name)
