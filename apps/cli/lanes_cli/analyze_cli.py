@@ -29,6 +29,7 @@ from lanes_contract.events import EvidenceCategory, JobFindingData
 from lanes_contract.ids import is_valid_token
 from lanes_evidence.evidence import Evidence
 from lanes_evidence.parsers import LogParser, SourceContext, clock_of
+from lanes_evidence.ras import is_ras_report, parse_ras_text, ras_evidence
 from lanes_telemetry.views import World, elect_first_error
 
 _RANK_TOKEN = re.compile(r"^rank[_-]?(\d{1,7})$", re.IGNORECASE)
@@ -138,7 +139,10 @@ def load_evidence(
         if context.node is not None:
             nodes.add(context.node)
         parser = LogParser(context)
-        for e in _stream_evidence(path, context, parser):
+        # An `ncclras` report is a whole, not a stream of lines: read from its head (a report for thousands of
+        # ranks stays well under the head's size; a longer one is cut there).
+        found = ras_evidence(parse_ras_text(head), context) if is_ras_report(head) else None
+        for e in found if found is not None else _stream_evidence(path, context, parser):
             if e.rank is not None:
                 ranks.setdefault(e.rank, e.node)
                 if ranks[e.rank] is None and e.node is not None:
