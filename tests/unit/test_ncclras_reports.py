@@ -13,7 +13,7 @@ from lanes_cli.cli import app
 from lanes_contract.events import EvidenceCategory as C
 from lanes_contract.events import Lane
 from lanes_evidence.parsers import SourceContext
-from lanes_evidence.ras import is_ras_report, parse_ras_text, ras_evidence
+from lanes_evidence.ras import is_ras_report, parse_ras, parse_ras_text, ras_evidence
 from lanes_telemetry.views import elect_first_error
 
 RAS = Path(__file__).resolve().parent.parent / "data" / "ras"
@@ -95,3 +95,26 @@ def test_lanes_analyze_reads_a_report_beside_logs(tmp_path: Path):
     finding = json.loads(result.output)
     assert (finding["first_error"]["rank"], finding["first_error"]["lane"]) == (3, "algorithm")
     assert any(m["node"] == "gpu-b" for m in finding["missing_evidence"])
+
+
+def test_the_json_report_lists_every_rank_so_the_one_behind_is_read_directly():
+    text = (RAS / "one_behind.json").read_text()
+    assert is_ras_report(text)
+    report = parse_ras(text)
+    (comm,) = report.communicators.values()
+    assert comm.hash == "5e2f0c17aa903b41"
+    assert comm.kinds == {"MISMATCH", "INCOMPLETE"}
+    (op,) = comm.mismatched_ops  # AllGather agrees everywhere; the idle collectives (all 0) too
+    assert op.op == "AllReduce"
+    assert report.behind(comm, op) == [2]
+    assert [(r.rank, r.node, r.pid) for r in comm.missing] == [(4, "10.30.0.3", 3304)]
+    assert report.dead == []  # unresponsive, not (yet) considered dead
+    first = elect_first_error(ras_evidence(report, CONTEXT)).first_error
+    assert first is not None
+    assert (first.lane, first.rank, first.node) == (Lane.ALGORITHM, 2, "10-30-0-2")
+
+
+def test_json_that_is_not_a_ras_report_is_left_to_the_log_parsers():
+    assert not is_ras_report('{"communicators": 3}')
+    assert not is_ras_report('{"communicators": [')
+    assert parse_ras('{"communicators": [1, {"ranks": [{"rank": "x"}], "missing_ranks": [null]}]}').dead == []

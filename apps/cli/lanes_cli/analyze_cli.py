@@ -29,7 +29,7 @@ from lanes_contract.events import EvidenceCategory, JobFindingData
 from lanes_contract.ids import is_valid_token
 from lanes_evidence.evidence import Evidence
 from lanes_evidence.parsers import LogParser, SourceContext, clock_of
-from lanes_evidence.ras import is_ras_report, parse_ras_text, ras_evidence
+from lanes_evidence.ras import is_ras_report, parse_ras, ras_evidence
 from lanes_telemetry.views import World, elect_first_error
 
 _RANK_TOKEN = re.compile(r"^rank[_-]?(\d{1,7})$", re.IGNORECASE)
@@ -141,7 +141,7 @@ def load_evidence(
         parser = LogParser(context)
         # An `ncclras` report is a whole, not a stream of lines: read from its head (a report for thousands of
         # ranks stays well under the head's size; a longer one is cut there).
-        found = ras_evidence(parse_ras_text(head), context) if is_ras_report(head) else None
+        found = ras_evidence(parse_ras(head), context) if is_ras_report(head) else None
         for e in found if found is not None else _stream_evidence(path, context, parser):
             if e.rank is not None:
                 ranks.setdefault(e.rank, e.node)

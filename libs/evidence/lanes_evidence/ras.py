@@ -1,21 +1,27 @@
 """NCCL RAS reports (`ncclras`, NCCL 2.24 and later) read as evidence: communicators, ranks, op counts, who is missing.
 
-The text report has a table of communicator groups (`Group  Comms  Nodes  Ranks ... Status  Errors`), then an
-Errors section (processes RAS got no data from, dead processes, per-communicator INCOMPLETE and ERROR blocks) and
-a Warnings section (per-communicator MISMATCH blocks: ranks with different status or operation counts).
+The text report (`ncclras`) has a table of communicator groups (`Group  Comms  Nodes  Ranks ... Status  Errors`),
+then an Errors section (processes RAS got no data from, dead processes, per-communicator INCOMPLETE and ERROR
+blocks) and a Warnings section (per-communicator MISMATCH blocks: ranks with different status or operation counts).
 
 On a mismatch RAS lists ranks one by one only when they are few (the outliers): with 30 ranks behind and 2 ahead,
 it names the 2 ahead and only counts the 30. The ranks that hold everyone up are the ones behind, so they are
 derived here from the communicator's size and the ranks listed elsewhere, and each rank's count becomes evidence
 the election reads like a watchdog's "last enqueued": the lowest is the laggard.
 
-Pure: text in, report and evidence out; a line it does not know is skipped, and no input raises.
+The JSON report (`ncclras` asked for JSON, in the releases that write it) lists every rank of every communicator
+with its per-collective counts and status, and the missing ranks (unresponsive, considered dead): it is read into
+the same report, with nothing to derive.
+
+Pure: text in, report and evidence out; a line or field it does not know is skipped, and no input raises.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from lanes_contract.events import EvidenceCategory, EvidenceData
 from lanes_evidence.evidence import Evidence
@@ -118,8 +124,78 @@ class RasReport:
 
 
 def is_ras_report(text: str) -> bool:
-    """Whether the text is an `ncclras` report (its communicator table's header)."""
-    return _TABLE_HEAD.search(text) is not None
+    """Whether the text is an `ncclras` report: its communicator table's header, or its JSON document."""
+    return _TABLE_HEAD.search(text) is not None or _json_report(text) is not None
+
+
+def _json_report(text: str) -> dict[str, Any] | None:
+    if not text.lstrip().startswith("{") or '"communicators"' not in text:
+        return None
+    try:
+        document = json.loads(text)
+    except ValueError:
+        return None
+    if isinstance(document, dict) and isinstance(document.get("communicators"), list):
+        return document
+    return None
+
+
+def _int(value: object, default: int = -1) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _json_rank(entry: dict[str, Any]) -> RasRank:
+    host = entry.get("host")
+    pid = _int(entry.get("pid"))
+    gpu = entry.get("cuda_dev")
+    return RasRank(
+        _int(entry.get("rank")),
+        host if isinstance(host, str) and host != "unknown" else None,
+        pid if pid >= 0 else None,
+        str(gpu) if isinstance(gpu, int) else None,
+    )
+
+
+def parse_ras_json(text: str) -> RasReport:
+    """The report in an `ncclras` JSON document (each communicator is its own group, numbered in order)."""
+    report = RasReport()
+    document = _json_report(text) or {}
+    for number, raw in enumerate(document.get("communicators", [])):
+        if not isinstance(raw, dict):
+            continue
+        size = _int(raw.get("size"), 0)
+        report.groups[number] = {"comms": "1", "nodes": "", "per_comm": str(size), "status": "", "errors": ""}
+        comm = Communicator(number, 0, str(raw.get("hash", "")).removeprefix("0x"))
+        report.communicators[(number, 0)] = comm
+        ranks = [r for r in raw.get("ranks", []) if isinstance(r, dict)]
+        by_op: dict[str, dict[int, list[RasRank]]] = {}
+        for entry in ranks:
+            where = _json_rank(entry)
+            counts = entry.get("collective_counts")
+            for op, value in counts.items() if isinstance(counts, dict) else ():
+                if where.rank >= 0 and _int(value) >= 0:
+                    by_op.setdefault(str(op), {}).setdefault(_int(value), []).append(where)
+        for op, groups in by_op.items():
+            if len(groups) > 1:  # the ranks disagree on how many of this collective they launched
+                comm.kinds.add("MISMATCH")
+                comm.mismatched_ops.append(OpCounts(op, [(v, len(rs), rs) for v, rs in sorted(groups.items())]))
+        for entry in raw.get("missing_ranks", []):
+            if not isinstance(entry, dict):
+                continue
+            where = _json_rank(entry)
+            status = entry.get("status")
+            dead = isinstance(status, dict) and status.get("considered_dead") is True
+            if dead:
+                report.dead.append(RasRank(-1, where.node, where.pid, where.gpu))
+            if dead or (isinstance(status, dict) and status.get("unresponsive") is True):
+                comm.kinds.add("INCOMPLETE")
+                comm.missing.append(where)
+    return report
+
+
+def parse_ras(text: str) -> RasReport:
+    """The report in an `ncclras` output, text or JSON."""
+    return parse_ras_json(text) if _json_report(text) is not None else parse_ras_text(text)
 
 
 def _rank_of(m: re.Match[str]) -> RasRank:
