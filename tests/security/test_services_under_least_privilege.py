@@ -20,7 +20,8 @@ from support.waiting import eventually
 from lanes_cli.bootstrap import SERVICES
 from lanes_contract.client import LanesClient, connect_nats, denied_operations
 from lanes_contract.events import NodeRegistered, NodeRegisteredData
-from lanes_contract.streams import JOBS
+from lanes_contract.streams import JOBS, NODES
+from lanes_runtime.reader import Selection, iter_stream
 from lanes_runtime.service import connected, prepare_services, run_consumers
 from lanes_runtime.settings import ServerUrls
 from lanes_sandbox.embedded import EmbeddedNats
@@ -37,6 +38,28 @@ async def last_on(nats: EmbeddedNats, subject: str) -> int | None:
         return int((await admin.jetstream().get_last_msg(JOBS.name, subject)).seq or 0)
     except NotFoundError:
         return None
+    finally:
+        await admin.close()
+
+
+async def scheduler_knows(database_url: str, node: str) -> bool:
+    """Whether the scheduler's inventory holds `node`."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        return bool(await conn.fetchval("SELECT count(*) FROM scheduler_nodes WHERE node_id = $1", node))
+    finally:
+        await conn.close()
+
+
+async def everything_on(nats: EmbeddedNats) -> list[str]:
+    """Every message of the job and node streams, as `<subject>: <data>` (read as the admin), for a failure."""
+    admin = await connect_nats(nats.url, name="inspector")
+    try:
+        return [
+            f"{msg.subject}: {msg.data.decode(errors='replace')[:300]}"
+            for stream in (JOBS.name, NODES.name)
+            async for msg in iter_stream(admin.jetstream(), Selection(stream, ">"))
+        ]
     finally:
         await admin.close()
 
@@ -59,6 +82,13 @@ async def test_each_service_as_its_own_identity_places_a_job_the_cli_submitted(
             async with await LanesClient.connect(secured_nats.url_for("cli"), source="lanes/cli") as cli:
                 data = NodeRegisteredData(gpu_model="H100-80GB", gpus=8, gpu_memory_gib=80)
                 await cli.publish(NodeRegistered(source="lanes/cli", node=f"n-{unique}", data=data))
+                # The node and the job arrive on different streams, read by different consumers: a job the
+                # scheduler decides before it has read the node is rejected (no node fits), not held.
+                await eventually(
+                    lambda: scheduler_knows(urls.database_url, f"n-{unique}"),
+                    timeout_s=30,
+                    what="the scheduler to know the node",
+                )
                 body = {"job_id": job, "spec": {"name": "least", "workers": 1, "gpus_per_worker": 2}}
 
                 async def answered() -> bool:
@@ -93,8 +123,9 @@ async def test_each_service_as_its_own_identity_places_a_job_the_cli_submitted(
                 )
             except AssertionError as exc:
                 refusals = {name: denied_operations(nc) for name, (nc, _) in zip(EACH_AS_ITSELF, services, strict=True)}
+                logged = await everything_on(secured_nats)
                 raise AssertionError(
-                    f"{exc}; what the log and the services showed: {seen}; refused: {refusals}"
+                    f"{exc}; what the log and the services showed: {seen}; refused: {refusals}; the log: {logged}"
                 ) from exc
         finally:
             stop.set()
