@@ -114,6 +114,20 @@ async def test_a_finding_waits_for_every_ranks_story_and_the_kernel_line_then_se
     assert settled.data.first_error == oom.data.first_error
 
 
+async def test_a_rank_killed_by_sigbus_waits_for_its_nodes_kernel_line_read_after_the_exit():
+    # The order CI once saw: the lifecycle's exit reached telemetry a moment before the node's Xid line.
+    h = Harness()
+    await h.facts(_placed("j", ("node-1",)), _started("j", 0, "node-1", 100))
+    (bare,) = _findings(await h.facts(_exited("j", 0, "node-1", signal=7)))
+    assert not bare.data.settled
+    assert bare.data.waiting_for == ("the kernel log of node-1 (rank 0 was killed by SIGBUS)",)
+    xid = EvidenceData(category=C.GPU_XID, summary="NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus", xid=79)
+    (explained,) = _findings(await h.evidence(HostEvidence(source="agent", node="node-1", time=at(10), data=xid)))
+    assert explained.data.settled
+    assert explained.data.first_error is not None
+    assert (explained.data.first_error.category, explained.data.first_error.node) == ("gpu_xid", "node-1")
+
+
 async def test_the_settle_window_settles_a_finding_on_what_arrived_and_says_what_never_did():
     h = Harness()
     await h.facts(_placed("j", ("node-1", "node-2")))

@@ -5,8 +5,9 @@ a rank's exit before the traceback it printed. A finding elected on part of the 
 finding says whether it is **settled**:
 
 - every rank of the attempt is accounted for: its exit is known and every piece of evidence its agent
-  published before that exit has arrived (the exit says how many); a rank killed by SIGKILL also waits for
-  its node's kernel log (the OOM killer, or an operator?); or
+  published before that exit has arrived (the exit says how many); a rank killed by a signal the kernel
+  sends for its node (SIGKILL: the OOM killer, or an operator?; SIGBUS: a memory or device fault) also waits
+  for its node's kernel log; or
 - the settle window ran out (it starts when the attempt ended): then the finding settles on what arrived,
   and says what never did.
 
@@ -20,6 +21,7 @@ pending") long before its kernel line arrives, and it outranks any "silent node"
 
 from __future__ import annotations
 
+import signal
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -31,7 +33,13 @@ from lanes_evidence.evidence import Evidence
 from lanes_telemetry.domain.election import DEFAULT_CAUSE_WINDOW, World, elect_first_error, may_be_cause
 
 C = EvidenceCategory
-SIGKILL = 9
+SIGKILL = signal.SIGKILL.value
+KERNEL_SIGNALS = frozenset({SIGKILL, signal.SIGBUS.value})
+"""Signals the kernel delivers for a reason its own log names (the OOM killer; a memory or device fault).
+
+The rank's agent cannot report that reason, so the finding waits for the node's kernel line (or the settle
+window): elected without it, a GPU's Xid would lose to the bare exit it explains whenever the kernel line is
+read a moment after the exit."""
 DEFAULT_SETTLE_WINDOW = timedelta(seconds=5)
 """How long after an attempt ended its finding may still wait for late evidence (kernel logs, slow agents)."""
 KERNEL_CATEGORIES = frozenset({C.OOM_KILL, C.GPU_XID, C.ECC_ERROR, C.DISK_FULL})
@@ -146,8 +154,9 @@ def waiting_for(story: AttemptStory) -> tuple[str, ...]:
     for node, ranks in sorted(no_exit.items()):
         waiting.append(f"the exit of rank{'s' if len(ranks) > 1 else ''} {_listed(ranks)} on {node}")
     for ex in sorted(story.exits.values(), key=lambda x: x.rank):
-        if ex.signal == SIGKILL and ex.node not in explained:
-            waiting.append(f"the kernel log of {ex.node} (rank {ex.rank} was killed by SIGKILL)")
+        if ex.signal in KERNEL_SIGNALS and ex.node not in explained:
+            name = signal.Signals(ex.signal).name
+            waiting.append(f"the kernel log of {ex.node} (rank {ex.rank} was killed by {name})")
         missing = (ex.evidence or 0) - story.heard.get(ex.rank, 0)
         if missing > 0:
             waiting.append(
