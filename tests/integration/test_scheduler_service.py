@@ -120,9 +120,11 @@ class Cluster:
     def policy_node(self) -> str:
         return f"{self.unique}-policy"
 
-    async def node(self, name: str, *, gpus: int = 8, leaf: str = "leaf-a", nvlink: str | None = None) -> None:
+    async def node(
+        self, name: str, *, gpus: int = 8, leaf: str = "leaf-a", nvlink: str | None = None, model: str = "H100"
+    ) -> None:
         data = NodeRegisteredData(
-            gpu_model="H100", gpus=gpus, gpu_memory_gib=80, leaf=f"{self.unique}-{leaf}", nvlink_domain=nvlink
+            gpu_model=model, gpus=gpus, gpu_memory_gib=80, leaf=f"{self.unique}-{leaf}", nvlink_domain=nvlink
         )
         await self.client.publish(NodeRegistered(source="tests", node=self.nodes[name], data=data))
 
@@ -246,7 +248,7 @@ async def test_capacity_short_isolated_and_spec_mismatch_reasons(urls: ServerUrl
         await c.submit("quota", workers=2, gpus_per_worker=8, tenant="team-q")
         await eventually(lambda: _is(c.reason("quota"), "isolated"), what="isolated by quota")
         await c.submit("b200", workers=1, gpus_per_worker=8, gpu_model="B200")
-        await eventually(lambda: _is(c.status("b200"), "rejected"), what="spec mismatch rejected")
+        await eventually(lambda: _is(c.reason("b200"), "spec_mismatch"), what="spec mismatch waits")
         # Cordon the last free node: a 1-node job now waits `isolated`, naming the node, its reason and owner.
         await c.client.publish(
             NodeStateChanged(
@@ -279,9 +281,27 @@ async def test_capacity_short_isolated_and_spec_mismatch_reasons(urls: ServerUrl
         assert cordon.data.owner_lane is Lane.HOST
         quota_events = await _logged(js, c.jobs["quota"], "io.lanes.job.waiting.v1")
         assert quota_events[-1].data.blocking[0].kind == "quota"
-        (rejected,) = await _logged(js, c.jobs["b200"], "io.lanes.job.rejected.v1")
-        assert rejected.data.reason == "spec_mismatch"
-        assert rejected.data.owner_lane is Lane.ALGORITHM
+        (mismatch,) = await _logged(js, c.jobs["b200"], "io.lanes.job.waiting.v1")
+        assert (mismatch.data.reason, mismatch.data.owner_lane) == ("spec_mismatch", Lane.ALGORITHM)
+
+
+async def test_a_job_submitted_before_any_node_it_fits_is_read_waits_and_is_placed_once_one_is(
+    urls: ServerUrls, unique: str
+) -> None:
+    # Nodes and jobs arrive on different streams: a job read before its nodes (a cold start, a pool being
+    # built) must not be rejected for what the scheduler has not read yet.
+    async with running(urls, unique, ["early", "b200"], ["h1", "b1"]) as c:
+        await c.submit("early", workers=1, gpus_per_worker=8)
+        await c.submit("b200", workers=1, gpus_per_worker=8, gpu_model="B200")
+        await eventually(lambda: _is(c.reason("early"), "spec_mismatch"), what="waits for any node")
+        await c.node("h1")
+        await eventually(lambda: _is(c.status("early"), "placed"), what="placed once a node exists")
+        await eventually(lambda: _is(c.reason("b200"), "spec_mismatch"), what="still waits for a B200 node")
+        await c.node("b1", model="B200")
+        await eventually(lambda: _is(c.status("b200"), "placed"), what="placed once a B200 node exists")
+        for name in ("early", "b200"):
+            events = await _job_events(c.conns.nc.jetstream(), c.jobs[name])
+            assert "io.lanes.job.rejected.v1" not in {e.type for e in events}
 
 
 async def test_a_new_attempt_never_goes_on_the_nodes_its_request_says_to_avoid(urls: ServerUrls, unique: str) -> None:

@@ -107,17 +107,35 @@ def test_capacity_short_names_the_holders():
     assert why.figures == {"needed_gpus": 8, "free_gpus": 0}
 
 
-def test_spec_mismatch_rejects_for_model_memory_and_impossible_topology():
+def test_a_spec_no_node_fits_waits_for_one_and_only_a_self_contradicting_spec_is_rejected():
     view = _view(_cluster())
     model = explain(view, _gang("m", 1, 8, gpu_model="B200"))
-    assert isinstance(model, Rejected)
-    assert model.reason is WaitReason.SPEC_MISMATCH
-    assert model.owner_lane is Lane.ALGORITHM
+    assert isinstance(model, Waiting)  # a B200 node may register yet: the inventory is what was read so far
+    assert (model.reason, model.owner_lane) == (WaitReason.SPEC_MISMATCH, Lane.ALGORITHM)
+    assert "no node in pool default has 8 GPUs of B200" in model.detail
     memory = explain(view, _gang("m", 1, 8, gpu_memory_gib=141))
-    assert isinstance(memory, Rejected)
+    assert isinstance(memory, Waiting)
+    assert memory.reason is WaitReason.SPEC_MISMATCH
     too_big = explain(view, _gang("t", 5, 8, topology=TopologyConstraint(required=Level.NVLINK)))
-    assert isinstance(too_big, Rejected)
+    assert isinstance(too_big, Waiting)
+    assert too_big.reason is WaitReason.SPEC_MISMATCH
     assert "largest has room for 16" in too_big.detail
+    uneven = explain(view, _gang("u", 3, 8, topology=TopologyConstraint(slice_workers=2, slice_level=Level.NODE)))
+    assert isinstance(uneven, Rejected)
+    assert uneven.detail == "3 workers cannot be cut into slices of 2"
+
+
+def test_a_waiting_spec_mismatch_is_placed_once_a_node_that_fits_registers_and_reserves_nothing():
+    b200 = _gang("b", 1, 8, gpu_model="B200")
+    small = _gang("s", 1, 8, order=1)
+    waiting, placed = schedule(_view(_cluster()), [b200, small])
+    assert isinstance(waiting, Waiting)
+    assert waiting.reason is WaitReason.SPEC_MISMATCH
+    assert isinstance(placed, Placed)  # the mismatch holds no reservation that would keep the next job out
+    grown = [*_cluster(), Node(node_id="b200-n0", gpu_model="B200", gpus=8, gpu_memory_gib=192)]
+    (first, _) = schedule(_view(grown), [b200, small])
+    assert isinstance(first, Placed)
+    assert {a.node for a in first.assignments} == {"b200-n0"}
 
 
 def test_isolated_by_cordoned_nodes_names_them_with_owner_and_reason():
@@ -181,7 +199,8 @@ def test_a_gang_that_fits_only_on_nodes_it_must_avoid_waits_isolated_naming_them
 def test_a_gang_that_is_short_of_capacity_anyway_is_not_blamed_on_the_nodes_it_avoids():
     view = _view(_cluster(leaves=1, domains=1, nodes=2))
     why = explain(view, _gang("w", 3, avoid_nodes=frozenset({"s0-l0-d0-n1"})))
-    assert isinstance(why, Rejected)  # three workers never fit on two nodes, avoided or not
+    assert isinstance(why, Waiting)  # three workers never fit on two nodes, avoided or not
+    assert why.reason is WaitReason.SPEC_MISMATCH
     view = _view(_cluster(leaves=1, domains=1, nodes=3))
     view.hold(_gang("x", 1), place_gang(view, _gang("x", 1)).assignments)  # type: ignore[union-attr]
     why = explain(view, _gang("w", 3, avoid_nodes=frozenset({"s0-l0-d0-n2"})))

@@ -43,7 +43,7 @@ class JobRejectedData(Data):
 
 
 class JobRejected(Event):
-    """The scheduler will never place this job (e.g. no node can ever satisfy its GPU spec)."""
+    """The scheduler will never place this job: its request contradicts itself (a missing node only makes it wait)."""
 
     family = Family.JOB
     name = "rejected"

@@ -88,7 +88,7 @@ class Waiting:
 
 @dataclass(frozen=True)
 class Rejected:
-    """A gang that can never be placed on this cluster as it is built."""
+    """A gang no cluster can ever place: its request contradicts itself (not: this inventory lacks the nodes)."""
 
     gang: Gang
     reason: WaitReason
@@ -493,34 +493,41 @@ def explain(
     spec = f"{g} GPUs of {gang.gpu_model or 'any model'}" + (
         f" with >= {gang.gpu_memory_gib} GiB" if gang.gpu_memory_gib else ""
     )
+    k = gang.topology.slice_workers
+    if k is not None and gang.workers % k:
+        # The request contradicts itself: no inventory can ever place it.
+        return Rejected(
+            gang, WaitReason.SPEC_MISMATCH, f"{gang.workers} workers cannot be cut into slices of {k}", Lane.ALGORITHM
+        )
+    # No node of the inventory fits the spec: the job waits (rather than being rejected), because the
+    # inventory is what the scheduler has read so far, not what the cluster is. Nodes register while jobs are
+    # submitted (a cold start, a pool being built) and the two arrive on different streams, so a rejection
+    # here would turn the order of two reads into a job's fate. Every inventory change decides it again.
     kinds = view.node_kinds.get(gang.pool, set())
     fitting_kinds = {
         k for k in kinds if _fits_spec(Node(node_id="kind", gpu_model=k[0], gpu_memory_gib=k[1], gpus=k[2]), gang)
     }
     if not fitting_kinds:
-        return Rejected(
+        return Waiting(
             gang,
             WaitReason.SPEC_MISMATCH,
-            f"no node in pool {gang.pool} has {spec} for one worker",
+            f"no node in pool {gang.pool} has {spec} for one worker (it waits for one to register)",
             Lane.ALGORITHM,
-            {"needed_gpus": gang.gpus, "matching_nodes": 0},
+            figures={"needed_gpus": gang.gpus, "matching_nodes": 0},
         )
     domain, capacity = _largest(view, gang, required, frozenset(), any_state=True, empty=True)
-    k = gang.topology.slice_workers
-    if capacity < gang.workers or (k is not None and gang.workers % k):
+    if capacity < gang.workers:
         where = "in the cluster" if required is Level.CLUSTER else f"under one {required}"
         why = (
-            f"{gang.workers} workers cannot be cut into slices of {k}"
-            if k is not None and gang.workers % k
-            else f"needs {gang.gpus} GPUs ({gang.workers}x{spec}) {where}; the largest has room for "
-            f"{capacity * g} ({domain})"
+            f"needs {gang.gpus} GPUs ({gang.workers}x{spec}) {where}; the largest has room for "
+            f"{capacity * g} ({domain}) (it waits for more nodes to register)"
         )
-        return Rejected(
+        return Waiting(
             gang,
             WaitReason.SPEC_MISMATCH,
             why,
             Lane.ALGORITHM,
-            {"needed_gpus": gang.gpus, "largest_domain_capacity_gpus": capacity * g},
+            figures={"needed_gpus": gang.gpus, "largest_domain_capacity_gpus": capacity * g},
         )
     pool = view.policy.pool(gang.pool)
     if not pool.admits(gang.tenant):
