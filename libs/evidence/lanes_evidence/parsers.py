@@ -782,9 +782,9 @@ class RankMap:
     nnodes: int | None = None
     worker_ranks: dict[str, int] = field(default_factory=dict)
     known: dict[int, int] = field(default_factory=dict)
+    """Local rank -> rank as torchelastic's failure summary pairs them (`rank: 3 (local_rank: 1)`)."""
     pid_ranks: dict[int, int] = field(default_factory=dict)
     """Process id -> rank, where a line pairs them (HCCL's `HCCL(pid,...)` with `RankID:N`)."""
-    """Local rank -> rank as torchelastic's failure summary pairs them (`rank: 3 (local_rank: 1)`)."""
 
     def learn(self, line: str, prefixes: Prefixes) -> None:
         """Take in what this line says about numbering (torchrun's launch config and rendezvous result)."""

@@ -105,10 +105,10 @@ _EXIT_CODE_PRIORITY = 20
 NOT_ELECTED = frozenset({C.RAW, C.PROCESS_STARTED})
 HANG_READINGS = frozenset({"collective_not_enqueued", "silent_node", "silent_rank", "peer_lost", "collective_hang"})
 """Categories of a first error read from a hang (no cause among the evidence), not from one piece of evidence."""
+_IGNORED = NOT_ELECTED | {C.CLOCK_OFFSET, C.LINK_UP}
 """Evidence the election does not read at all: a rank whose log holds only these said nothing about the
 failure (no error, no timeout), which in a hang is exactly what makes it interesting. A live service may
 leave these out of the election's input and get the same finding."""
-_IGNORED = NOT_ELECTED | {C.CLOCK_OFFSET, C.LINK_UP}
 
 OWNERS: dict[Lane, str] = {
     Lane.ALGORITHM: "algorithm team (the model's owner)",
