@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,3 +43,17 @@ def test_no_lock_file_is_tracked() -> None:
     # Lock files record download addresses; versions are pinned in pyproject.toml instead.
     tracked = _run("git", "ls-files").stdout.split()
     assert not {"uv.lock", "poetry.lock", "pdm.lock"} & set(tracked)
+
+
+_SQL = re.compile(r"\b(SELECT\s.+\sFROM|INSERT\s+INTO|UPDATE\s+\w+\s+SET|DELETE\s+FROM)\b", re.IGNORECASE | re.DOTALL)
+
+
+def test_the_app_reads_services_only_through_their_views() -> None:
+    # The import contract sees modules, not SQL: a query on a service's table from apps/ would pass it.
+    found = [
+        f"{path.relative_to(ROOT)}: {node.value[:60]!r}"
+        for path in sorted((ROOT / "apps").rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and _SQL.search(node.value)
+    ]
+    assert not found, "SQL in the app (add a function to the service's views instead):\n" + "\n".join(found)

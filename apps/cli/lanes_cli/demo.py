@@ -34,7 +34,7 @@ from lanes_cli.scenarios.inference import InferenceDemo, replica_node_fails
 from lanes_cli.scenarios.lifecycle import cancelled_while_starting, one_rank_fails
 from lanes_cli.scenarios.telemetry import OOM_LIMIT_GIB, oom_killed_rank
 from lanes_cli.scenarios.topology import topology_wait_then_placed
-from lanes_cli.scheduling import scheduling_view
+from lanes_cli.scheduling import nodes_known, scheduling_view
 from lanes_cli.timeline import TimelineEntry, job_timeline, read_stream
 from lanes_cli.verdicts import DecisionVerdict, decision_verdicts
 from lanes_contract.client import LanesClient
@@ -85,9 +85,9 @@ async def wait_for_state(conns: Connections, job_id: str, state: JobState) -> as
 
 async def wait_for_nodes(conns: Connections, count: int, timeout_s: float) -> None:
     """Wait until the scheduler's projection holds at least `count` nodes."""
-    async with asyncio.timeout(timeout_s):
+    async with asyncio.timeout(timeout_s), conns.pool.acquire() as conn:
         # Polling the scheduler's projection is the simplest honest check that it has seen the nodes.
-        while await conns.pool.fetchval("SELECT count(*) FROM scheduler_nodes") < count:  # noqa: ASYNC110
+        while await nodes_known(conn) < count:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import asyncpg
 
+from lanes_contract.jobs import JobState
+from lanes_lifecycle import views as lifecycle
 from lanes_runtime.store import Db
 from lanes_scheduler import views as scheduler
 
@@ -36,34 +39,36 @@ async def leaked_allocations(conn: Db) -> list[dict[str, Any]]:
     """GPUs the scheduler still holds for job attempts that are over.
 
     Over means: the lifecycle knows no such job, has released it, or has moved it to a later attempt. Each
-    row names the job, attempt, nodes, GPU count and why.
+    row names the job, attempt, nodes, GPU count and why. Read through the two services' views (the
+    scheduler's holdings, the lifecycle's jobs), never their tables.
     """
     try:
-        rows = await conn.fetch(
-            """SELECT a.job_id, a.attempt, array_agg(DISTINCT a.node_id ORDER BY a.node_id) AS nodes,
-                      count(*) AS gpus, l.state, l.attempt AS current_attempt
-               FROM scheduler_allocations a LEFT JOIN lifecycle_jobs l USING (job_id)
-               GROUP BY a.job_id, a.attempt, l.state, l.attempt
-               HAVING l.state IS NULL OR l.state = 'released' OR l.attempt > a.attempt
-               ORDER BY a.job_id, a.attempt"""
-        )
+        held = await scheduler.holdings(conn)
+        held_jobs = sorted({holding.holder.rpartition("/")[0] for holding in held})
+        jobs = {job["job_id"]: job for job in await lifecycle.list_jobs(conn, job_ids=held_jobs)}
     except asyncpg.UndefinedTableError:
         return []
+    by_attempt: dict[tuple[str, int], tuple[set[str], int]] = {}
+    for holding in held:
+        job_id, _, number = holding.holder.rpartition("/")
+        nodes, gpus = by_attempt.get((job_id, int(number)), (set(), 0))
+        by_attempt[job_id, int(number)] = (nodes | {holding.node}, gpus + len(holding.gpus))
     leaks = []
-    for row in rows:
-        if row["state"] is None:
+    for (job_id, attempt), (nodes, gpus) in sorted(by_attempt.items()):
+        job = jobs.get(job_id)
+        if job is None:
             why = "the lifecycle knows no such job"
-        elif row["state"] == "released":
+        elif job["state"] == JobState.RELEASED:
             why = "the job is released"
+        elif job["attempt"] > attempt:
+            why = f"the job is on attempt {job['attempt']}"
         else:
-            why = f"the job is on attempt {row['current_attempt']}"
-        leaks.append(
-            {
-                "job_id": row["job_id"],
-                "attempt": row["attempt"],
-                "nodes": list(row["nodes"]),
-                "gpus": row["gpus"],
-                "why": why,
-            }
-        )
+            continue
+        leaks.append({"job_id": job_id, "attempt": attempt, "nodes": sorted(nodes), "gpus": gpus, "why": why})
     return leaks
+
+
+async def nodes_known(conn: Db, node_ids: Collection[str] | None = None) -> int:
+    """How many of these nodes (all when None) the scheduler's inventory holds: it has read their registration."""
+    inventory = {node.node_id for node in await scheduler.nodes(conn)}
+    return len(inventory if node_ids is None else inventory & set(node_ids))

@@ -22,7 +22,7 @@ from typing import Any
 from nats.aio.msg import Msg
 
 from lanes_agent.launcher import READY_MARKER, LocalLauncher
-from lanes_cli.scheduling import scheduling_view
+from lanes_cli.scheduling import nodes_known, scheduling_view
 from lanes_contract.client import LanesClient
 from lanes_contract.codec import decode
 from lanes_contract.errors import DecodeError
@@ -103,14 +103,9 @@ async def register_topology_nodes(client: LanesClient) -> None:
 
 
 async def _nodes_known(conns: Connections, timeout_s: float) -> None:
-    async with asyncio.timeout(timeout_s):
+    async with asyncio.timeout(timeout_s), conns.pool.acquire() as conn:
         # The scheduler's projection is the honest check that it has seen the nodes before any job arrives.
-        while (  # noqa: ASYNC110
-            await conns.pool.fetchval(
-                "SELECT count(*) FROM scheduler_nodes WHERE node_id = ANY($1::text[])", list(TOPOLOGY_NODES)
-            )
-            < len(TOPOLOGY_NODES)
-        ):
+        while await nodes_known(conn, TOPOLOGY_NODES) < len(TOPOLOGY_NODES):  # noqa: ASYNC110
             await asyncio.sleep(0.05)
 
 

@@ -283,15 +283,19 @@ def _query_rows(view: JobView) -> _QueryRows:
     return attempts, ranks, spans
 
 
-async def list_jobs(conn: Db, *, states: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    """Jobs with their state, flags and current attempt, newest change first; all states when none given."""
+async def list_jobs(
+    conn: Db, *, states: tuple[str, ...] = (), job_ids: Sequence[str] | None = None
+) -> list[dict[str, Any]]:
+    """Jobs with their state, flags and current attempt, newest change first (every state, every job by default)."""
     rows = await conn.fetch(
         """SELECT j.job_id, j.state, j.attempt, j.flags, j.updated_at, j.view -> 'spec' ->> 'name' AS name,
                   a.cause, a.cause_detail
            FROM lifecycle_jobs j LEFT JOIN lifecycle_attempts a ON a.job_id = j.job_id AND a.attempt = j.attempt
-           WHERE cardinality($1::text[]) = 0 OR j.state = ANY($1::text[])
+           WHERE (cardinality($1::text[]) = 0 OR j.state = ANY($1::text[]))
+             AND ($2::text[] IS NULL OR j.job_id = ANY($2::text[]))
            ORDER BY j.updated_at DESC, j.job_id""",
         list(states),
+        None if job_ids is None else list(job_ids),
     )
     return [
         {
