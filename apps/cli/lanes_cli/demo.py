@@ -129,7 +129,7 @@ class FaultPaths:
         return {"links": links, "oom_kill": oom, "xid": xid}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DemoRun:
     """What the demo shows: each job with its timeline, the OOM job's finding, the scorecard."""
 
@@ -240,16 +240,15 @@ async def run_demo(
             # consumers runs first (a job submitted earlier would wait with spec_mismatch, then be placed).
             await _guarded(wait_for_nodes(conns, len(DEMO_NODES), timeout_s), workers, timeout_s)
             train = JobSpec(name="demo-train", workload_class=WorkloadClass.TRAINING, workers=2, gpus_per_worker=4)
-            job_ids = [
-                await _guarded(_run_job(conns, client, train, timeout_s), workers, timeout_s),
-                await _guarded(cancelled_while_starting(conns, timeout_s=timeout_s), workers, timeout_s),
-                await _guarded(one_rank_fails(conns, timeout_s=timeout_s), workers, timeout_s),
-                await _guarded(
-                    oom_killed_rank(conns, timeout_s=timeout_s, kernel_delay_s=kernel_delay_s, through_kernel=kernel),
-                    workers,
-                    timeout_s,
-                ),
-            ]
+            trained = await _guarded(_run_job(conns, client, train, timeout_s), workers, timeout_s)
+            cancelled = await _guarded(cancelled_while_starting(conns, timeout_s=timeout_s), workers, timeout_s)
+            manual_job_id = await _guarded(one_rank_fails(conns, timeout_s=timeout_s), workers, timeout_s)
+            oom_job_id = await _guarded(
+                oom_killed_rank(conns, timeout_s=timeout_s, kernel_delay_s=kernel_delay_s, through_kernel=kernel),
+                workers,
+                timeout_s,
+            )
+            job_ids = [trained, cancelled, manual_job_id, oom_job_id]
             topology = await _guarded(topology_wait_then_placed(conns, timeout_s=timeout_s), workers, timeout_s)
             job_ids += [topology.blocker_job_id, topology.job_id]
             router_url = await _guarded(router.url(), workers, timeout_s)
@@ -267,13 +266,13 @@ async def run_demo(
         requests = [entry.as_json() for entry in await read_stream(js, Selection(REQUESTS.name, "lanes.req.>"))]
         rows = [row for job in jobs for row in job["timeline"]]
         return DemoRun(
-            jobs,
-            entries,
-            job_ids[3],
-            topology.job_id,
-            scorecard(rows, requests),
-            job_ids[2],
-            inference,
-            requests,
-            paths,
+            jobs=jobs,
+            entries=entries,
+            oom_job_id=oom_job_id,
+            topology_job_id=topology.job_id,
+            scorecard=scorecard(rows, requests),
+            manual_job_id=manual_job_id,
+            inference=inference,
+            requests=requests,
+            paths=paths,
         )
