@@ -1,7 +1,10 @@
 """`lanes analyze FILE...`: the parsers and the first-error election, offline, on raw log files.
 
 Files may be one per rank (`rank3.log`, `node-2.rank3.log`), one per node (`node-2.log`, `node-2/kern.log`)
-or one combined torchrun log. In a directory, a sub-directory names the node of the files inside it, and
+or one combined torchrun log, beside or instead of PyTorch Flight Recorder dumps (one per rank, JSON or pickle,
+the rank in the file name: `rank_3.json`, `nccl_trace_rank_3`), which are read together: the rank that never
+entered the others' collective, the rank that called something else, and each rank whose dump is missing (pending
+evidence, saying what it would settle). In a directory, a sub-directory names the node of the files inside it, and
 an empty rank file still counts: that rank was expected and reported nothing (pending evidence). Notes
 beside the logs (`*.md`, `*.toml`, e.g. a corpus case's label) are not logs and are skipped.
 
@@ -16,6 +19,7 @@ import json
 import re
 import stat
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta, timezone, tzinfo
 from pathlib import Path
 from typing import Annotated, Any, BinaryIO
@@ -25,9 +29,20 @@ import typer
 from lanes_cli.console import EXIT_BAD_INPUT, EXIT_FAILED, fail, out
 from lanes_cli.limits import MAX_YEAR, MIN_YEAR, InputLimitError, check_utc_offset
 from lanes_cli.terminal import markup, print_line
-from lanes_contract.events import EvidenceCategory, JobFindingData
+from lanes_contract.events import EvidenceCategory, JobFindingData, MissingEvidence
 from lanes_contract.ids import is_valid_token
 from lanes_evidence.evidence import Evidence
+from lanes_evidence.flight_recorder import (
+    MAX_DUMP_BYTES,
+    FlightRecorderError,
+    FrDump,
+    analyze_dumps,
+    flight_recorder_evidence,
+    is_flight_recorder_dump,
+    missing_dump_evidence,
+    parse_dump,
+    rank_of_name,
+)
 from lanes_evidence.parsers import LogParser, SourceContext, clock_of
 from lanes_evidence.ras import is_ras_report, parse_ras, ras_evidence
 from lanes_telemetry.views import World, elect_first_error
@@ -115,6 +130,43 @@ def _head(path: Path) -> str:
         return handle.read(_CLOCK_HEAD_BYTES).decode("utf-8", "replace")
 
 
+def _read_dump(path: Path, context: SourceContext) -> FrDump:
+    """One Flight Recorder dump, read whole within its size bound; its rank comes from the file name."""
+    rank = context.rank if context.rank is not None else rank_of_name(path.name)
+    if rank is None:
+        fail(f"{path}: a Flight Recorder dump whose name gives no rank (name it rank_<r>.json)", EXIT_BAD_INPUT)
+    try:
+        with path.open("rb") as handle:
+            data = handle.read(MAX_DUMP_BYTES + 1)
+        return parse_dump(data, rank=rank, origin=context.origin)
+    except OSError as exc:
+        fail(f"cannot read {path}: {exc.strerror}", EXIT_BAD_INPUT)
+    except FlightRecorderError as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
+
+
+def _load_dumps(
+    files: list[tuple[Path, Path | None]], ranks: dict[int, str | None], nodes: set[str]
+) -> dict[int, FrDump]:
+    """Every dump by rank; each rank (with its directory's node, as a log's) joins the world."""
+    dumps: dict[int, FrDump] = {}
+    for path, root in files:
+        context = context_of(path, root, None, UTC)
+        dump = _read_dump(path, context)
+        dumps[dump.rank] = dump
+        ranks[dump.rank] = ranks.get(dump.rank) or context.node
+        nodes.update(n for n in (context.node,) if n is not None)
+    return dumps
+
+
+def _is_dump(path: Path) -> bool:
+    try:
+        with path.open("rb") as handle:
+            return is_flight_recorder_dump(handle.read(64 * 1024))
+    except OSError as exc:
+        fail(f"cannot read {path}: {exc.strerror}", EXIT_BAD_INPUT)
+
+
 def load_evidence(
     paths: Iterable[Path], *, year: int | None = None, tz: tzinfo | None = None
 ) -> tuple[list[Evidence], World]:
@@ -122,11 +174,22 @@ def load_evidence(
 
     `year` / `tz` override what each file's own timestamps (or its modification time) say.
     """
+    evidence, world, _ = load_all(paths, year=year, tz=tz)
+    return evidence, world
+
+
+def load_all(
+    paths: Iterable[Path], *, year: int | None = None, tz: tzinfo | None = None
+) -> tuple[list[Evidence], World, list[MissingEvidence]]:
+    """As `load_evidence`, with the pending evidence the files themselves name (Flight Recorder dumps missing)."""
     evidence: list[Evidence] = []
     ranks: dict[int, str | None] = {}
     nodes: set[str] = set()
     raw_kept = 0
-    for path, root in _files(paths):
+    files = _files(paths)
+    dump_paths = {path for path, _ in files if _is_dump(path)}
+    dumps = _load_dumps([f for f in files if f[0] in dump_paths], ranks, nodes)
+    for path, root in (f for f in files if f[0] not in dump_paths):
         try:
             head = _head(path)
             modified = datetime.fromtimestamp(path.stat().st_mtime, UTC)
@@ -161,7 +224,28 @@ def load_evidence(
         for launched in parser.ranks.global_ranks:
             if ranks.get(launched) is None:
                 ranks[launched] = context.node
-    return evidence, World(ranks=ranks, nodes=frozenset(nodes))
+    pending = _read_dumps_together(dumps, ranks, evidence)
+    return evidence, World(ranks=ranks, nodes=frozenset(nodes)), pending
+
+
+def _read_dumps_together(
+    dumps: dict[int, FrDump], ranks: dict[int, str | None], evidence: list[Evidence]
+) -> list[MissingEvidence]:
+    """The dumps' evidence (added to `evidence`), their missing ranks (added to the world), the pending evidence.
+
+    Read together, not one by one: a dump alone cannot say who lags, nor whose dump is absent.
+    """
+    if not dumps:
+        return []
+    analysis = analyze_dumps(dumps)
+    context = SourceContext(origin="flight recorder", node=None, rank=None, year=None, tz=UTC)
+    evidence.extend(
+        replace(e, node=ranks.get(e.rank) if e.rank is not None else None)
+        for e in flight_recorder_evidence(analysis, context)
+    )
+    for missing in analysis.missing:
+        ranks.setdefault(missing.rank, None)
+    return missing_dump_evidence(analysis)
 
 
 def finding_json(finding: JobFindingData) -> dict[str, Any]:
@@ -197,8 +281,10 @@ def analyze(
         tz = None if utc_offset is None else timezone(timedelta(hours=check_utc_offset(utc_offset)))
     except InputLimitError as exc:
         fail(str(exc), EXIT_BAD_INPUT)
-    evidence, world = load_evidence(files, year=year, tz=tz)
+    evidence, world, pending = load_all(files, year=year, tz=tz)
     finding = elect_first_error(evidence, world=world)
+    if pending:
+        finding = finding.model_copy(update={"missing_evidence": (*pending, *finding.missing_evidence)})
     if as_json:
         out.print_json(json.dumps(finding_json(finding)))
     else:
