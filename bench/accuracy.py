@@ -18,24 +18,32 @@ Baseline: wherever a case's log has torchelastic's ChildFailedError summary, its
 failure)" entry is what users already have: its rank, and the lane a reader gives it (a death by signal:
 host; an exit with an error: the job's code). The same figures are printed for it and for Lanes on those
 cases. The last line of stdout is one JSON object.
+
+Flight Recorder drills: each directory of tests/data/flight_recorder with a `label.toml` (the hung rank and the
+collective it never entered) holds real per-rank dumps. With every dump, the elected rank must be the labelled
+one; with each rank's dump deleted in turn, the finding must name that rank's dump as missing and the collective
+it would settle.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import shutil
 import sys
+import tempfile
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lanes_cli.analyze_cli import load_evidence
+from lanes_cli.analyze_cli import load_all, load_evidence
 from lanes_contract.events import Lane
 from lanes_evidence.evidence import Evidence
 from lanes_telemetry.views import elect_first_error
 
 CORPUS = Path(__file__).resolve().parent.parent / "tests" / "data" / "logs"
+DRILLS = CORPUS.parent / "flight_recorder"
 BUCKETS = ((0.0, 0.4), (0.4, 0.6), (0.6, 0.8), (0.8, 1.01))
 _ROOT_CAUSE = "torchelastic root cause"
 HELD_OUT = "heldout_"
@@ -204,10 +212,49 @@ def report(corpus: Path) -> dict[str, Any]:
     }
 
 
+def _missing_named(dumps: list[Path], deleted: Path, rank: int, seq: int) -> bool:
+    with tempfile.TemporaryDirectory() as tmp:
+        for dump in dumps:
+            if dump != deleted:
+                shutil.copy(dump, Path(tmp) / dump.name)
+        evidence, world, pending = load_all([Path(tmp)])
+    elect_first_error(evidence, world=world)  # as `lanes analyze` does; the pending list is what is checked
+    said = (
+        f"rank {rank}'s Flight Recorder dump is missing: it would settle whether rank {rank} entered collective {seq}"
+    )
+    return any(p.rank == rank and p.what.startswith(said) for p in pending)
+
+
+def flight_recorder_drills(root: Path = DRILLS) -> dict[str, Any]:
+    """All dumps present: is the hung rank elected? One dump deleted (each in turn): is it named missing?"""
+    present: list[bool] = []
+    deleted: list[bool] = []
+    misses: list[str] = []
+    for label_path in sorted(root.glob("*/label.toml")):
+        drill = label_path.parent
+        label = tomllib.loads(label_path.read_text())
+        dumps = sorted(p for p in drill.iterdir() if p.suffix not in {".toml", ".md"})
+        evidence, world, _ = load_all([drill])
+        first = elect_first_error(evidence, world=world).first_error
+        present.append(first is not None and first.rank == label["rank"])
+        if not present[-1]:
+            misses.append(f"{drill.name}: elected rank {first.rank if first else None}, not {label['rank']}")
+        for dump in dumps:
+            rank = int("".join(ch for ch in dump.stem if ch.isdigit()) or -1)
+            deleted.append(_missing_named(dumps, dump, rank, label["seq"]))
+            if not deleted[-1]:
+                misses.append(f"{drill.name} without {dump.name}: rank {rank}'s dump not named missing")
+    return {
+        "all_dumps_present": {"drills": len(present), "rank_accuracy": _ratio(sum(present), len(present))},
+        "one_dump_deleted": {"drills": len(deleted), "missing_named": _ratio(sum(deleted), len(deleted))},
+        "misses": misses,
+    }
+
+
 def main() -> None:
     """Print the report as one JSON object."""
     corpus = Path(sys.argv[1]) if len(sys.argv) > 1 else CORPUS
-    print(json.dumps(report(corpus), indent=2))
+    print(json.dumps(report(corpus) | {"flight_recorder_drills": flight_recorder_drills()}, indent=2))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from accuracy import flight_recorder_drills  # bench/accuracy.py: bench/ is on the test path (pyproject)
 from typer.testing import CliRunner
 
 from lanes_cli.cli import app
@@ -182,3 +183,10 @@ def test_lanes_analyze_refuses_a_hostile_dump_in_one_line(tmp_path: Path):
     result = runner.invoke(app, ["analyze", str(tmp_path)])
     assert result.exit_code not in {0, 1}
     assert "holds no classes" in result.output
+
+
+def test_the_accuracy_bench_drills_name_the_hung_rank_and_each_deleted_dump():
+    drills = flight_recorder_drills()
+    assert drills["all_dumps_present"] == {"drills": 1, "rank_accuracy": 1.0}
+    assert drills["one_dump_deleted"] == {"drills": 4, "missing_named": 1.0}
+    assert drills["misses"] == []
