@@ -35,6 +35,7 @@ from lanes_evidence.flight_recorder import (
 from lanes_evidence.parsers import SourceContext
 
 HANG = Path(__file__).resolve().parent.parent / "data" / "flight_recorder" / "hang_rank2"
+MISMATCH = HANG.parent / "mismatch_rank1"
 runner = CliRunner()
 
 
@@ -101,6 +102,13 @@ def test_a_rank_with_other_sizes_at_a_collective_is_the_odd_one_out():
     evidence = flight_recorder_evidence(analysis, SourceContext(origin="fr", year=None, tz=UTC))
     (mismatch,) = [e for e in evidence if e.category is C.COLLECTIVE_MISMATCH]
     assert (mismatch.rank, mismatch.data.seq_num, mismatch.data.op_type) == (1, 2, "ALLREDUCE")
+
+
+def test_a_real_mismatch_names_the_rank_that_broadcast_where_the_others_all_reduced():
+    finding = _analyze(str(MISMATCH))
+    first = finding["first_error"]
+    assert (first["rank"], first["category"], first["lane"]) == (1, "collective_mismatch", "algorithm")
+    assert "gloo:broadcast[8] at collective 3" in first["summary"]
 
 
 def test_each_rank_reports_its_last_collective_as_the_election_reads_a_timeout():
@@ -187,6 +195,6 @@ def test_lanes_analyze_refuses_a_hostile_dump_in_one_line(tmp_path: Path):
 
 def test_the_accuracy_bench_drills_name_the_hung_rank_and_each_deleted_dump():
     drills = flight_recorder_drills()
-    assert drills["all_dumps_present"] == {"drills": 1, "rank_accuracy": 1.0}
-    assert drills["one_dump_deleted"] == {"drills": 4, "missing_named": 1.0}
+    assert drills["all_dumps_present"] == {"drills": 2, "rank_accuracy": 1.0}
+    assert drills["one_dump_deleted"] == {"drills": 8, "missing_named": 1.0}
     assert drills["misses"] == []
