@@ -22,6 +22,7 @@ from lanes_contract.events import EvidenceCategory as C
 from lanes_evidence.flight_recorder import (
     MAX_DEPTH,
     MAX_DUMP_BYTES,
+    MAX_VALUES,
     FlightRecorderError,
     FrDump,
     analyze_dumps,
@@ -144,6 +145,15 @@ def test_bad_dumps_are_refused_with_one_line(data: bytes, reason: str):
         parse_dump(data, rank=0, origin="bad.json")
     assert "\n" not in str(caught.value)
     assert str(caught.value).startswith("bad.json: ")
+
+
+def test_a_pickle_that_repeats_one_list_by_reference_is_refused_not_walked():
+    # A few MiB of pickle, a trillion values once expanded: the walk stops at its bound.
+    row = list(range(1_000_000))
+    hostile = pickle.dumps({"entries": [], "rows": [row] * 1_000_000})
+    assert len(hostile) < MAX_DUMP_BYTES
+    with pytest.raises(FlightRecorderError, match=f"more than {MAX_VALUES} values"):
+        parse_dump(hostile, rank=0, origin="rows.pkl")
 
 
 def test_the_rank_comes_from_the_file_name():

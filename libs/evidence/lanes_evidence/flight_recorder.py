@@ -41,6 +41,9 @@ MAX_ENTRIES = 100_000
 """Entries in one dump (the ring buffer's size is set by the job; 100,000 is far beyond any used in practice)."""
 MAX_DEPTH = 16
 """Nesting of containers: a dump nests 5 levels (dump, entries, entry, sizes, one size)."""
+MAX_VALUES = 4_000_000
+"""Values (containers and scalars) in one dump: a pickle can repeat one list by reference a million times in a few
+bytes each, so the walk is bounded by what it visits, not by the bytes read."""
 MAX_RANKS = 1_000_000
 """Largest rank number or world size believed."""
 
@@ -154,19 +157,26 @@ def rank_of_name(name: str) -> int | None:
     return int(m[1]) if m and int(m[1]) < MAX_RANKS else None
 
 
-def _depth(value: object, limit: int) -> int:
-    """Nesting depth of decoded containers, stopping as soon as `limit` is passed (iterative: no recursion)."""
+def _check_shape(value: object, origin: str) -> None:
+    """Refuse a decoded dump nested deeper than MAX_DEPTH or holding more than MAX_VALUES values.
+
+    Iterative (no recursion), and it stops at the first bound passed, so a hostile shape costs at most MAX_VALUES
+    steps.
+    """
     stack: list[tuple[object, int]] = [(value, 1)]
-    deepest = 0
+    visited = 0
     while stack:
         item, depth = stack.pop()
+        visited += 1
+        if visited > MAX_VALUES:
+            msg = f"{origin}: dump holds more than {MAX_VALUES} values"
+            raise FlightRecorderError(msg)
         if isinstance(item, dict | list | tuple):
-            deepest = max(deepest, depth)
-            if deepest > limit:
-                return deepest
+            if depth > MAX_DEPTH:
+                msg = f"{origin}: dump nests deeper than {MAX_DEPTH} levels"
+                raise FlightRecorderError(msg)
             children = item.values() if isinstance(item, dict) else item
             stack.extend((child, depth + 1) for child in children)
-    return deepest
 
 
 def _decode(data: bytes, origin: str) -> dict[str, Any]:
@@ -185,9 +195,7 @@ def _decode(data: bytes, origin: str) -> dict[str, Any]:
     if not isinstance(decoded, dict):
         msg = f"{origin}: not a Flight Recorder dump (top level is {type(decoded).__name__}, not an object)"
         raise FlightRecorderError(msg)
-    if _depth(decoded, MAX_DEPTH) > MAX_DEPTH:
-        msg = f"{origin}: dump nests deeper than {MAX_DEPTH} levels"
-        raise FlightRecorderError(msg)
+    _check_shape(decoded, origin)
     return decoded
 
 
