@@ -6,6 +6,12 @@
 prints once it listens, so a launcher finds its endpoint the same way. `POST /control` switches failure
 modes at run time (see `Behaviour`); `GET /control` returns what it served (including the most requests it
 ever had in flight at once, which is how tests check concurrency caps from the replica's side).
+
+Answers are a pure function of the request: token i is `tok<i> `, the completion id derives from the
+`X-Request-Id` header, `created` is fixed and the fingerprint names only the model and version. A
+continuation (a chat whose final assistant message is continued with `continue_final_message`, or a
+completion prompt that ends with the answer so far) resumes at the next token, so a stream cut and
+continued on another toy replica is byte for byte the stream never cut.
 """
 
 from __future__ import annotations
@@ -13,17 +19,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import signal
-import time
-import uuid
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
 from aiohttp import web
 
 Mode = Literal["ok", "fail", "hang", "die_after", "slow_first_token"]
+CREATED = 1_700_000_000
+"""Every answer's `created`: a clock in the answer would make two runs of one request differ."""
 
 
 @dataclass
@@ -60,7 +67,7 @@ class ToyReplica:
         self.version = version
         self.behaviour = behaviour
         self.counters = Counters()
-        self.fingerprint = f"{model}@{version}:{os.getpid()}"
+        self.fingerprint = f"{model}@{version}"
         self.rank = os.environ.get("RANK")
 
     def application(self) -> web.Application:
@@ -134,19 +141,27 @@ class ToyReplica:
             await asyncio.sleep(behaviour.slow_first_token_ms / 1000)
         if behaviour.first_token_delay_ms:
             await asyncio.sleep(behaviour.first_token_delay_ms / 1000)
+        try:
+            start = _already_generated(body, chat=chat)
+        except ValueError as exc:
+            return _error(400, str(exc))
         limit = body.get("max_tokens")
-        count = min(behaviour.tokens, limit) if isinstance(limit, int) and limit > 0 else behaviour.tokens
+        end = min(behaviour.tokens, start + limit) if isinstance(limit, int) and limit > 0 else behaviour.tokens
+        count = max(0, end - start)
         usage = {"prompt_tokens": _prompt_tokens(body), "completion_tokens": count}
         usage["total_tokens"] = usage["prompt_tokens"] + count
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        given = request.headers.get("X-Request-Id") or uuid_hex()
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{hashlib.sha256(given.encode()).hexdigest()[:24]}"
         if body.get("stream") is True:
-            return await self._stream(request, body, chat=chat, count=count, usage=usage, request_id=request_id)
+            return await self._stream(
+                request, body, chat=chat, tokens=range(start, end), usage=usage, request_id=request_id
+            )
         if behaviour.mode == "die_after" and request.transport is not None:
             request.transport.close()
             return web.Response(status=500)
         if behaviour.token_delay_ms:
             await asyncio.sleep(count * behaviour.token_delay_ms / 1000)
-        text = "".join(f"tok{i} " for i in range(count))
+        text = "".join(_token(i) for i in range(start, end))
         choice: dict[str, Any] = {"index": 0, "finish_reason": "stop"}
         choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
         answer = self._envelope(request_id, "chat.completion" if chat else "text_completion")
@@ -156,7 +171,7 @@ class ToyReplica:
         return {
             "id": request_id,
             "object": kind,
-            "created": int(time.time()),
+            "created": CREATED,
             "model": self.model,
             "system_fingerprint": self.fingerprint,
         }
@@ -167,7 +182,7 @@ class ToyReplica:
         body: dict[str, Any],
         *,
         chat: bool,
-        count: int,
+        tokens: range,
         usage: dict[str, int],
         request_id: str,
     ) -> web.StreamResponse:
@@ -175,19 +190,19 @@ class ToyReplica:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         envelope = self._envelope(request_id, "chat.completion.chunk" if chat else "text_completion")
-        for i in range(count):
-            if behaviour.mode == "die_after" and i >= behaviour.after_tokens and request.transport is not None:
+        for sent, i in enumerate(tokens):
+            if behaviour.mode == "die_after" and sent >= behaviour.after_tokens and request.transport is not None:
                 request.transport.close()  # the replica "dies" mid-stream: the connection drops without [DONE]
                 return response
-            if i and behaviour.token_delay_ms:
+            if sent and behaviour.token_delay_ms:
                 await asyncio.sleep(behaviour.token_delay_ms / 1000)
-            token = f"tok{i} "
+            token = _token(i)
             if chat:
                 delta = {"role": "assistant", "content": token} if i == 0 else {"content": token}
                 choice: dict[str, Any] = {"index": 0, "delta": delta}
             else:
                 choice = {"index": 0, "text": token}
-            choice["finish_reason"] = "stop" if i == count - 1 else None
+            choice["finish_reason"] = "stop" if i == tokens.stop - 1 else None
             await response.write(_event(envelope | {"choices": [choice]}))
         options = body.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage") is True:
@@ -195,6 +210,42 @@ class ToyReplica:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+def _token(index: int) -> str:
+    return f"tok{index} "
+
+
+def uuid_hex() -> str:
+    """A fresh id for a request that named none (its answer is then not reproducible, as with any server)."""
+    return os.urandom(12).hex()
+
+
+def _already_generated(body: dict[str, Any], *, chat: bool) -> int:
+    """How many tokens of the answer the request already carries (a continuation), 0 for a new request.
+
+    The text must be exactly the toy's own first tokens: a router that lost or doubled one is told so.
+    """
+    if chat:
+        messages = body.get("messages")
+        last = messages[-1] if isinstance(messages, list) and messages else None
+        if body.get("continue_final_message") is not True or not isinstance(last, dict):
+            return 0
+        if last.get("role") != "assistant":
+            return 0
+        text = str(last.get("content", ""))
+    else:
+        prompt = body.get("prompt")
+        text = prompt if isinstance(prompt, str) else ""
+        at = text.find(_token(0))
+        text = text[at:] if at >= 0 else ""
+        if text != "".join(_token(i) for i in range(len(text.split()))):
+            return 0  # a prompt that merely mentions a token is a new request
+    words = len(text.split())
+    if text != "".join(_token(i) for i in range(words)):
+        msg = f"cannot continue {text[:80]!r}: it is not this model's answer so far"
+        raise ValueError(msg)
+    return words
 
 
 def _event(payload: dict[str, Any]) -> bytes:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, model_validator
 
@@ -96,6 +96,30 @@ class ProtectionMode(StrEnum):
     """Answer 429 at once: the client should back off."""
 
 
+class FailoverPolicy(BaseModel):
+    """What the router does when a replica fails a request, per class of failure (safe defaults)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    connect_failure: Literal["retry_elsewhere", "fail"] = Field(
+        default="retry_elsewhere",
+        description="Before any byte reached the client (refused, error, timeout): try another replica at once "
+        "(within the router's max_attempts), or answer the failure.",
+    )
+    mid_stream: Literal["continue_elsewhere", "fail"] = Field(
+        default="continue_elsewhere",
+        description="After the first token (the connection drops, the replica goes silent, its node is lost): "
+        "continue the stream on another ready replica of the same model and version, or end it with an "
+        "error event. Continuing needs `continuation` other than `none`.",
+    )
+    max_continuations: StrictInt = Field(
+        default=2,
+        ge=0,
+        le=16,
+        description="How many times one stream may move; past it, the next failure ends it with an error event.",
+    )
+
+
 class ServingSpec(BaseModel):
     """What an inference job serves, and how the router protects it (one job = one replica)."""
 
@@ -112,6 +136,13 @@ class ServingSpec(BaseModel):
     weight: StrictInt = Field(
         default=100, ge=0, le=100, description="Traffic share of this version while several versions run."
     )
+    continuation: Literal["text", "none"] = Field(
+        default="text",
+        description="How the backend continues a partial answer: `text` sends the prompt plus the text already "
+        "streamed (chat: a final assistant message with vLLM's `continue_final_message`; completions: the "
+        "prompt extended); `none`: it cannot, and a stream that loses its replica ends with an error event.",
+    )
+    failover: FailoverPolicy = FailoverPolicy()
 
 
 Digest = Annotated[str, Field(pattern=r"^[a-z0-9]+:[0-9a-fA-F]{8,128}$", description="e.g. sha256:<hex>")]

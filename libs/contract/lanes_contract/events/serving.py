@@ -80,6 +80,15 @@ class RequestAttempt(Data):
     detail: str = ""
     http_status: int | None = None
     elapsed_ms: float = Field(ge=0)
+    first_token: int | None = Field(
+        default=None,
+        ge=0,
+        description="Streams: the index, in the client's stream, of the first token this try sent; above 0 "
+        "when it continued a stream another replica had started.",
+    )
+    tokens_sent: int | None = Field(
+        default=None, ge=0, description="Streams: how many tokens this try sent the client."
+    )
 
 
 class RequestServedData(Data):
@@ -97,6 +106,9 @@ class RequestServedData(Data):
     http_status: int
     error: str = ""
     attempts: tuple[RequestAttempt, ...] = ()
+    continuations: int = Field(
+        default=0, ge=0, description="How many times the stream moved to another replica after its first token."
+    )
     received_at: AwareDatetime
     ttft_ms: float | None = Field(default=None, ge=0, description="Time to the first byte of the answer.")
     latency_ms: float = Field(ge=0)

@@ -2,18 +2,22 @@
 
 `/v1/chat/completions` and `/v1/completions` (streaming over SSE or not; bodies passed through),
 `/v1/models`, `/healthz`, `/readyz`, `/metrics`. A request is tried on another replica while no byte has
-reached the client (bounded by `max_attempts`); once the answer has started, a failing replica ends the
-client's stream with an SSE error event and `[DONE]`. Every request leaves one `RequestServed` event,
-built and published off the request's path.
+reached the client (bounded by `max_attempts`, unless the spec's failover policy says `connect_failure:
+fail`). Once a stream has started, a failing replica's stream is continued on another ready replica of
+the same model and version (the prompt plus the text already sent, see `domain.continuation`), up to the
+spec's `max_continuations`; a model that cannot continue (or a stream past its moves) ends with an SSE
+error event and `[DONE]`. Every request leaves one `RequestServed` event, built and published off the
+request's path, with every replica it used and the token index where it moved.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -28,7 +32,15 @@ from lanes_contract.events import (
     utc_now,
 )
 from lanes_contract.ids import new_event_id
+from lanes_contract.jobs import ServingSpec
 from lanes_router.adapters.metrics import RouterMetrics
+from lanes_router.domain.continuation import (
+    LegRewriter,
+    NotContinuableError,
+    continuation_body,
+    read_sent,
+    split_whole_events,
+)
 from lanes_router.domain.health import Outcome, counts_against_replica
 from lanes_router.domain.replicas import Replica, ReplicaRegistry
 from lanes_router.domain.requests import (
@@ -49,6 +61,32 @@ REPLICA_HEADER = "X-Lanes-Replica"
 _PASSED_HEADERS = ("Authorization", "Accept", "traceparent")
 _DONE = b"data: [DONE]\n\n"
 _BUSY = frozenset({429, 503})
+CHAT_ROUTE = "/v1/chat/completions"
+_CLIENT_GONE = "client gone"
+"""What `_pump` returns when the client hung up (compared by identity, never shown)."""
+
+
+def _may_continue(spec: ServingSpec) -> bool:
+    """Whether a stream of this deployment may move to another replica after its first token."""
+    failover = spec.failover
+    moves = failover.mid_stream == "continue_elsewhere" and failover.max_continuations > 0
+    return moves and spec.continuation != "none"
+
+
+@dataclass(slots=True)
+class _Leg:
+    """One replica's part of a client's stream."""
+
+    replica: Replica
+    upstream: aiohttp.ClientResponse
+    first: bytes
+    started: float
+    sent: list[bytes] | None = None
+    """The whole events the client has received (shared by every leg), when the stream may move."""
+    first_token: int = 0
+    """The index of the first token this leg sent the client."""
+    rewriter: LegRewriter | None = None
+    """Set on a continuation: makes its events read as the first leg's stream."""
 
 
 def _client_gone(request: web.Request) -> bool:
@@ -98,6 +136,8 @@ class _Served:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     model_unknown: bool = False
+    parsed: InferenceRequest | None = None
+    continuations: int = 0
 
 
 class _StreamMeter:
@@ -269,6 +309,7 @@ class RouterHttp:
             # Bad input gets its answer here and never reaches the log.
             return error_response(400, "invalid_request_error", str(exc))
         served.model, served.version, served.stream = parsed.model, parsed.version, parsed.stream
+        served.parsed = parsed
         self._metrics.in_flight += 1
         try:
             response = await self._route(request, parsed, served)
@@ -309,6 +350,8 @@ class RouterHttp:
             if answered is not None:
                 return answered
             tried.add(granted.replica.replica_id)
+            if granted.replica.serving.failover.connect_failure == "fail":
+                break  # the deployment asked for its failures, not for another replica
         message = f"no replica could answer in {len(served.attempts)} tries; {_last_failure(served)}"
         served.status, served.http_status, served.error = "failed", 502, message
         return error_response(502, "upstream_failed", message)
@@ -322,7 +365,14 @@ class RouterHttp:
         *,
         http_status: int | None = None,
         detail: str = "",
+        leg: _Leg | None = None,
+        total: int | None = None,
     ) -> None:
+        """Record one try; `leg` (a stream's) and `total` (tokens the client has) place it in the stream."""
+        first_token = tokens_sent = None
+        if leg is not None:
+            first_token = leg.first_token
+            tokens_sent = None if total is None else max(0, total - first_token)
         served.attempts.append(
             RequestAttempt(
                 replica=replica.replica_id,
@@ -331,6 +381,8 @@ class RouterHttp:
                 detail=detail[:500],
                 http_status=http_status,
                 elapsed_ms=(time.perf_counter() - started) * 1000,
+                first_token=first_token,
+                tokens_sent=tokens_sent,
             )
         )
         self._metrics.attempt_done(replica.model, replica.replica_id, outcome)
@@ -343,10 +395,7 @@ class RouterHttp:
         replica = granted.replica
         assert replica.endpoint is not None  # noqa: S101 - only routable replicas are granted
         assert self._session is not None  # noqa: S101 - opened on startup
-        headers = {"Content-Type": "application/json", REQUEST_ID_HEADER: served.request_id}
-        for name in _PASSED_HEADERS:
-            if (value := request.headers.get(name)) is not None:
-                headers[name] = value
+        headers = self._upstream_headers(request, served)
         limit = self._config.first_token_timeout_s if parsed.stream else self._config.request_timeout_s
         started = time.perf_counter()
         upstream: aiohttp.ClientResponse | None = None
@@ -386,6 +435,15 @@ class RouterHttp:
         if upstream is not None:
             upstream.close()
         return None
+
+    @staticmethod
+    def _upstream_headers(request: web.Request, served: _Served) -> dict[str, str]:
+        """What a replica is sent: the request id (the same on every try) and the client's passed headers."""
+        headers = {"Content-Type": "application/json", REQUEST_ID_HEADER: served.request_id}
+        for name in _PASSED_HEADERS:
+            if (value := request.headers.get(name)) is not None:
+                headers[name] = value
+        return headers
 
     def _relay_whole(
         self, upstream: aiohttp.ClientResponse, payload: bytes, granted: Granted, served: _Served, started: float
@@ -450,69 +508,230 @@ class RouterHttp:
         )
         served.replica, served.http_status = replica, 200
         meter = _StreamMeter()
-        chunk = first
+        # The events sent are kept only when the stream may move, and read back only when it does.
+        leg = _Leg(replica, upstream, first, started, sent=[] if _may_continue(replica.serving) else None)
         try:
             await response.prepare(request)
         except ConnectionResetError:
-            return self._client_closed(response, replica, served, meter, started)
+            return self._client_closed(response, served, meter, leg)
         served.first_byte = time.perf_counter()
-        while chunk:
-            meter.feed(chunk)
-            try:
-                await response.write(chunk)
-            except ConnectionResetError:
-                return self._client_closed(response, replica, served, meter, started)
-            try:
-                # A silent replica is caught by the session's read timeout (`sock_read`), not a timer per chunk.
-                chunk = await upstream.content.readany()
-            except (aiohttp.ClientError, ConnectionResetError, TimeoutError) as exc:
-                detail = str(exc) or type(exc).__name__
-                return await self._end_stream_with_error(
-                    response=response, replica=replica, served=served, meter=meter, started=started, detail=detail
+        grants: list[Granted] = []
+        try:
+            while True:
+                failure = await self._pump(response, leg, meter)
+                if failure is _CLIENT_GONE:
+                    return self._client_closed(response, served, meter, leg)
+                if failure is None:
+                    break
+                next_leg = await self._move(
+                    request=request,
+                    response=response,
+                    leg=leg,
+                    served=served,
+                    meter=meter,
+                    failure=failure,
+                    grants=grants,
                 )
-        if not meter.done:
-            detail = "the replica closed the stream before [DONE]"
-            return await self._end_stream_with_error(
-                response=response, replica=replica, served=served, meter=meter, started=started, detail=detail
-            )
+                if next_leg is None:
+                    return response
+                leg = next_leg
+        finally:
+            for held in grants:
+                self._dispatcher.release(held)
         served.status = "ok"
-        self._attempt(served, replica, "ok", started, http_status=200)
         self._usage_from(meter, served)
+        self._attempt(served, leg.replica, "ok", leg.started, http_status=200, leg=leg, total=served.completion_tokens)
         try:
             await response.write_eof()
         except ConnectionResetError:
             served.status = "client_closed"
         return response
 
+    async def _pump(self, response: web.StreamResponse, leg: _Leg, meter: _StreamMeter) -> str | None:
+        """Relay one replica's events to the client: None at [DONE], else why the replica failed.
+
+        Only whole SSE events are written (a partial tail waits for the rest), so a replica that dies
+        mid-event leaves no half event for a continuation to follow.
+        """
+        chunk, held, sent, rewriter = leg.first, b"", leg.sent, leg.rewriter
+        try:
+            while chunk:
+                if held or not (chunk.endswith((b"\n\n", b"\r\n\r\n"))):
+                    chunk, held = split_whole_events(held + chunk)
+                if chunk:
+                    if rewriter is not None:
+                        chunk = rewriter.rewrite(chunk)
+                    meter.feed(chunk)
+                    if sent is not None:
+                        sent.append(chunk)
+                    try:
+                        await response.write(chunk)
+                    except ConnectionResetError:
+                        return _CLIENT_GONE
+                # A silent replica is caught by the session's read timeout (`sock_read`), not a timer per chunk.
+                chunk = await leg.upstream.content.readany()
+        except (aiohttp.ClientError, ConnectionResetError, TimeoutError) as exc:
+            return str(exc) or type(exc).__name__
+        finally:
+            leg.upstream.release()
+        if held:
+            meter.feed(held)
+            try:
+                await response.write(held)
+            except ConnectionResetError:
+                return _CLIENT_GONE
+        return None if meter.done else "the replica closed the stream before [DONE]"
+
+    async def _move(
+        self,
+        *,
+        request: web.Request,
+        response: web.StreamResponse,
+        leg: _Leg,
+        served: _Served,
+        meter: _StreamMeter,
+        failure: str,
+        grants: list[Granted],
+    ) -> _Leg | None:
+        """Continue a stream whose replica failed on another one; None once the stream has been ended."""
+        replica = leg.replica
+        if leg.sent is None:
+            self._usage_from(meter, served)
+            total = served.completion_tokens
+            self._attempt(
+                served, replica, "failed_mid_stream", leg.started, http_status=200, detail=failure, leg=leg, total=total
+            )
+            await self._end_stream_with_error(response, replica, served, failure)
+            return None
+        so_far = read_sent(leg.sent)
+        served.completion_tokens = so_far.tokens
+        tokens = so_far.tokens
+        self._attempt(
+            served, replica, "failed_mid_stream", leg.started, http_status=200, detail=failure, leg=leg, total=tokens
+        )
+        if so_far.finished:
+            # Every token was sent; only the closing events were lost. The client's answer is whole.
+            try:
+                await response.write(_DONE)
+            except ConnectionResetError:
+                served.status = "client_closed"
+                return None
+            served.status = "ok"
+            with contextlib.suppress(ConnectionResetError):
+                await response.write_eof()
+            return None
+        if served.continuations >= replica.serving.failover.max_continuations:
+            why = f"it moved {served.continuations} times, the most its spec allows"
+            await self._end_stream_with_error(response, replica, served, failure, why)
+            return None
+        parsed = served.parsed
+        assert parsed is not None  # noqa: S101 - set before routing
+        try:
+            body = continuation_body(parsed.body, so_far, chat=served.route == CHAT_ROUTE)
+        except NotContinuableError as exc:
+            await self._end_stream_with_error(response, replica, served, failure, str(exc))
+            return None
+        # The same model and version, never a replica this request already used.
+        tried = frozenset(a.replica for a in served.attempts)
+        again = replace(parsed, version=replica.version, body=body, stream=True)
+        while True:
+            granted = await self._dispatcher.acquire(again, tried)
+            if isinstance(granted, Refusal):
+                why = f"no other replica could continue it ({granted.message})"
+                await self._end_stream_with_error(response, replica, served, failure, why)
+                return None
+            grants.append(granted)
+            started = time.perf_counter()
+            opened = await self._open_stream(request, again, granted, served, started, first_token=so_far.tokens)
+            if opened is not None:
+                break
+            tried = tried | {granted.replica.replica_id}
+        upstream, first = opened
+        served.continuations += 1
+        served.replica = granted.replica
+        return _Leg(
+            granted.replica,
+            upstream,
+            first,
+            started,
+            sent=leg.sent,
+            first_token=so_far.tokens,
+            rewriter=LegRewriter(so_far),
+        )
+
+    async def _open_stream(
+        self,
+        request: web.Request,
+        parsed: InferenceRequest,
+        granted: Granted,
+        served: _Served,
+        started: float,
+        *,
+        first_token: int,
+    ) -> tuple[aiohttp.ClientResponse, bytes] | None:
+        """A continuation's upstream stream and its first bytes, or None (the try is recorded) when it failed."""
+        replica = granted.replica
+        assert replica.endpoint is not None  # noqa: S101 - only routable replicas are granted
+        assert self._session is not None  # noqa: S101 - opened on startup
+        upstream: aiohttp.ClientResponse | None = None
+        detail, outcome = "", "error"
+        try:
+            async with asyncio.timeout(self._config.first_token_timeout_s):
+                upstream = await self._session.post(
+                    replica.endpoint + served.route,
+                    data=parsed.body,
+                    headers=self._upstream_headers(request, served),
+                    timeout=self._stream_timeout,
+                )
+                if upstream.status == 200:  # noqa: PLR2004 - HTTP OK
+                    first = await upstream.content.readany()
+                    if first:
+                        return upstream, first
+                    detail = "the stream ended before its first event"
+                else:
+                    detail = f"HTTP {upstream.status}: " + (await upstream.read())[:300].decode(errors="replace")
+        except (aiohttp.ClientConnectorError, ConnectionRefusedError) as exc:
+            outcome, detail = "refused", str(exc) or type(exc).__name__
+        except TimeoutError:
+            outcome = "slow_first_token"
+            detail = f"no answer within {self._config.first_token_timeout_s:g}s"
+        except aiohttp.ClientError as exc:
+            detail = str(exc) or type(exc).__name__
+        if upstream is not None:
+            upstream.close()
+        status = None if upstream is None else upstream.status
+        self._attempt(served, replica, outcome, started, http_status=status, detail=detail)  # type: ignore[arg-type]
+        served.attempts[-1] = served.attempts[-1].model_copy(update={"first_token": first_token, "tokens_sent": 0})
+        return None
+
     def _client_closed(
-        self, response: web.StreamResponse, replica: Replica, served: _Served, meter: _StreamMeter, started: float
+        self, response: web.StreamResponse, served: _Served, meter: _StreamMeter, leg: _Leg
     ) -> web.StreamResponse:
         served.status = "client_closed"
-        self._attempt(served, replica, "client_closed", started, http_status=200)
         self._usage_from(meter, served)
+        total = served.completion_tokens
+        self._attempt(served, leg.replica, "client_closed", leg.started, http_status=200, leg=leg, total=total)
         return response
 
     async def _end_stream_with_error(
         self,
-        *,
         response: web.StreamResponse,
         replica: Replica,
         served: _Served,
-        meter: _StreamMeter,
-        started: float,
         detail: str,
-    ) -> web.StreamResponse:
+        not_continued: str = "",
+    ) -> None:
+        """End the client's stream with an SSE error event and [DONE] (the try is already recorded)."""
         message = f"replica {replica.replica_id} failed mid-stream: {detail}"
+        if not_continued:
+            message += f"; not continued: {not_continued}"
         served.status, served.error = "failed", message
-        self._attempt(served, replica, "failed_mid_stream", started, http_status=200, detail=detail)
-        self._usage_from(meter, served)
         error = json.dumps(error_body(502, "upstream_failed", message))
         try:
             await response.write(f"data: {error}\n\n".encode() + _DONE)
             await response.write_eof()
         except ConnectionResetError:
             served.status = "client_closed"
-        return response
 
     @staticmethod
     def _usage_from(meter: _StreamMeter, served: _Served) -> None:
@@ -559,6 +778,7 @@ class RouterHttp:
                 http_status=served.http_status,
                 error=served.error[:1000],
                 attempts=tuple(served.attempts),
+                continuations=served.continuations,
                 received_at=served.received_at,
                 ttft_ms=None if ttft_s is None else ttft_s * 1000,
                 latency_ms=latency_s * 1000,
