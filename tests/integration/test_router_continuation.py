@@ -1,0 +1,204 @@
+"""Streams that survive a replica: a toy replica process killed mid-stream under streaming load, and every
+client still gets the answer it would have had, byte for byte, under one request id (issue 44)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from multidict import CIMultiDict
+from support.router import (
+    announce_replica,
+    chat,
+    lanes_client,
+    router_in_process,
+    serving,
+    sse_events,
+    toys,
+    wait_routable,
+    wait_served,
+)
+from support.waiting import eventually
+
+from lanes_contract.events import RequestServed
+from lanes_runtime.settings import ServerUrls
+
+pytestmark = pytest.mark.real_servers
+
+TOKENS = 60
+STREAMS = 8
+USAGE = {"include_usage": True}
+
+
+async def stream_chat(
+    session: aiohttp.ClientSession, url: str, model: str, request_id: str, progress: dict[str, int]
+) -> tuple[CIMultiDict[str], bytes]:
+    """One streaming chat, read as it arrives: `progress` counts the whole events received so far."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "stream": True,
+        "stream_options": USAGE,
+    }
+    async with session.post(f"{url}/v1/chat/completions", json=body, headers={"X-Request-Id": request_id}) as r:
+        assert r.status == 200, await r.text()
+        received = b""
+        async for chunk in r.content.iter_any():
+            received += chunk
+            progress[request_id] = received.count(b"\n\n")
+        return CIMultiDict(r.headers), received
+
+
+def _text(body: bytes) -> str:
+    return "".join(e["choices"][0]["delta"]["content"] for e in sse_events(body)[:-1] if e["choices"])
+
+
+def assert_one_whole_stream(request_id: str, headers: CIMultiDict[str], body: bytes, uncut: bytes) -> None:
+    """The client's stream is the uncut one byte for byte, under one request id and one completion id."""
+    assert body == uncut, request_id
+    assert headers["X-Request-Id"] == request_id
+    chunks = sse_events(body)
+    assert chunks[-1] == "[DONE]"
+    assert {chunk["id"] for chunk in chunks[:-1]} == {chunks[0]["id"]}
+    assert _text(body) == "".join(f"tok{i} " for i in range(TOKENS))  # no token lost or doubled
+    assert chunks[-2]["usage"]["completion_tokens"] == TOKENS
+
+
+@pytest.mark.slow
+async def test_streams_cut_by_a_killed_replica_continue_on_the_other_byte_for_byte(
+    servers: ServerUrls, unique: str
+) -> None:
+    model = f"m-{unique}"
+    ids = [f"a-{unique}", f"b-{unique}"]
+    spec = serving(model, "v1", max_concurrency=32)
+    request_ids = [f"s{i}-{unique}" for i in range(STREAMS)]
+    async with (
+        toys((model, "v1"), (model, "v1")) as started,
+        aiohttp.ClientSession() as session,
+        lanes_client(servers) as lanes,
+        router_in_process(servers) as (_runner, url),
+    ):
+        toy_of = dict(zip(ids, started, strict=True))
+        for replica_id, toy in toy_of.items():
+            await announce_replica(lanes, replica_id, spec, toy.endpoint)
+        await wait_routable(session, url, model, 2)
+        for toy in started:
+            await toy.control(tokens=TOKENS, token_delay_ms=30)
+        progress: dict[str, int] = {}
+        streams = [asyncio.create_task(stream_chat(session, url, model, rid, progress)) for rid in request_ids]
+
+        async def every_stream_started() -> bool:
+            return all(progress.get(rid, 0) >= 2 for rid in request_ids)  # two tokens in
+
+        await eventually(every_stream_started, what="every stream's first tokens")
+        in_flight = {replica_id: (await toy.stats())["in_flight"] for replica_id, toy in toy_of.items()}
+        victim = max(in_flight, key=lambda replica_id: in_flight[replica_id])
+        survivor = next(replica_id for replica_id in ids if replica_id != victim)
+        assert in_flight[victim] >= 1
+        toy_of[victim].kill()  # SIGKILL of the replica's process, streams in flight
+        cut = dict(zip(request_ids, await asyncio.wait_for(asyncio.gather(*streams), 60), strict=True))
+        # The same requests again, never cut (only the survivor is left): the answers the clients should have.
+        await toy_of[survivor].control(token_delay_ms=0)
+        uncut: dict[str, bytes] = {}
+        for rid in request_ids:
+            status, _, body = await chat(
+                session, url, model, stream=True, headers={"X-Request-Id": rid}, stream_options=USAGE
+            )
+            assert status == 200, body
+            uncut[rid] = body
+        events = await wait_served(lanes, model, 2 * STREAMS)
+    for rid, (headers, body) in cut.items():
+        assert_one_whole_stream(rid, headers, body, uncut[rid])
+    first_of: dict[str, RequestServed] = {}
+    for event in events:
+        first_of.setdefault(event.data.request_id, event)  # the cut run was stored before the uncut one
+    moved = [first_of[rid] for rid in request_ids if first_of[rid].data.continuations]
+    assert moved, "the killed replica had streams in flight: some must have moved"
+    for rid in request_ids:
+        data = first_of[rid].data
+        assert data.status == "ok", data.error
+        assert data.completion_tokens == TOKENS
+    for event in moved:
+        data = event.data
+        left, took_over = data.attempts
+        assert (left.replica, left.outcome, left.first_token) == (victim, "failed_mid_stream", 0)
+        assert (took_over.replica, took_over.outcome) == (survivor, "ok")
+        assert left.tokens_sent is not None
+        assert 2 <= left.tokens_sent < TOKENS  # it had sent its first tokens
+        assert took_over.first_token == left.tokens_sent  # the index where the stream moved
+        assert took_over.tokens_sent == TOKENS - left.tokens_sent
+        assert data.continuations == 1
+        assert data.replica == survivor
+    for event in first_of.values():
+        if not event.data.continuations:
+            (only,) = event.data.attempts
+            assert (only.replica, only.outcome, only.first_token, only.tokens_sent) == (survivor, "ok", 0, TOKENS)
+
+
+@pytest.mark.slow
+async def test_a_model_that_cannot_continue_still_ends_its_stream_with_a_clear_error(
+    servers: ServerUrls, unique: str
+) -> None:
+    model = f"m-{unique}"
+    spec = serving(model, "v1", continuation="none")
+    async with (
+        toys((model, "v1"), (model, "v1")) as started,
+        aiohttp.ClientSession() as session,
+        lanes_client(servers) as lanes,
+        router_in_process(servers) as (_runner, url),
+    ):
+        for i, toy in enumerate(started):
+            await announce_replica(lanes, f"r{i}-{unique}", spec, toy.endpoint)
+            await toy.control(mode="die_after", after_tokens=3)
+        await wait_routable(session, url, model, 2)
+        status, _, body = await chat(session, url, model, stream=True, headers={"X-Request-Id": f"cut-{unique}"})
+        assert status == 200
+        chunks = sse_events(body)
+        assert [c["choices"][0]["delta"]["content"] for c in chunks[:3]] == ["tok0 ", "tok1 ", "tok2 "]
+        error = chunks[3]["error"]
+        assert (error["type"], error["code"]) == ("upstream_failed", 502)
+        assert "failed mid-stream" in error["message"]
+        assert chunks[4:] == ["[DONE]"]
+        (event,) = await wait_served(lanes, model, 1)
+    assert event.data.status == "failed"
+    assert [a.outcome for a in event.data.attempts] == ["failed_mid_stream"]
+    assert event.data.continuations == 0
+
+
+@pytest.mark.slow
+async def test_a_stream_moves_while_a_replica_is_left_and_its_record_says_where(
+    servers: ServerUrls, unique: str
+) -> None:
+    model = f"m-{unique}"
+    spec = serving(model, "v1")
+    async with (
+        toys((model, "v1"), (model, "v1")) as started,
+        aiohttp.ClientSession() as session,
+        lanes_client(servers) as lanes,
+        router_in_process(servers) as (_runner, url),
+    ):
+        ids = [f"r{i}-{unique}" for i in range(2)]
+        for replica_id, toy in zip(ids, started, strict=True):
+            await announce_replica(lanes, replica_id, spec, toy.endpoint)
+        await wait_routable(session, url, model, 2)
+        # Both replicas drop the connection after 3 tokens: the stream moves once (its spec allows 2),
+        # then again, and the third cut has nowhere left to go.
+        for toy in started:
+            await toy.control(mode="die_after", after_tokens=3, tokens=20)
+        status, _, body = await chat(session, url, model, stream=True, headers={"X-Request-Id": f"two-{unique}"})
+        assert status == 200
+        chunks = sse_events(body)
+        texts = [c["choices"][0]["delta"]["content"] for c in chunks if isinstance(c, dict) and "choices" in c]
+        assert texts == [f"tok{i} " for i in range(6)]
+        assert "no other replica could continue it" in chunks[6]["error"]["message"]
+        (event,) = await wait_served(lanes, model, 1)
+    data = event.data
+    assert [(a.outcome, a.first_token, a.tokens_sent) for a in data.attempts] == [
+        ("failed_mid_stream", 0, 3),
+        ("failed_mid_stream", 3, 3),
+    ]
+    assert {a.replica for a in data.attempts} == set(ids)
+    assert data.continuations == 1
+    assert data.status == "failed"
+    assert data.completion_tokens == 6  # three tokens from each replica
