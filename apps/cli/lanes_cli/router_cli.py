@@ -27,6 +27,7 @@ from lanes_contract.events import (
     ReplicaState,
     ReplicaStateChanged,
     ReplicaStateChangedData,
+    RequestAttempt,
     RequestServed,
 )
 from lanes_contract.ids import is_valid_token
@@ -77,7 +78,10 @@ def requests(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="NDJSON: one structured CloudEvent per line.")] = False,
 ) -> None:
-    """Show the provenance of inference requests: who served each, on what, how it went, every try."""
+    """Show the provenance of inference requests: who served each, on what, how it went, every try.
+
+    A stream continued on another replica shows `(moved Nx)` and, per try, the tokens it sent the client.
+    """
     settings = load_settings(quiet=True)
     nats_url = require(settings.nats_url, "NATS_URL")
     subject = f"lanes.req.{_checked(model, 'model')}.>" if model else "lanes.req.>"
@@ -100,15 +104,31 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+def tries_text(attempts: tuple[RequestAttempt, ...], *, moved: bool) -> str:
+    """Every try in order, `replica:outcome`; when the stream moved, each try's tokens as `[first:end)`.
+
+    A moved stream reads as where it went and at which token, e.g. `a:failed_mid_stream[0:37) > b:ok[37:60)`.
+    """
+    parts = []
+    for attempt in attempts:
+        text = f"{attempt.replica}:{attempt.outcome}"
+        if moved and attempt.first_token is not None:
+            end = "" if attempt.tokens_sent is None else str(attempt.first_token + attempt.tokens_sent)
+            text += f"[{attempt.first_token}:{end})"
+        parts.append(text)
+    return " > ".join(parts) or "-"
+
+
 def _table(events: list[RequestServed]) -> Table:
     table = Table(show_edge=False, pad_edge=False)
     for column in ("time", "request", "model", "replica", "node", "status", "http", "tries", "ttft ms", "ms", "tokens"):
         table.add_column(column, overflow="fold")
     for event in events:
         data = event.data
-        tries = " > ".join(f"{a.replica}:{a.outcome}" for a in data.attempts) or "-"
+        tries = tries_text(data.attempts, moved=data.continuations > 0)
         tokens = f"{data.prompt_tokens if data.prompt_tokens is not None else '-'}/{data.completion_tokens or 0}"
         style = {"ok": "green", "failed": "red", "rejected": "yellow"}.get(data.status, "dim")
+        moved = f" (moved {data.continuations}x)" if data.continuations else ""
         # A client names the request and the model: each cell of theirs is text, never markup or a control.
         table.add_row(
             data.received_at.strftime("%H:%M:%S.%f")[:-3],
@@ -116,7 +136,7 @@ def _table(events: list[RequestServed]) -> Table:
             markup(f"{data.model}@{data.version or '-'}"),
             markup(data.replica),
             markup(event.node or "-"),
-            f"[{style}]{markup(data.status)}[/{style}]",
+            f"[{style}]{markup(data.status)}[/{style}]{moved}",
             str(data.http_status),
             markup(tries),
             _ms(data.ttft_ms),
