@@ -188,6 +188,10 @@ def _lifecycle_samples() -> list[Event]:
         ev.CheckpointSaved(data=ev.CheckpointSavedData(step=100, path="s3://c/100", digest=digest), **rank_keys),
         ev.ArtifactProduced(data=ev.ArtifactProducedData(artifact="model", path="s3://m", digest=digest), **rank_keys),
         ev.Heartbeat(data=ev.HeartbeatData(step=101), **rank_keys),
+        ev.Heartbeat(
+            data=ev.HeartbeatData(step=102, timings=(ev.StepTiming(step=102, compute_s=0.91, wait_s=0.12),)),
+            **rank_keys,
+        ),
         ev.CancelRequested(source="lanes/cli", data=command, **_JOB_KEYS),
         ev.DrillInjected(
             source="lanes/cli",
@@ -291,6 +295,23 @@ def _telemetry_samples() -> list[Event]:
             **_JOB_KEYS,
         ),
         ev.JobFinding(source="lanes/telemetry", data=finding, **_JOB_KEYS),
+        ev.JobSlowdown(
+            source="lanes/telemetry",
+            rank=5,
+            node="node-3",
+            data=ev.JobSlowdownData(
+                kind="compute_straggler",
+                rank=5,
+                node="node-3",
+                onset_step=1200,
+                slowdown=0.38,
+                lost_s=412.5,
+                gpu_hours=7.33,
+                votes=0.97,
+                summary="rank 5: step time +38% since step 1,200 (compute_straggler)",
+            ),
+            **_JOB_KEYS,
+        ),
     ]
 
 

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from lanes_agent.launcher import READY_MARKER, communicator_ready, listening_endpoint, progress_report
-from lanes_contract.events import CheckpointSavedData, HeartbeatData
+from lanes_agent.launcher import (
+    READY_MARKER,
+    TIMINGS_EVERY_S,
+    TimingBatch,
+    communicator_ready,
+    listening_endpoint,
+    progress_report,
+)
+from lanes_contract.events import CheckpointSavedData, HeartbeatData, StepTiming
+from lanes_contract.events.progress import MAX_TIMINGS
 
 DIGEST = "sha256:" + "ab" * 32
 
@@ -35,6 +43,40 @@ def test_step_and_checkpoint_lines_become_heartbeat_and_checkpoint_data() -> Non
     saved = progress_report(f"lanes: checkpoint saved step=100 path=/ckpt/100.pt digest={DIGEST} image=trainer:3\n")
     assert saved == CheckpointSavedData(step=100, path="/ckpt/100.pt", digest=DIGEST, image="trainer:3")
     assert progress_report("epoch 3 loss 0.12") is None
+
+
+def test_a_timed_step_line_carries_its_compute_and_wait_and_a_malformed_one_is_plain_output() -> None:
+    timed = progress_report("lanes: step 7 compute_s=0.912000 wait_s=0.133500\n")
+    assert timed == HeartbeatData(step=7, timings=(StepTiming(step=7, compute_s=0.912, wait_s=0.1335),))
+    assert progress_report("lanes: step 7 compute_s=-1 wait_s=0.1") is None  # not the hook's line: output
+    assert progress_report("lanes: step 7 compute_s=1e400 wait_s=0.1") is None
+
+
+def _timed(step: int) -> HeartbeatData:
+    return HeartbeatData(step=step, timings=(StepTiming(step=step, compute_s=1.0, wait_s=0.2),))
+
+
+def test_step_timings_travel_in_one_heartbeat_a_second_and_what_is_left_when_the_output_ends() -> None:
+    batch = TimingBatch(now=100.0)
+    assert batch.add(HeartbeatData(step=3), now=100.0) == HeartbeatData(step=3)  # untimed: sent as it is
+    assert [batch.add(_timed(step), now=100.0 + step / 10) for step in range(1, 10)] == [None] * 9
+    sent = batch.add(_timed(10), now=100.0 + TIMINGS_EVERY_S)
+    assert sent is not None
+    assert (sent.step, [t.step for t in sent.timings]) == (10, list(range(1, 11)))
+    assert batch.add(_timed(11), now=101.5) is None
+    rest = batch.rest()
+    assert rest is not None
+    assert [t.step for t in rest.timings] == [11]
+    assert batch.rest() is None
+
+
+def test_a_full_batch_of_timings_goes_at_once_and_never_beyond_the_events_bound() -> None:
+    batch = TimingBatch(now=0.0)
+    sent = [beat for step in range(MAX_TIMINGS + 5) if (beat := batch.add(_timed(step), now=0.0))]
+    assert [len(beat.timings) for beat in sent] == [MAX_TIMINGS]
+    rest = batch.rest()
+    assert rest is not None
+    assert len(rest.timings) == 5
 
 
 def test_a_malformed_checkpoint_line_is_refused_with_the_reason() -> None:

@@ -3,7 +3,8 @@
 The node agent runs it as each rank (`python -m lanes_agent.drill_workload`) with the environment it gives
 every rank: RANK, WORLD_SIZE and MASTER_ADDR/MASTER_PORT for the rendezvous, LANES_CHECKPOINT_DIR,
 LANES_RESUME_STEP and the versions the job trains with. It really trains:
-- every step all-reduces its gradients across the gang;
+- every step all-reduces its gradients across the gang, and reports how long it computed and how long it
+  waited in the all-reduces;
 - rank 0 checkpoints every `--checkpoint-every` steps and prints the line the agent reads (with the versions,
   so recovery can verify the checkpoint before resuming from it);
 - it resumes from LANES_RESUME_STEP's checkpoint;
@@ -77,7 +78,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100_000)
     parser.add_argument("--step-s", type=float, default=0.05, help="Pause per step (keeps a drill's gang slow).")
     parser.add_argument("--checkpoint-every", type=int, default=20)
-    parser.add_argument("--report-every", type=int, default=10)
     parser.add_argument("--timeout-s", type=float, default=20.0, help="How long a collective waits for a peer.")
     args = parser.parse_args()
     signal.signal(signal.SIGUSR1, _on_fault_signal)
@@ -103,20 +103,26 @@ def main() -> None:
         if signal.SIGUSR2 in _faults:
             msg = "CUDA error: uncorrectable ECC error encountered"
             raise RuntimeError(msg)
+        started = time.perf_counter()
         batch = _load_batch()
         loss = model(batch).pow(2).mean()
         optimiser.zero_grad()
         loss.backward()
+        waited = 0.0
         for parameter in model.parameters():
             assert parameter.grad is not None  # noqa: S101 - backward() just filled it
+            entered = time.perf_counter()
             dist.all_reduce(parameter.grad)
+            waited += time.perf_counter() - entered
             parameter.grad /= world
         optimiser.step()
-        if step % args.report_every == 0:
-            _say(f"lanes: step {step}")
+        time.sleep(args.step_s)  # the rest of a real step's compute
+        computed = time.perf_counter() - started - waited
+        # Every step's timing: the agent sends them in batches (a heartbeat a second at most), and telemetry
+        # reads them for a slow rank (its compute rose) or a degraded link (everyone's wait rose).
+        _say(f"lanes: step {step} compute_s={computed:.6f} wait_s={waited:.6f}")
         if step % args.checkpoint_every == 0 and rank == 0:
             _say(_checkpoint(model, step, directory))
-        time.sleep(args.step_s)
     dist.destroy_process_group()
 
 

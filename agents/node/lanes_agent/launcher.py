@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -73,9 +74,11 @@ from lanes_contract.events import (
     RendezvousDoneData,
     ReplicaListening,
     ReplicaListeningData,
+    StepTiming,
     derive,
     utc_now,
 )
+from lanes_contract.events.progress import MAX_TIMINGS
 from lanes_contract.ids import derived_event_id
 from lanes_contract.jobs import JobSpec, JobState
 from lanes_contract.signing import Keyring, SignatureError, verified_signer
@@ -109,7 +112,12 @@ READY_MARKER = "lanes: communicator ready"
 """A rank prints this line once its collective communicator is initialised; the launcher reports it."""
 _LISTENING = re.compile(r"Uvicorn running on (?P<scheme>https?)://(?P<host>[^\s:/]+):(?P<port>\d+)")
 """The line an OpenAI-compatible server (vLLM, the toy replica) prints once it accepts requests."""
-_STEP = re.compile(r"^lanes: step (?P<step>\d+)\s*$")
+_STEP = re.compile(
+    r"^lanes: step (?P<step>\d+)(?: compute_s=(?P<compute>\d+(?:\.\d+)?) wait_s=(?P<wait>\d+(?:\.\d+)?))?\s*$"
+)
+TIMINGS_EVERY_S = 1.0
+"""A rank's step timings travel in one heartbeat at most this often (a step a millisecond is not an event a
+millisecond); what is left is sent when its output ends."""
 _CHECKPOINT = re.compile(r"^lanes: checkpoint saved (?P<fields>(?:\w+=\S+\s*)+)$")
 _CHECKPOINT_FIELDS = frozenset({"step", "path", "digest", "model_version", "data_version", "config_version", "image"})
 # What a rank runs when the spec names no command: ready at once, a little real CPU work, a clean exit.
@@ -169,13 +177,18 @@ def listening_endpoint(line: str, node_address: str = LOOPBACK) -> str | None:
 
 
 def progress_report(line: str) -> HeartbeatData | CheckpointSavedData | None:
-    """A rank's progress line: `lanes: step N`, or `lanes: checkpoint saved step=N path=P digest=D [versions]`.
+    """A rank's progress line: a step (`lanes: step N [compute_s=C wait_s=W]`) or a saved checkpoint.
 
-    These are the lines a training script's Lanes hook prints; the versions it trained with travel with the
-    checkpoint, so recovery can refuse to resume a run from a checkpoint of another model, data or config.
+    A checkpoint reads `lanes: checkpoint saved step=N path=P digest=D [versions]`. These are the lines a
+    training script's Lanes hook prints. The versions it trained with travel with the checkpoint, so recovery
+    can refuse to resume a run from a checkpoint of another model, data or config; a step's timing (seconds
+    computing, seconds waiting in collectives) is what telemetry reads for slow ranks and degraded links.
     """
     if step := _STEP.match(line.strip()):
-        return HeartbeatData(step=int(step["step"]))
+        if step["compute"] is None:
+            return HeartbeatData(step=int(step["step"]))
+        timing = StepTiming(step=int(step["step"]), compute_s=float(step["compute"]), wait_s=float(step["wait"]))
+        return HeartbeatData(step=timing.step, timings=(timing,))
     if saved := _CHECKPOINT.match(line.strip()):
         fields = dict(pair.split("=", 1) for pair in saved["fields"].split())
         unknown = set(fields) - _CHECKPOINT_FIELDS
@@ -184,6 +197,31 @@ def progress_report(line: str) -> HeartbeatData | CheckpointSavedData | None:
             raise ValueError(msg)
         return CheckpointSavedData.model_validate(fields)
     return None
+
+
+class TimingBatch:
+    """A rank's step timings, gathered into one heartbeat at most every `TIMINGS_EVERY_S` seconds."""
+
+    def __init__(self, now: float) -> None:
+        self._timings: list[StepTiming] = []
+        self._sent_at = now
+
+    def add(self, progress: HeartbeatData, now: float) -> HeartbeatData | None:
+        """The heartbeat to send now, if any: a step without timings at once, timings once they are due."""
+        if not progress.timings:
+            return progress
+        self._timings.extend(progress.timings)
+        if now - self._sent_at < TIMINGS_EVERY_S and len(self._timings) < MAX_TIMINGS:
+            return None
+        self._sent_at = now
+        return self.rest()
+
+    def rest(self) -> HeartbeatData | None:
+        """What is gathered and not sent yet, as one heartbeat (the rank's output ended), or None."""
+        if not self._timings:
+            return None
+        sent, self._timings = self._timings[:MAX_TIMINGS], self._timings[MAX_TIMINGS:]
+        return HeartbeatData(step=sent[-1].step, timings=tuple(sent))
 
 
 class LocalLauncher:
@@ -660,6 +698,7 @@ class LocalLauncher:
             await self._publish_held(event, JOBS.name)
 
         reported = False  # readiness is said once, on whichever stream says it first
+        timings = TimingBatch(time.monotonic())
 
         async def follow(stream: asyncio.StreamReader, *, hooks: bool) -> None:
             nonlocal reported
@@ -685,13 +724,16 @@ class LocalLauncher:
                     log.warning("rank printed a malformed progress line", job_id=placed.jobid, error=str(exc))
                     progress = None
                 if isinstance(progress, HeartbeatData):
-                    await publish(Heartbeat, progress, f"step:{progress.step}")
+                    if beat := timings.add(progress, time.monotonic()):
+                        await publish(Heartbeat, beat, f"step:{beat.step}")
                 elif isinstance(progress, CheckpointSavedData):
                     await publish(CheckpointSaved, progress, f"checkpoint:{progress.step}")
                 else:
                     await report(parser.feed(line))
 
         await asyncio.gather(follow(proc.stdout, hooks=True), follow(proc.stderr, hooks=False))
+        if beat := timings.rest():
+            await publish(Heartbeat, beat, f"step:{beat.step}")
         await report(parser.finish())
         return published
 

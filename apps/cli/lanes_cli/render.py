@@ -18,8 +18,10 @@ from lanes_cli.terminal import markup, print_line
 from lanes_cli.timeline import TimelineEntry
 from lanes_contract.events import (
     Event,
+    Heartbeat,
     JobEvidence,
     JobPlaced,
+    JobSlowdown,
     JobStateChanged,
     JobSubmitted,
     JobWaiting,
@@ -58,6 +60,11 @@ def summarize(event: Event) -> str:
         return f"signal {ended.signal}" if ended.signal else f"exit {ended.exit_code}"
     if isinstance(event, ResourcesReleased):
         return f"{event.data.gpus} GPUs on {', '.join(event.data.nodes) or 'no node'}"
+    if isinstance(event, Heartbeat):
+        timed = f" ({len(event.data.timings)} step timings)" if event.data.timings else ""
+        return f"step {event.data.step}{timed}"
+    if isinstance(event, JobSlowdown):
+        return f"{event.data.summary}; {event.data.gpu_hours:g} GPU-hours lost so far"
     if isinstance(event, JobEvidence):
         evidence = event.data.evidence
         said = evidence.summary or next(iter(evidence.lines), "")

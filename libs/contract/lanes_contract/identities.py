@@ -34,6 +34,7 @@ from lanes_contract.events import (
     JobFinding,
     JobPlaced,
     JobRejected,
+    JobSlowdown,
     JobStateChanged,
     JobSubmitted,
     JobWaiting,
@@ -234,9 +235,9 @@ SERVICE_IDENTITIES = (
     ),
     Identity(
         "telemetry",
-        (*subjects_of(JobEvidence, JobFinding, SettleWindowEnded), DEAD_LETTERS),
-        "evidence correlation and first-error findings",
-        durables=("telemetry", "telemetry-placements"),
+        (*subjects_of(JobEvidence, JobFinding, JobSlowdown, SettleWindowEnded), DEAD_LETTERS),
+        "evidence correlation, first-error findings and slow ranks",
+        durables=("telemetry", "telemetry-placements", "telemetry-progress"),
     ),
     Identity(
         "recovery",

@@ -57,6 +57,7 @@ from lanes_contract.events.progress import (
     HeartbeatData,
     RendezvousDone,
     RendezvousDoneData,
+    StepTiming,
     TransitionRejected,
     TransitionRejectedData,
 )
@@ -109,6 +110,8 @@ from lanes_contract.events.telemetry import (
     JobEvidenceData,
     JobFinding,
     JobFindingData,
+    JobSlowdown,
+    JobSlowdownData,
     MissingEvidence,
     NetworkEvidence,
     PlatformEvidence,
@@ -150,6 +153,7 @@ AnyEvent = Annotated[
     | RawEvidence
     | JobEvidence
     | JobFinding
+    | JobSlowdown
     | SettleWindowEnded
     | ReplicaListening
     | ReplicaStateChanged
@@ -217,6 +221,8 @@ __all__ = [
     "JobPlacedData",
     "JobRejected",
     "JobRejectedData",
+    "JobSlowdown",
+    "JobSlowdownData",
     "JobStateChanged",
     "JobStateChangedData",
     "JobSubmitted",
@@ -268,6 +274,7 @@ __all__ = [
     "RetryRequested",
     "SettleWindowEnded",
     "SettleWindowEndedData",
+    "StepTiming",
     "TransitionRejected",
     "TransitionRejectedData",
     "derive",

@@ -92,10 +92,23 @@ class ArtifactProduced(Event):
     data: ArtifactProducedData
 
 
-class HeartbeatData(Data):
-    """Progress of a rank: the step it reached."""
+MAX_TIMINGS = 256
+"""Step timings one heartbeat may carry (an agent sends at most one heartbeat per rank per second)."""
+
+
+class StepTiming(Data):
+    """How one rank spent one training step: computing, and waiting inside its collectives."""
 
     step: int = Field(ge=0)
+    compute_s: float = Field(ge=0, le=86_400, allow_inf_nan=False)
+    wait_s: float = Field(ge=0, le=86_400, allow_inf_nan=False)
+
+
+class HeartbeatData(Data):
+    """Progress of a rank: the step it reached, and the timings of the steps since its last heartbeat."""
+
+    step: int = Field(ge=0)
+    timings: tuple[StepTiming, ...] = Field(default=(), max_length=MAX_TIMINGS)
 
 
 class Heartbeat(Event):

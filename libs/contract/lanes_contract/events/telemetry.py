@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Literal
 
 from pydantic import AwareDatetime, Field
 
@@ -214,6 +215,31 @@ class JobFinding(Event):
     name = "finding"
     lane: Lane = Lane.PLATFORM
     data: JobFindingData
+
+
+class JobSlowdownData(Data):
+    """A running attempt is slower than its own start, or one rank holds the others back; nothing failed."""
+
+    kind: Literal["compute_straggler", "degraded_link", "imbalance"]
+    rank: int | None = Field(default=None, ge=0, description="The rank holding the others back, if one does.")
+    node: str | None = Field(default=None, max_length=256, description="Its node, or the node behind the link.")
+    onset_step: int = Field(ge=0, description="The step the slowdown began at (imbalance: the first step).")
+    slowdown: float = Field(ge=0, allow_inf_nan=False, description="Relative step-time increase (0.38: +38%).")
+    lost_s: float = Field(ge=0, allow_inf_nan=False, description="Seconds lost against the attempt's own baseline.")
+    gpu_hours: float = Field(ge=0, allow_inf_nan=False, description="GPU-hours those seconds held.")
+    votes: float = Field(
+        default=0.0, ge=0, le=1, description="Share of collectives since the onset the rank arrived last at."
+    )
+    summary: str = Field(max_length=512)
+
+
+class JobSlowdown(Event):
+    """Telemetry found a slow rank or a degraded link in a running attempt (`lane` says whose it is)."""
+
+    family = Family.JOB
+    name = "slowdown"
+    lane: Lane = Lane.HOST
+    data: JobSlowdownData
 
 
 class SettleWindowEndedData(Data):

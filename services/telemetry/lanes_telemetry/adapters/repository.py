@@ -10,11 +10,18 @@ from typing import Any
 
 import asyncpg
 
-from lanes_contract.events import EvidenceData, JobFindingData, RankAssignment
+from lanes_contract.events import EvidenceData, JobFindingData, JobSlowdownData, RankAssignment, StepTiming
 from lanes_evidence.evidence import Evidence
 from lanes_runtime.store import Db
 from lanes_telemetry.domain.settlement import RankExit
-from lanes_telemetry.service_layer.ports import NewEvidence, Placement, PlacementSpan, Reporter, StoredEvidence
+from lanes_telemetry.service_layer.ports import (
+    NewEvidence,
+    Placement,
+    PlacementSpan,
+    Reporter,
+    StoredEvidence,
+    TimedStep,
+)
 
 NO_RANK = -1
 """The rank column of node-level evidence in `telemetry_reporters` (a primary key cannot hold NULL)."""
@@ -395,4 +402,70 @@ class PostgresTelemetryStore:
             event_id,
             job_id,
             attempt,
+        )
+
+
+class PostgresStepTimings:
+    """The `StepTimingStore` port on one PostgreSQL connection (inside the caller's transaction)."""
+
+    def __init__(self, conn: Db) -> None:
+        self._conn = conn
+
+    async def add(self, job_id: str, attempt: int, rank: int, node: str, timings: Sequence[StepTiming]) -> None:
+        """Keep a rank's step timings (a redelivered heartbeat writes the same rows again)."""
+        await self._conn.executemany(
+            """INSERT INTO telemetry_step_timings (job_id, attempt, rank, step, node, compute_s, wait_s)
+               VALUES ($1, $2, $3, $4, $5, $6, $7)
+               ON CONFLICT (job_id, attempt, step, rank) DO NOTHING""",
+            [(job_id, attempt, rank, t.step, node, t.compute_s, t.wait_s) for t in timings],
+        )
+
+    async def reported(self, job_id: str, attempt: int) -> bool:
+        """Whether this attempt's slowdown is already reported (once per attempt), locking the attempt's row."""
+        await self._conn.execute(
+            "SELECT pg_advisory_xact_lock(hashtext($1), $2)", f"lanes-telemetry-slowdown:{job_id}", attempt
+        )
+        found = await self._conn.fetchval(
+            "SELECT 1 FROM telemetry_slowdowns WHERE job_id = $1 AND attempt = $2", job_id, attempt
+        )
+        return found is not None
+
+    async def complete_steps(self, job_id: str, attempt: int, baseline: int, recent: int) -> list[TimedStep]:
+        """The attempt's first `baseline` and last `recent` steps that every rank heard from so far reported."""
+        rows = await self._conn.fetch(
+            """WITH world AS (
+                   SELECT count(DISTINCT rank) AS ranks FROM telemetry_step_timings WHERE job_id = $1 AND attempt = $2
+               ), complete AS (
+                   SELECT step FROM telemetry_step_timings WHERE job_id = $1 AND attempt = $2
+                   GROUP BY step HAVING count(*) = (SELECT ranks FROM world)
+               ), chosen AS (
+                   (SELECT step FROM complete ORDER BY step LIMIT $3)
+                   UNION (SELECT step FROM complete ORDER BY step DESC LIMIT $4)
+               )
+               SELECT t.rank, t.step, t.node, t.compute_s, t.wait_s FROM telemetry_step_timings t
+               JOIN chosen USING (step) WHERE t.job_id = $1 AND t.attempt = $2 ORDER BY t.step, t.rank""",
+            job_id,
+            attempt,
+            baseline,
+            recent,
+        )
+        return [TimedStep(r["rank"], r["step"], r["node"], r["compute_s"], r["wait_s"]) for r in rows]
+
+    async def gpus(self, job_id: str, attempt: int) -> int:
+        """GPUs the attempt holds, from telemetry's copy of its placement (0 when not known)."""
+        count = await self._conn.fetchval(
+            "SELECT coalesce(sum(cardinality(gpus)), 0) FROM telemetry_placements WHERE job_id = $1 AND attempt = $2",
+            job_id,
+            attempt,
+        )
+        return int(count)
+
+    async def save_report(self, job_id: str, attempt: int, report: JobSlowdownData) -> None:
+        """Remember the attempt's reported slowdown (the attempt's lock is held: `reported`)."""
+        await self._conn.execute(
+            "INSERT INTO telemetry_slowdowns (job_id, attempt, kind, data) VALUES ($1, $2, $3, $4)",
+            job_id,
+            attempt,
+            report.kind,
+            report.model_dump_json(),
         )

@@ -1,8 +1,9 @@
-"""The telemetry as the composition root sees it: its tables, its two consumers and its settle timer.
+"""The telemetry as the composition root sees it: its tables, its three consumers and its settle timer.
 
 `telemetry` ingests evidence from LANES_TELEMETRY; `telemetry-placements` keeps telemetry's own copy of
 where each rank runs and how it ended, read from the job stream (services never read each other's tables),
-and settles findings; the settle timer closes the settle window of failed attempts.
+and settles findings; `telemetry-progress` reads the heartbeats' step timings for slow ranks and degraded
+links; the settle timer closes the settle window of failed attempts.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from lanes_telemetry.domain.election import DEFAULT_CAUSE_WINDOW
 from lanes_telemetry.domain.settlement import DEFAULT_SETTLE_WINDOW
 from lanes_telemetry.entrypoints.timers import SettleTimers
 from lanes_telemetry.service_layer.handlers import Telemetry
+from lanes_telemetry.service_layer.progress import SlowRanks
 
 JOB_FACTS = ("placed", "resources_released", "rank_started", "rank_exited", "state_changed", "settle_window_ended")
 """The subject names (`lanes.job.*.<name>`) telemetry folds."""
@@ -28,6 +30,9 @@ EVENTS = ConsumerSpec(durable="telemetry", stream=TELEMETRY, subjects=("lanes.te
 PLACEMENTS = ConsumerSpec(
     durable="telemetry-placements", stream=JOBS, subjects=tuple(f"lanes.job.*.{name}" for name in JOB_FACTS)
 )
+PROGRESS = ConsumerSpec(durable="telemetry-progress", stream=JOBS, subjects=("lanes.job.*.heartbeat",), batch=256)
+"""Heartbeats, for the step timings they carry (slow ranks, degraded links); apart from the facts above, so a
+busy job's heartbeats never delay the placements that correlate evidence."""
 SETTLE_WINDOW_ENV = "LANES_SETTLE_WINDOW_S"
 CAUSE_WINDOW_ENV = "LANES_CAUSE_WINDOW_S"
 
@@ -64,7 +69,11 @@ def telemetry_service(
     return ServiceDefinition(
         name="telemetry",
         migrations=migrations_of("lanes_telemetry.adapters"),
-        consumers=((events, telemetry.handle_evidence), (facts, telemetry.handle_job_event)),
+        consumers=(
+            (events, telemetry.handle_evidence),
+            (facts, telemetry.handle_job_event),
+            (PROGRESS, SlowRanks().handle_progress),
+        ),
         runners=(timers,),
     )
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
-from lanes_contract.events import JobFindingData, RankAssignment
+from lanes_contract.events import JobFindingData, JobSlowdownData, RankAssignment, StepTiming
 from lanes_evidence.evidence import Evidence
 from lanes_runtime.store import Db
 from lanes_telemetry.domain.settlement import RankExit
@@ -205,3 +205,42 @@ class TelemetryStore(Protocol):
 
 StoreFactory = Callable[[Db], TelemetryStore]
 """Opens the store on a transaction's connection."""
+
+
+@dataclass(frozen=True)
+class TimedStep:
+    """One rank's timing of one step, as stored: the step, where the rank runs, its compute and wait."""
+
+    rank: int
+    step: int
+    node: str
+    compute_s: float
+    wait_s: float
+
+
+class StepTimingStore(Protocol):
+    """Where the slow-rank reader keeps each rank's step timings and the one slowdown reported per attempt."""
+
+    async def add(self, job_id: str, attempt: int, rank: int, node: str, timings: Sequence[StepTiming]) -> None:
+        """Keep a rank's step timings (a redelivered heartbeat writes the same rows again)."""
+        ...
+
+    async def reported(self, job_id: str, attempt: int) -> bool:
+        """Whether this attempt's slowdown is already reported, holding the attempt until the commit."""
+        ...
+
+    async def complete_steps(self, job_id: str, attempt: int, baseline: int, recent: int) -> list[TimedStep]:
+        """The first `baseline` and last `recent` steps that every rank heard from so far reported."""
+        ...
+
+    async def gpus(self, job_id: str, attempt: int) -> int:
+        """GPUs the attempt holds (0 when its placement is not known)."""
+        ...
+
+    async def save_report(self, job_id: str, attempt: int, report: JobSlowdownData) -> None:
+        """Remember the attempt's reported slowdown."""
+        ...
+
+
+StepTimingFactory = Callable[[Db], StepTimingStore]
+"""Opens the step-timing store on a transaction's connection."""

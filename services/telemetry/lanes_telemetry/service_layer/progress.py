@@ -1,0 +1,80 @@
+"""Slow ranks and degraded links from the heartbeats' step timings (the `telemetry-progress` consumer).
+
+Each rank's agent batches its step timings into heartbeats (at most one per rank per second). This handler
+keeps them and, once per attempt per batch (before the commit, as the election runs), reads the attempt's
+complete steps through the straggler core (`domain/stragglers.py`). The first slowdown found is published
+as `slowdown` on the job's subject, once per attempt: an attempt that is slow stays slow, and a page a
+second would bury it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from lanes_contract.events import Event, Heartbeat, JobSlowdown, JobSlowdownData, derive
+from lanes_runtime.consumer import Caused, HandlerContext
+from lanes_telemetry.adapters.repository import PostgresStepTimings
+from lanes_telemetry.domain.stragglers import DEFAULT_WARMUP, RankStep, detect
+from lanes_telemetry.service_layer.ports import StepTimingFactory, StepTimingStore
+
+SOURCE = "lanes/telemetry"
+RECENT_STEPS = 1000
+"""Steps read after the baseline: a slowdown older than this has been reported, or never will be."""
+_PENDING = "telemetry.slowdown_reads"
+
+
+class SlowRanks:
+    """The handler of the `telemetry-progress` consumer, on a step-timing store (the port)."""
+
+    def __init__(self, store: StepTimingFactory = PostgresStepTimings) -> None:
+        self._store = store
+
+    async def handle_progress(self, event: Event, ctx: HandlerContext) -> Sequence[Event]:
+        """Keep a heartbeat's step timings; read the attempt for a slowdown (now, or once per batch)."""
+        if not isinstance(event, Heartbeat) or not event.data.timings or event.attempt is None:
+            return ()
+        if event.rank is None or event.node is None:
+            return ()  # a heartbeat that does not say whose timings they are cannot place them
+        store = self._store(ctx.conn)
+        await store.add(event.job_key, event.attempt, event.rank, event.node, event.data.timings)
+        if not ctx.scope.deferred:
+            return [found for _, found in await _read(store, {(event.job_key, event.attempt): event})]
+        pending: dict[tuple[str, int], Event] | None = ctx.scope.cache.get(_PENDING)
+        if pending is None:
+            pending = ctx.scope.cache[_PENDING] = {}
+            scope = ctx.scope
+            scope.before_commit(lambda: _read(store, scope.cache.pop(_PENDING)))
+        pending[event.job_key, event.attempt] = event  # the finding follows from the batch's last heartbeat
+        return ()
+
+
+async def _read(store: StepTimingStore, attempts: dict[tuple[str, int], Event]) -> list[Caused]:
+    """Read each attempt (in one order, so two transactions wait rather than deadlock) for a slowdown."""
+    found: list[Caused] = []
+    for (job_id, attempt), cause in sorted(attempts.items()):
+        if await store.reported(job_id, attempt):
+            continue
+        timed = await store.complete_steps(job_id, attempt, DEFAULT_WARMUP, RECENT_STEPS)
+        nodes = {t.rank: t.node for t in timed}
+        slow = detect([RankStep(t.rank, t.step, t.compute_s, t.wait_s) for t in timed], nodes=nodes)
+        if slow is None:
+            continue
+        report = JobSlowdownData(
+            kind=slow.kind.value,
+            rank=slow.rank,
+            node=slow.node,
+            onset_step=slow.onset_step,
+            slowdown=round(slow.slowdown, 4),
+            lost_s=round(slow.lost_s, 3),
+            gpu_hours=round(slow.gpu_hours(await store.gpus(job_id, attempt)), 4),
+            votes=round(slow.votes, 3),
+            summary=slow.summary(),
+        )
+        await store.save_report(job_id, attempt, report)
+        found.append(
+            (
+                cause,
+                derive(JobSlowdown, cause, source=SOURCE, lane=slow.lane, rank=slow.rank, node=slow.node, data=report),
+            )
+        )
+    return found

@@ -1,0 +1,76 @@
+"""Slow ranks from heartbeats' step timings, through the telemetry service on real NATS and PostgreSQL.
+
+Four ranks on four nodes report every step's compute and wait in batches, as their agents send them; from
+step 60 rank 2 computes 40% longer and the other three wait for it. Telemetry publishes one `slowdown` on the
+job's subject naming rank 2 and its node, in the host lane, with the onset and the GPU-hours lost; the
+batches that keep coming change nothing (one report per attempt), and a clean job gets none.
+"""
+
+from __future__ import annotations
+
+from support.cli import local_stack
+from support.recovery import events_of, wait_for
+
+from lanes_contract.client import LanesClient
+from lanes_contract.events import (
+    Heartbeat,
+    HeartbeatData,
+    JobPlaced,
+    JobPlacedData,
+    JobSlowdown,
+    Lane,
+    RankAssignment,
+    StepTiming,
+)
+from lanes_runtime.settings import ServerUrls
+
+NODES = ("sr-node-0", "sr-node-1", "sr-node-2", "sr-node-3")
+BATCH = 20
+"""Steps per heartbeat (an agent sends what a second gathered)."""
+
+
+def _timing(rank: int, step: int, slow_from: int | None) -> StepTiming:
+    # A +-1% wobble by rank and step; the slow rank computes 40% longer, and everyone waits for the slowest.
+    def compute(r: int) -> float:
+        c = 1.0 + 0.01 * (((step * 7 + r * 3) % 5) - 2) / 2
+        return c * 1.4 if slow_from is not None and r == 2 and step >= slow_from else c
+
+    slowest = max(compute(r) for r in range(len(NODES)))
+    return StepTiming(step=step, compute_s=compute(rank), wait_s=slowest - compute(rank) + 0.25)
+
+
+async def _run(client: LanesClient, job_id: str, steps: int, slow_from: int | None) -> None:
+    assignments = tuple(RankAssignment(rank=r, node=n, gpus=(0, 1)) for r, n in enumerate(NODES))
+    await client.publish(
+        JobPlaced(source="tests", jobid=job_id, attempt=1, data=JobPlacedData(assignments=assignments))
+    )
+    for first in range(0, steps, BATCH):
+        for rank, node in enumerate(NODES):
+            timings = tuple(_timing(rank, step, slow_from) for step in range(first, first + BATCH))
+            data = HeartbeatData(step=first + BATCH - 1, timings=timings)
+            beat = Heartbeat(source=f"agent/{node}", jobid=job_id, attempt=1, rank=rank, node=node, data=data)
+            await client.publish(beat)
+
+
+async def test_a_rank_that_computes_longer_is_named_once_with_its_node_lane_onset_and_cost(
+    own_urls: ServerUrls, unique: str
+) -> None:
+    slow, clean, later = f"slow-{unique}", f"clean-{unique}", f"later-{unique}"
+    async with local_stack(own_urls, ["telemetry"], nodes=False, agent=False) as conns:
+        client = LanesClient(conns.nc, "tests")
+        await _run(client, clean, 200, slow_from=None)
+        await _run(client, slow, 200, slow_from=60)
+        (found,) = await wait_for(client, slow, JobSlowdown)
+        assert (found.data.kind, found.lane, found.rank, found.node) == ("compute_straggler", Lane.HOST, 2, NODES[2])
+        assert found.data.rank == 2
+        assert 58 <= found.data.onset_step <= 61
+        assert 0.25 < found.data.slowdown < 0.4
+        assert found.data.gpu_hours > 0  # 8 GPUs held while everyone waited for rank 2
+        assert found.data.summary.startswith("rank 2: step time +")
+        await _run(client, slow, 300, slow_from=60)  # later heartbeats (and redeliveries) report nothing new
+        await _run(client, later, 200, slow_from=60)
+        # One consumer reads the heartbeats in order: once the last job's slowdown is out, every heartbeat
+        # published before it was read, the clean job's and the slow job's later ones included.
+        await wait_for(client, later, JobSlowdown)
+        assert await events_of(client, clean, JobSlowdown) == []
+        assert len(await events_of(client, slow, JobSlowdown)) == 1
