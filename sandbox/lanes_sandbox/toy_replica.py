@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from aiohttp import web
 
-Mode = Literal["ok", "fail", "hang", "die_after", "slow_first_token"]
+Mode = Literal["ok", "fail", "hang", "die_after", "stall_after", "slow_first_token"]
 CREATED = 1_700_000_000
 """Every answer's `created`: a clock in the answer would make two runs of one request differ."""
 
@@ -39,7 +39,8 @@ class Behaviour:
 
     mode: Mode = "ok"
     """ok; fail (answer `fail_status`); hang (never answer); die_after (drop the connection after
-    `after_tokens` tokens); slow_first_token (wait `slow_first_token_ms` before the first byte)."""
+    `after_tokens` tokens); stall_after (go silent after `after_tokens` tokens, the connection kept open, as a
+    hung or lost node looks); slow_first_token (wait `slow_first_token_ms` before the first byte)."""
     fail_status: int = 500
     after_tokens: int = 2
     slow_first_token_ms: int = 5000
@@ -194,6 +195,8 @@ class ToyReplica:
             if behaviour.mode == "die_after" and sent >= behaviour.after_tokens and request.transport is not None:
                 request.transport.close()  # the replica "dies" mid-stream: the connection drops without [DONE]
                 return response
+            if behaviour.mode == "stall_after" and sent >= behaviour.after_tokens:
+                await asyncio.sleep(3600)
             if sent and behaviour.token_delay_ms:
                 await asyncio.sleep(behaviour.token_delay_ms / 1000)
             token = _token(i)

@@ -12,6 +12,7 @@ from support.router import (
     announce_replica,
     chat,
     lanes_client,
+    preferred_replica,
     router_in_process,
     serving,
     sse_events,
@@ -202,3 +203,39 @@ async def test_a_stream_moves_while_a_replica_is_left_and_its_record_says_where(
     assert data.continuations == 1
     assert data.status == "failed"
     assert data.completion_tokens == 6  # three tokens from each replica
+
+
+@pytest.mark.slow
+async def test_a_stream_whose_replica_goes_silent_moves_when_the_idle_timeout_says_so(
+    servers: ServerUrls, unique: str
+) -> None:
+    model = f"m-{unique}"
+    ids = [f"a-{unique}", f"b-{unique}"]
+    prompt = f"system prompt {unique}"
+    silent = preferred_replica(ids, prompt)
+    other = next(replica_id for replica_id in ids if replica_id != silent)
+    async with (
+        toys((model, "v1"), (model, "v1")) as started,
+        aiohttp.ClientSession() as session,
+        lanes_client(servers) as lanes,
+        router_in_process(servers, prefix_affinity=True) as (_runner, url),
+    ):
+        toy_of = dict(zip(ids, started, strict=True))
+        for replica_id, toy in toy_of.items():
+            await announce_replica(lanes, replica_id, serving(model, "v1"), toy.endpoint)
+        await wait_routable(session, url, model, 2)
+        # The replica affinity picks first sends 3 tokens, then nothing, its connection open (a hung node).
+        await toy_of[silent].control(mode="stall_after", after_tokens=3)
+        messages = [{"role": "user", "content": prompt}]
+        status, _, body = await chat(
+            session, url, model, stream=True, messages=messages, headers={"X-Request-Id": f"quiet-{unique}"}
+        )
+        assert status == 200
+        assert _text(body) == "".join(f"tok{i} " for i in range(8))
+        assert all("error" not in chunk for chunk in sse_events(body)[:-1])
+        (event,) = await wait_served(lanes, model, 1)
+    left, took_over = event.data.attempts
+    assert (left.replica, left.outcome, left.first_token, left.tokens_sent) == (silent, "failed_mid_stream", 0, 3)
+    assert left.detail  # why it moved: the read timeout of a silent replica
+    assert (took_over.replica, took_over.outcome, took_over.first_token, took_over.tokens_sent) == (other, "ok", 3, 5)
+    assert event.data.status == "ok"

@@ -697,6 +697,10 @@ class RouterHttp:
             detail = f"no answer within {self._config.first_token_timeout_s:g}s"
         except aiohttp.ClientError as exc:
             detail = str(exc) or type(exc).__name__
+        except BaseException:
+            if upstream is not None:  # the client left while the stream was moving: free the connection
+                upstream.close()
+            raise
         if upstream is not None:
             upstream.close()
         status = None if upstream is None else upstream.status
