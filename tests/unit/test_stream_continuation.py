@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from lanes_cli.incident import affected_requests
 from lanes_cli.router_cli import tries_text
 from lanes_contract.events import RequestAttempt
 from lanes_contract.jobs import FailoverPolicy, ServingSpec
@@ -162,3 +163,26 @@ def test_lanes_requests_shows_where_a_stream_moved() -> None:
     assert tries_text(attempts, moved=True) == "a:failed_mid_stream[0:37) > b:ok[37:60)"
     assert tries_text(attempts, moved=False) == "a:failed_mid_stream > b:ok"
     assert tries_text((), moved=False) == "-"
+
+
+def test_the_incident_bundle_says_a_cut_stream_was_continued_and_where() -> None:
+    attempts = [
+        {"replica": "chat-a", "node": "n1", "outcome": "failed_mid_stream", "first_token": 0, "tokens_sent": 5},
+        {"replica": "chat-b", "node": "n2", "outcome": "ok", "first_token": 5, "tokens_sent": 7},
+    ]
+
+    def row(request_id: str, status: str, continuations: int) -> dict[str, Any]:
+        data = {
+            "request_id": request_id,
+            "replica": "chat-b",
+            "status": status,
+            "http_status": 200,
+            "attempts": attempts,
+            "continuations": continuations,
+        }
+        return {"time": "2026-01-01T00:00:00Z", "data": data}
+
+    touched = affected_requests([row("moved", "ok", 1), row("cut", "failed", 0)], "chat-a")
+    assert touched["outcomes"] == {"continued": 1, "failed_mid_stream": 1}
+    moved = next(r for r in touched["requests"] if r["request_id"] == "moved")
+    assert moved["moved_at_tokens"] == [5]

@@ -104,7 +104,8 @@ def affected_requests(requests: Iterable[Row], replica: str, nodes: Iterable[str
         moved = len(attempts) > 1 and data["status"] == "ok"
         outcome = "failed_over" if moved else ("ok" if data["status"] == "ok" else data["status"])
         if any(a.get("outcome") == "failed_mid_stream" for a in attempts):
-            outcome = "failed_mid_stream"
+            # A stream continued on another replica lost nothing; one that was not continued ended in error.
+            outcome = "continued" if data.get("continuations") and data["status"] == "ok" else "failed_mid_stream"
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
         listed.append(
             {
@@ -114,6 +115,7 @@ def affected_requests(requests: Iterable[Row], replica: str, nodes: Iterable[str
                 "served_by": data["replica"],
                 "http_status": data["http_status"],
                 "attempts": [f"{a['replica']}:{a['outcome']}" for a in attempts],
+                "moved_at_tokens": [a["first_token"] for a in attempts[1:] if a.get("first_token")],
             }
         )
     return {"count": len(listed), "outcomes": dict(sorted(outcomes.items())), "requests": listed}

@@ -5,11 +5,13 @@ replica) on its own node, behind the router. A few clients stream chat completio
 the whole time. Then the node of replica A fails: its server process is killed with SIGKILL and the node's
 kernel log reports the GPU falling off the bus (Xid 79). With `through_kernel` that line is written to
 /dev/kmsg and the node agent reads it there, as on a GPU node; otherwise the scenario publishes what the
-agent would have read. Requests that had not received a byte move to
-replica B without the client noticing; the ones streaming from A at that instant end with a clear error
-event. Telemetry elects the Xid as the first error, recovery marks the replica unhealthy, cordons the node
-and asks for a replacement attempt with the same model version once A's GPUs are released; the router
-puts it back in rotation after a health check. At the end both replicas are drained and cancelled.
+agent would have read. Requests that had not received a byte move to replica B without the client
+noticing; the ones streaming from A at that instant are continued on B from the token where A stopped
+(the client still sees one whole stream; provenance records the move, and the clients' tally counts them
+as `continued_on_another_replica`). Telemetry elects the Xid as the first error, recovery marks the
+replica unhealthy, cordons the node and asks for a replacement attempt with the same model version once
+A's GPUs are released; the router puts it back in rotation after a health check. At the end both replicas
+are drained and cancelled.
 """
 
 from __future__ import annotations
@@ -41,12 +43,14 @@ from lanes_contract.events import (
     RankStarted,
     ReplicaState,
     ReplicaStateChanged,
+    RequestServed,
 )
 from lanes_contract.ids import derived_event_id, new_event_id
 from lanes_contract.jobs import JobSpec, JobState, Owners, ProtectionMode, ServingSpec, WorkloadClass
-from lanes_contract.streams import TELEMETRY
+from lanes_contract.streams import REQUESTS, TELEMETRY
 from lanes_evidence.evidence import evidence_event
 from lanes_evidence.parsers import SourceContext, parse_lines
+from lanes_runtime.reader import Selection, iter_stream
 from lanes_runtime.service import Connections
 
 SOURCE = "lanes/demo"
@@ -63,7 +67,10 @@ class ClientTally:
     outcomes: Counter[str] = field(default_factory=Counter)
 
     def as_json(self) -> dict[str, int]:
-        """`ok`, `error_event` (a stream cut with an error event), `http_<status>` counts."""
+        """`ok`, `error_event` (a stream cut with an error event), `http_<status>` counts.
+
+        And `continued_on_another_replica`: how many `ok` streams moved mid-way (read from their provenance).
+        """
         return dict(sorted(self.outcomes.items()))
 
 
@@ -140,6 +147,17 @@ async def _client(session: aiohttp.ClientSession, url: str, tally: ClientTally, 
             tally.outcomes[outcome] += 1
 
 
+async def _continued_streams(conns: Connections, since: datetime) -> int:
+    """How many of the model's requests since `since` moved to another replica mid-stream and completed."""
+    moved = 0
+    async for msg in iter_stream(conns.nc.jetstream(), Selection(REQUESTS.name, f"lanes.req.{MODEL}.>", since=since)):
+        with contextlib.suppress(DecodeError):
+            event = decode(msg.subject, msg.headers, msg.data)
+            if isinstance(event, RequestServed) and event.data.continuations and event.data.status == "ok":
+                moved += 1
+    return moved
+
+
 async def _node_fails(conns: Connections, node: str, pid: int, *, through_kernel: bool) -> None:
     """Kill the replica's server, and the node's kernel log says the GPU fell off the bus."""
     with contextlib.suppress(ProcessLookupError):
@@ -172,6 +190,7 @@ async def replica_node_fails(
             spec = replica_spec(name)
             await client.publish(JobSubmitted(source=SOURCE, jobid=job_id, attempt=1, data=JobSubmittedData(spec=spec)))
         await replicas.wait("both replicas ready", lambda: {(chat_a, 1), (chat_b, 1)} <= replicas.ready, timeout_s)
+        load_started = datetime.now(UTC)
         async with aiohttp.ClientSession() as session:
             load = [asyncio.create_task(_client(session, router_url, tally, stop)) for _ in range(CLIENTS)]
             try:
@@ -194,6 +213,9 @@ async def replica_node_fails(
             lambda: (chat_a, 2) in replicas.released and (chat_b, 1) in replicas.released,
             timeout_s,
         )
+        # Provenance is published off the request path; by now (both replicas released) it is stored.
+        if continued := await _continued_streams(conns, load_started):
+            tally.outcomes["continued_on_another_replica"] = continued
     finally:
         for sub in subs:
             await sub.unsubscribe()
