@@ -4,6 +4,7 @@ client still gets the answer it would have had, byte for byte, under one request
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import aiohttp
 import pytest
@@ -22,7 +23,8 @@ from support.router import (
 )
 from support.waiting import eventually
 
-from lanes_contract.events import RequestServed
+from lanes_contract.events import NodeStateChanged, NodeStateChangedData, RequestServed
+from lanes_contract.topology import NodeState
 from lanes_runtime.settings import ServerUrls
 
 pytestmark = pytest.mark.real_servers
@@ -42,6 +44,13 @@ async def stream_chat(
         "stream": True,
         "stream_options": USAGE,
     }
+    return await stream_body(session, url, body, request_id, progress)
+
+
+async def stream_body(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], request_id: str, progress: dict[str, int]
+) -> tuple[CIMultiDict[str], bytes]:
+    """Stream one chat request's answer, counting in `progress` the whole events received so far."""
     async with session.post(f"{url}/v1/chat/completions", json=body, headers={"X-Request-Id": request_id}) as r:
         assert r.status == 200, await r.text()
         received = b""
@@ -239,3 +248,43 @@ async def test_a_stream_whose_replica_goes_silent_moves_when_the_idle_timeout_sa
     assert left.detail  # why it moved: the read timeout of a silent replica
     assert (took_over.replica, took_over.outcome, took_over.first_token, took_over.tokens_sent) == (other, "ok", 3, 5)
     assert event.data.status == "ok"
+
+
+@pytest.mark.slow
+async def test_streams_on_a_lost_node_move_at_once_not_at_the_idle_timeout(servers: ServerUrls, unique: str) -> None:
+    model = f"m-{unique}"
+    ids = [f"a-{unique}", f"b-{unique}"]
+    nodes = dict(zip(ids, (f"n-a-{unique}", f"n-b-{unique}"), strict=True))
+    prompt = f"system prompt {unique}"
+    lost = preferred_replica(ids, prompt)
+    other = next(replica_id for replica_id in ids if replica_id != lost)
+    request_id = f"lost-{unique}"
+    # An idle timeout far beyond the test's wait: only the node's loss can move the stream in time.
+    async with (
+        toys((model, "v1"), (model, "v1")) as started,
+        aiohttp.ClientSession() as session,
+        lanes_client(servers) as lanes,
+        router_in_process(servers, prefix_affinity=True, stream_idle_timeout_s=600) as (_runner, url),
+    ):
+        toy_of = dict(zip(ids, started, strict=True))
+        for replica_id, toy in toy_of.items():
+            await announce_replica(lanes, replica_id, serving(model, "v1"), toy.endpoint, node=nodes[replica_id])
+        await wait_routable(session, url, model, 2)
+        await toy_of[lost].control(mode="stall_after", after_tokens=3)
+        progress: dict[str, int] = {}
+        body = {"model": model, "messages": [{"role": "user", "content": prompt}], "stream": True}
+        stream = asyncio.create_task(stream_body(session, url, body, request_id, progress))
+
+        async def three_tokens_in() -> bool:
+            return progress.get(request_id, 0) >= 3
+
+        await eventually(three_tokens_in, what="the stream's first three tokens")
+        data = NodeStateChangedData(state=NodeState.UNHEALTHY, reason="Xid 79: GPU has fallen off the bus")
+        await lanes.publish(NodeStateChanged(source="tests", node=nodes[lost], data=data))
+        _, received = await asyncio.wait_for(stream, 60)
+        (event,) = await wait_served(lanes, model, 1)
+    assert _text(received) == "".join(f"tok{i} " for i in range(8))
+    left, took_over = event.data.attempts
+    assert (left.replica, left.outcome, left.tokens_sent) == (lost, "failed_mid_stream", 3)
+    assert f"its node {nodes[lost]} is unhealthy" in left.detail
+    assert (took_over.replica, took_over.outcome, took_over.first_token) == (other, "ok", 3)

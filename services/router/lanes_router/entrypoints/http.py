@@ -73,9 +73,9 @@ def _may_continue(spec: ServingSpec) -> bool:
     return moves and spec.continuation != "none"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Leg:
-    """One replica's part of a client's stream."""
+    """One replica's part of a client's stream (hashed by identity: the live streams are a set of legs)."""
 
     replica: Replica
     upstream: aiohttp.ClientResponse
@@ -87,6 +87,8 @@ class _Leg:
     """The index of the first token this leg sent the client."""
     rewriter: LegRewriter | None = None
     """Set on a continuation: makes its events read as the first leg's stream."""
+    cut: str = ""
+    """Why the router cut this leg itself (its replica's node was lost), when it did."""
 
 
 def _client_gone(request: web.Request) -> bool:
@@ -201,6 +203,8 @@ class RouterHttp:
         self._tenants = load_tenants(config.tenants_file)
         self._limits = TenantLimits()
         self._session: aiohttp.ClientSession | None = None
+        self._live: dict[str, set[_Leg]] = {}
+        """The streams each replica is sending now, so a lost replica's streams move at once."""
         connect = config.connect_timeout_s
         self._stream_timeout = aiohttp.ClientTimeout(sock_connect=connect, sock_read=config.stream_idle_timeout_s)
         self._whole_timeout = aiohttp.ClientTimeout(sock_connect=connect)
@@ -554,6 +558,8 @@ class RouterHttp:
         mid-event leaves no half event for a continuation to follow.
         """
         chunk, held, sent, rewriter = leg.first, b"", leg.sent, leg.rewriter
+        live = self._live.setdefault(leg.replica.replica_id, set())
+        live.add(leg)
         try:
             while chunk:
                 if held or not (chunk.endswith((b"\n\n", b"\r\n\r\n"))):
@@ -571,9 +577,12 @@ class RouterHttp:
                 # A silent replica is caught by the session's read timeout (`sock_read`), not a timer per chunk.
                 chunk = await leg.upstream.content.readany()
         except (aiohttp.ClientError, ConnectionResetError, TimeoutError) as exc:
-            return str(exc) or type(exc).__name__
+            return leg.cut or str(exc) or type(exc).__name__
         finally:
+            live.discard(leg)
             leg.upstream.release()
+        if leg.cut:
+            return leg.cut
         if held:
             meter.feed(held)
             try:
@@ -745,6 +754,20 @@ class RouterHttp:
         else:
             # No usage event was asked for: one SSE event carries one token in vLLM's streams.
             served.completion_tokens = meter.events
+
+    def cut_streams(self, replica_id: str, why: str) -> int:
+        """Close the upstream of every stream a replica is sending: each moves now, not at the idle timeout.
+
+        Called when the router learns the replica is lost (its node unhealthy, recovery or the lifecycle
+        took it out): waiting for a dead node's silence to time out would stall its clients for that long.
+        """
+        legs = self._live.pop(replica_id, set())
+        for leg in legs:
+            leg.cut = why
+            # Wake the read now (closing alone may leave it waiting on a socket nobody will write to).
+            leg.upstream.content.set_exception(aiohttp.ClientConnectionError(why))
+            leg.upstream.close()
+        return len(legs)
 
     # --- provenance ------------------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ import contextlib
 import errno
 import os
 import socket
+from collections.abc import Iterable
 
 import aiohttp
 import redis.asyncio as aioredis
@@ -20,8 +21,9 @@ from aiohttp import web
 from nats.aio.client import Client as NatsClient
 
 from lanes_contract.client import LanesClient
-from lanes_contract.events import Event
+from lanes_contract.events import Event, NodeStateChanged, ReplicaState
 from lanes_contract.streams import JOBS, NODES, REQUESTS, provision_streams
+from lanes_contract.topology import NodeState
 from lanes_router.adapters.health_store import RedisFailureCounter
 from lanes_router.adapters.leases import RedisLeases
 from lanes_router.adapters.metrics import Labels, RouterMetrics
@@ -36,6 +38,8 @@ from lanes_router.service_layer.dispatch import Dispatcher
 from lanes_router.service_layer.health import SOURCE, HealthMonitor, ProbeResult
 
 log = structlog.get_logger(__name__)
+LOST_HOLDS = frozenset({"recovery", "lifecycle", "node"})
+"""Who, taking a replica out, means it is lost (its streams move now); passive ejection may be one bad try."""
 
 
 class RouterRunner:
@@ -48,6 +52,7 @@ class RouterRunner:
         self._redis = redis
         self.router_name = f"{socket.gethostname()}-{os.getpid()}"
         self.registry = ReplicaRegistry()
+        self._http: RouterHttp | None = None
         self.metrics = RouterMetrics()
         self.leases = RedisLeases(
             redis,
@@ -97,7 +102,7 @@ class RouterRunner:
         inner_stop = asyncio.Event()
         timeout = aiohttp.ClientTimeout(total=self.config.probe_timeout_s)
         self._probe_session = aiohttp.ClientSession(timeout=timeout)
-        http = RouterHttp(
+        http = self._http = RouterHttp(
             config=self.config,
             registry=self.registry,
             dispatcher=self.dispatcher,
@@ -188,13 +193,27 @@ class RouterRunner:
         return f"http://{self.config.host}:{self.config.port}"
 
     def _fold(self, event: Event) -> None:
+        if isinstance(event, NodeStateChanged) and event.data.state is NodeState.UNHEALTHY:
+            self._cut_streams(
+                (r.replica_id for r in self.registry.all() if r.node == event.node_key),
+                f"its node {event.node_key} is unhealthy ({event.data.reason or 'no reason given'})",
+            )
         transition = self.registry.apply(event)
         if transition is None:
             return
         after = transition.after
+        if after.state in {ReplicaState.GONE, ReplicaState.UNHEALTHY} and after.hold in LOST_HOLDS:
+            self._cut_streams((after.replica_id,), f"the replica is {after.state.value} ({after.hold})")
         self.metrics.transitions[(("model", after.model), ("state", after.state.value))] += 1
         with contextlib.suppress(RuntimeError):  # folded before the loop runs (tests): nothing to schedule
             self.health.observe(transition)
+
+    def _cut_streams(self, replica_ids: Iterable[str], why: str) -> None:
+        if self._http is None:
+            return  # not serving yet (the rebuild's replay): no stream to move
+        for replica_id in replica_ids:
+            if moved := self._http.cut_streams(replica_id, why):
+                log.info("streams moved off a lost replica", replica=replica_id, streams=moved, why=why)
 
     async def _probe(self, endpoint: str) -> ProbeResult:
         assert self._probe_session is not None  # noqa: S101 - opened in run()
