@@ -39,6 +39,7 @@ from lanes_cli import (
     router_cli,
     run_cli,
     slurm_cli,
+    whatif_cli,
 )
 from lanes_cli.agent_cli import node_networks
 from lanes_cli.bootstrap import SERVICES, prepare_services
@@ -97,6 +98,7 @@ agent_cli.register(app)
 drill_cli.register(app)
 recover_cli.register(app)
 router_cli.register(app)
+whatif_cli.register(app)
 
 
 @app.command()
@@ -122,6 +124,15 @@ def demo(
             "Xid line is written to /dev/kmsg, where the node agent reads it.",
         ),
     ] = False,
+    export: Annotated[
+        Path | None,
+        typer.Option(
+            "--export",
+            help="After the scenario, write the job stream as NDJSON (the form `lanes replay` prints) to this file: "
+            "the input of `lanes whatif recovery --from`.",
+            dir_okay=False,
+        ),
+    ] = None,
 ) -> None:
     """Start embedded servers and every service, run the scripted multi-node scenario, print what happened."""
     if kernel and kernel_delay:
@@ -133,11 +144,13 @@ def demo(
         if why:
             err.print(f"--kernel: {why}; the OOM kill and the Xid line are played")
         through_kernel = why is None
+    if export is not None:
+        export = output_file(export, "--export")
     networks = node_networks(list(DEMO_NODES)) if netns else None
     paths = FaultPaths(networks, through_kernel)
     try:
         with servers(settings) as urls:
-            run = run_async(lambda: run_demo(urls, kernel_delay_s=kernel_delay, paths=paths))
+            run = run_async(lambda: run_demo(urls, kernel_delay_s=kernel_delay, paths=paths, export=export))
     except KeyboardInterrupt:
         fail("interrupted; embedded servers stopped", 130)
     finally:

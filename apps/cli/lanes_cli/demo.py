@@ -20,9 +20,11 @@ import asyncio
 import contextlib
 from collections.abc import Coroutine
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 
 from lanes_agent.faults import KMSG
 from lanes_agent.launcher import LocalLauncher
@@ -30,6 +32,7 @@ from lanes_agent.netns import NodeNetworks
 from lanes_cli.bootstrap import SERVICES, prepare_services
 from lanes_cli.incident import bundle
 from lanes_cli.poc import CapabilityResult, scorecard
+from lanes_cli.replay import Pace, merged, write_ndjson
 from lanes_cli.scenarios.inference import InferenceDemo, replica_node_fails
 from lanes_cli.scenarios.lifecycle import cancelled_while_starting, one_rank_fails
 from lanes_cli.scenarios.telemetry import OOM_LIMIT_GIB, oom_killed_rank
@@ -43,10 +46,10 @@ from lanes_contract.errors import DecodeError
 from lanes_contract.events import JobStateChanged, JobSubmitted, JobSubmittedData, NodeRegistered, NodeRegisteredData
 from lanes_contract.ids import new_event_id
 from lanes_contract.jobs import JobSpec, JobState, WorkloadClass
-from lanes_contract.streams import REQUESTS
+from lanes_contract.streams import JOBS, REQUESTS
 from lanes_lifecycle import views as lifecycle_jobs
 from lanes_router.entrypoints.runner import RouterRunner
-from lanes_runtime.reader import Selection
+from lanes_runtime.reader import Selection, count
 from lanes_runtime.service import Connections, connected, run_consumers
 from lanes_runtime.settings import ServerUrls, configured_keyring
 
@@ -213,12 +216,26 @@ async def _guarded(work: Coroutine[Any, Any, _T], workers: list[asyncio.Task[Non
     raise TimeoutError(msg)
 
 
+async def export_jobs(js: JetStreamContext, path: Path) -> int:
+    """Write the job stream as `lanes replay` prints it (so `lanes whatif --from` reads it); return the count."""
+    everything = Selection(JOBS.name, ">")
+    total = await count(js, everything)
+    with path.open("wb") as handle:
+        return await write_ndjson(merged(js, [everything]), handle, Pace("instant"), total)
+
+
 async def run_demo(
-    urls: ServerUrls, *, timeout_s: float = 120.0, kernel_delay_s: float = 0.0, paths: FaultPaths | None = None
+    urls: ServerUrls,
+    *,
+    timeout_s: float = 120.0,
+    kernel_delay_s: float = 0.0,
+    paths: FaultPaths | None = None,
+    export: Path | None = None,
 ) -> DemoRun:
     """Run the scripted scenario and return every job's report and timeline, read back from JetStream.
 
-    `paths`: each node's namespace (made by the caller) and whether faults go through the kernel.
+    `paths`: each node's namespace (made by the caller) and whether faults go through the kernel. `export`:
+    a file to write the job stream to once the scenario ran (the input of `lanes whatif recovery --from`).
     """
     paths = paths or FaultPaths()
     kernel = paths.through_kernel
@@ -260,6 +277,8 @@ async def run_demo(
             stop.set()
             await asyncio.gather(*workers, return_exceptions=True)
         js = conns.nc.jetstream()
+        if export is not None:
+            await export_jobs(js, export)
         keyring = configured_keyring()  # the embedded server's: each event's signer is shown checked
         entries = {job_id: await job_timeline(js, job_id, keyring) for job_id in job_ids}
         jobs = [await job_report(conns, job_id, entries[job_id]) for job_id in job_ids]
