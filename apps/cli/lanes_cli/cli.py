@@ -146,6 +146,10 @@ def demo(
         through_kernel = why is None
     if export is not None:
         export = output_file(export, "--export")
+        try:
+            export.touch()  # a file the demo cannot write is refused now, not after a minute of scenario
+        except OSError as exc:
+            cannot_write(export, exc)
     networks = node_networks(list(DEMO_NODES)) if netns else None
     paths = FaultPaths(networks, through_kernel)
     try:
