@@ -15,12 +15,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
+from typing import Any
 
 from lanes_contract.events import RecoveryDecided
 from lanes_recovery.domain.checkpoints import DigestVerdict, digest_key
 from lanes_recovery.domain.knowledge import JobKnowledge, SavedCheckpoint
 from lanes_recovery.service_layer.ports import RecoveryStore
 from lanes_runtime.store import Db
+
+_ABSENT = object()
+"""What the journal remembers for a key that did not exist before the write."""
 
 
 class DecisionClashError(RuntimeError):
@@ -37,25 +41,44 @@ class MemoryRecoveryStore:
         """Every decision recorded, in the order it was made (dicts keep insertion order)."""
         self.superseded_by: dict[str, str] = {}
         self.escalated: dict[str, datetime] = {}
+        self._journal: list[tuple[dict[str, Any], str, object]] | None = None
 
     def __call__(self, conn: Db | None) -> RecoveryStore:
         """The store factory the handlers take: the connection is ignored, every call sees the same state."""
         del conn
         return self
 
-    def snapshot(self) -> MemoryRecoveryStore:
-        """A copy to go back to (the values are immutable, so copying the dicts is enough)."""
-        copy = MemoryRecoveryStore()
-        copy.knowledge, copy.due = dict(self.knowledge), dict(self.due)
-        copy.decisions, copy.superseded_by = dict(self.decisions), dict(self.superseded_by)
-        copy.escalated = dict(self.escalated)
-        return copy
+    def begin(self) -> None:
+        """Start a transaction: every write until `commit` or `rollback` is journaled so it can be undone."""
+        self._journal = []
 
-    def restore(self, saved: MemoryRecoveryStore) -> None:
-        """Go back to a snapshot: a handler call is undone as a rolled-back transaction would be."""
-        self.knowledge, self.due = dict(saved.knowledge), dict(saved.due)
-        self.decisions, self.superseded_by = dict(saved.decisions), dict(saved.superseded_by)
-        self.escalated = dict(saved.escalated)
+    def commit(self) -> None:
+        """Keep the writes since `begin`."""
+        self._journal = None
+
+    def rollback(self) -> None:
+        """Undo the writes since `begin`, newest first, as PostgreSQL would roll the transaction back.
+
+        A journal of the writes, not a copy of the state: undoing costs what the call wrote, not the size of
+        every job's knowledge, so a replay of a long log stays linear.
+        """
+        for table, key, before in reversed(self._journal or []):
+            if before is _ABSENT:
+                table.pop(key, None)
+            else:
+                table[key] = before
+        self._journal = None
+
+    def _write(self, table: dict[str, Any], key: str, value: object) -> None:
+        if self._journal is not None:
+            self._journal.append((table, key, table.get(key, _ABSENT)))
+        table[key] = value
+
+    def _delete(self, table: dict[str, Any], key: str) -> None:
+        if key in table:
+            if self._journal is not None:
+                self._journal.append((table, key, table[key]))
+            del table[key]
 
     def next_due(self) -> tuple[datetime, str] | None:
         """The earliest pending timer: (when, job), or None when no job waits for one."""
@@ -63,7 +86,8 @@ class MemoryRecoveryStore:
 
     async def lock_new(self, job_id: str) -> None:
         """See `RecoveryStore.lock_new`."""
-        self.knowledge.setdefault(job_id, JobKnowledge(job_id=job_id))
+        if job_id not in self.knowledge:
+            self._write(self.knowledge, job_id, JobKnowledge(job_id=job_id))
 
     async def load(self, job_id: str) -> JobKnowledge | None:
         """See `RecoveryStore.load`."""
@@ -76,11 +100,11 @@ class MemoryRecoveryStore:
 
     async def save(self, knowledge: JobKnowledge, next_due_at: datetime | None) -> None:
         """See `RecoveryStore.save`."""
-        self.knowledge[knowledge.job_id] = knowledge
+        self._write(self.knowledge, knowledge.job_id, knowledge)
         if next_due_at is None:
-            self.due.pop(knowledge.job_id, None)
+            self._delete(self.due, knowledge.job_id)
         else:
-            self.due[knowledge.job_id] = next_due_at
+            self._write(self.due, knowledge.job_id, next_due_at)
 
     async def record_decision(self, decided: RecoveryDecided) -> None:
         """See `RecoveryStore.record_decision`; a second policy decision in force for an attempt is refused."""
@@ -90,15 +114,15 @@ class MemoryRecoveryStore:
                 if in_force and other.job_key == decided.job_key and other.attempt == decided.attempt:
                     msg = f"job {decided.job_key} attempt {decided.attempt}: a second policy decision in force"
                     raise DecisionClashError(msg)
-        self.decisions[decided.id] = decided
+        self._write(self.decisions, decided.id, decided)
 
     async def mark_superseded(self, decision_id: str, by: str) -> None:
         """See `RecoveryStore.mark_superseded`."""
-        self.superseded_by[decision_id] = by
+        self._write(self.superseded_by, decision_id, by)
 
     async def mark_escalated(self, decision_id: str, at: datetime) -> None:
         """See `RecoveryStore.mark_escalated`."""
-        self.escalated[decision_id] = at
+        self._write(self.escalated, decision_id, at)
 
     async def cordoned_since(self, since: datetime) -> frozenset[str]:
         """See `RecoveryStore.cordoned_since` (the decision's time is when it was decided)."""

@@ -230,18 +230,20 @@ class _Replay:
 
     async def _call(self, at: datetime, call: Callable[[datetime], Awaitable[Sequence[Event]]]) -> None:
         """Run one handler call at `at`; again at the recorded decision's time when it makes a recorded decision."""
-        saved = self.store.snapshot()
         self._advance(at)
         assert self.now is not None  # noqa: S101 - just set
+        self.store.begin()
         outputs = await call(self.now)
         recorded_at = next(
             (self._recorded_at[e.id] for e in outputs if isinstance(e, RecoveryDecided) and e.id in self._recorded_at),
             None,
         )
         if recorded_at is not None and recorded_at != self.now:
-            self.store.restore(saved)
+            self.store.rollback()
             self.now = recorded_at  # the recorded handler's "now", even if a producer's clock ran ahead of it
+            self.store.begin()
             outputs = await call(self.now)
+        self.store.commit()
         self.published.extend(outputs)
 
 
