@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from support.recovery_events import (
     POLICY,
     SPEC,
@@ -28,6 +29,8 @@ from lanes_cli.cli import app
 from lanes_contract.codec import decode_structured
 from lanes_contract.events import Event, JobStateChanged, Lane, RecoveryAction, RecoveryDecided, RefusedCheckpoint
 from lanes_contract.jobs import JobState
+from lanes_recovery.adapters.memory import DecisionClashError, MemoryRecoveryStore
+from lanes_recovery.domain.knowledge import JobKnowledge
 from lanes_recovery.views import Policy, policy_from_file, replay_recovery
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "whatif"
@@ -204,3 +207,21 @@ async def test_the_result_says_how_digests_and_timers_were_treated() -> None:
     assert "timers fire at their due time, up to the last recorded event" in replay["timers"]
     assert replay["horizon"] == max(e.time for e in _demo_log()).isoformat()
     assert (replay["decisions_recorded"], replay["decisions_replayed"]) == (3, 3)
+
+
+async def test_the_memory_store_rolls_a_call_back_to_what_it_held_before() -> None:
+    # The replay re-runs a call at the recorded decision's time; the first run's writes must leave no trace.
+    store = MemoryRecoveryStore()
+    kept = (await replay_recovery(await _recorded(_algorithm_failure()), POLICY)).recorded[0]
+    await store.record_decision(kept)
+    await store.lock_new("job-1")
+    before = (dict(store.knowledge), dict(store.due), dict(store.decisions))
+    store.begin()
+    await store.save(JobKnowledge(job_id="job-1", recheck_at=at(5)), at(5))
+    await store.lock_new("job-2")
+    await store.mark_superseded(kept.id, "later")
+    store.rollback()
+    assert (store.knowledge, store.due, store.decisions) == before
+    assert store.superseded_by == {}
+    with pytest.raises(DecisionClashError):  # the decision is in force again, as before the call
+        await store.record_decision(kept.model_copy(update={"id": "another"}))
