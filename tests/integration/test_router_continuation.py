@@ -23,7 +23,15 @@ from support.router import (
 )
 from support.waiting import eventually
 
-from lanes_contract.events import NodeStateChanged, NodeStateChangedData, RequestServed
+from lanes_contract.events import (
+    NodeStateChanged,
+    NodeStateChangedData,
+    ReplicaState,
+    ReplicaStateChanged,
+    ReplicaStateChangedData,
+    RequestServed,
+)
+from lanes_contract.jobs import FailoverPolicy
 from lanes_contract.topology import NodeState
 from lanes_runtime.settings import ServerUrls
 
@@ -288,3 +296,50 @@ async def test_streams_on_a_lost_node_move_at_once_not_at_the_idle_timeout(serve
     assert (left.replica, left.outcome, left.tokens_sent) == (lost, "failed_mid_stream", 3)
     assert f"its node {nodes[lost]} is unhealthy" in left.detail
     assert (took_over.replica, took_over.outcome, took_over.first_token) == (other, "ok", 3)
+
+
+@pytest.mark.slow
+async def test_a_drained_replica_hands_its_streams_over_after_the_drain_timeout(
+    servers: ServerUrls, unique: str
+) -> None:
+    model = f"m-{unique}"
+    ids = [f"a-{unique}", f"b-{unique}"]
+    prompt = f"system prompt {unique}"
+    drained = preferred_replica(ids, prompt)
+    other = next(replica_id for replica_id in ids if replica_id != drained)
+    request_id = f"drain-{unique}"
+    spec = serving(model, "v1", failover=FailoverPolicy(drain_timeout_s=0.5))
+    async with (
+        toys((model, "v1"), (model, "v1")) as started,
+        aiohttp.ClientSession() as session,
+        lanes_client(servers) as lanes,
+        router_in_process(servers, prefix_affinity=True, stream_idle_timeout_s=600) as (_runner, url),
+    ):
+        toy_of = dict(zip(ids, started, strict=True))
+        for replica_id, toy in toy_of.items():
+            await announce_replica(lanes, replica_id, spec, toy.endpoint)
+        await wait_routable(session, url, model, 2)
+        # A long answer from the replica that is about to drain: it would still be sending for a minute.
+        await toy_of[drained].control(tokens=600, token_delay_ms=100)
+        await toy_of[other].control(tokens=600)
+        progress: dict[str, int] = {}
+        body = {"model": model, "messages": [{"role": "user", "content": prompt}], "stream": True}
+        stream = asyncio.create_task(stream_body(session, url, body, request_id, progress))
+
+        async def three_tokens_in() -> bool:
+            return progress.get(request_id, 0) >= 3
+
+        await eventually(three_tokens_in, what="the stream's first three tokens")
+        data = ReplicaStateChangedData(
+            replica=drained, model=model, version="v1", state=ReplicaState.DRAINING, signal="operator"
+        )
+        await lanes.publish(ReplicaStateChanged(source="tests", jobid=drained, data=data))
+        _, received = await asyncio.wait_for(stream, 60)
+        (event,) = await wait_served(lanes, model, 1)
+    assert _text(received) == "".join(f"tok{i} " for i in range(600))
+    left, took_over = event.data.attempts
+    assert (left.replica, left.outcome) == (drained, "failed_mid_stream")
+    assert "drained for 0.5s" in left.detail
+    assert left.tokens_sent is not None
+    assert 3 <= left.tokens_sent < 600
+    assert (took_over.replica, took_over.outcome, took_over.first_token) == (other, "ok", left.tokens_sent)

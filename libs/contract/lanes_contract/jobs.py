@@ -118,6 +118,13 @@ class FailoverPolicy(BaseModel):
         le=16,
         description="How many times one stream may move; past it, the next failure ends it with an error event.",
     )
+    drain_timeout_s: float | None = Field(
+        default=300.0,
+        gt=0,
+        le=86_400,
+        description="A draining replica's streams still running after this long are handed to another replica "
+        "(continued like a failure mid-stream); unset: they finish where they are.",
+    )
 
 
 class ServingSpec(BaseModel):

@@ -30,7 +30,7 @@ from lanes_router.adapters.metrics import Labels, RouterMetrics
 from lanes_router.adapters.provenance import ProvenancePublisher
 from lanes_router.adapters.registry_feed import RegistryFeed
 from lanes_router.domain.health import PenaltyPolicy
-from lanes_router.domain.replicas import ReplicaRegistry
+from lanes_router.domain.replicas import Replica, ReplicaRegistry
 from lanes_router.entrypoints.config import RouterConfig
 from lanes_router.entrypoints.guard import ConnectionGuard
 from lanes_router.entrypoints.http import RouterHttp
@@ -204,9 +204,28 @@ class RouterRunner:
         after = transition.after
         if after.state in {ReplicaState.GONE, ReplicaState.UNHEALTHY} and after.hold in LOST_HOLDS:
             self._cut_streams((after.replica_id,), f"the replica is {after.state.value} ({after.hold})")
+        elif after.state is ReplicaState.DRAINING and self._http is not None:
+            before = transition.before
+            if before is None or before.state is not ReplicaState.DRAINING:
+                self._hand_over_after_drain(after)
         self.metrics.transitions[(("model", after.model), ("state", after.state.value))] += 1
         with contextlib.suppress(RuntimeError):  # folded before the loop runs (tests): nothing to schedule
             self.health.observe(transition)
+
+    def _hand_over_after_drain(self, draining: Replica) -> None:
+        """After the spec's drain timeout, the streams a still-draining replica sends move to another one."""
+        timeout_s = draining.serving.failover.drain_timeout_s
+        if timeout_s is None:
+            return
+
+        def over() -> None:
+            now = self.registry.get(draining.replica_id)
+            # The same drain still (not readied and drained again, not gone): hand its streams over.
+            if now is not None and now.state is ReplicaState.DRAINING and now.generation == draining.generation:
+                self._cut_streams((draining.replica_id,), f"the replica drained for {timeout_s:g}s")
+
+        with contextlib.suppress(RuntimeError):  # folded before the loop runs (tests): nothing is streaming
+            asyncio.get_running_loop().call_later(timeout_s, over)
 
     def _cut_streams(self, replica_ids: Iterable[str], why: str) -> None:
         if self._http is None:
