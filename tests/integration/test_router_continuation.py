@@ -343,3 +343,30 @@ async def test_a_drained_replica_hands_its_streams_over_after_the_drain_timeout(
     assert left.tokens_sent is not None
     assert 3 <= left.tokens_sent < 600
     assert (took_over.replica, took_over.outcome, took_over.first_token) == (other, "ok", left.tokens_sent)
+
+
+@pytest.mark.slow
+async def test_a_deployment_that_asks_for_connect_failures_gets_them_not_another_replica(
+    servers: ServerUrls, unique: str
+) -> None:
+    model = f"m-{unique}"
+    ids = [f"a-{unique}", f"b-{unique}"]
+    prompt = f"system prompt {unique}"
+    dead = preferred_replica(ids, prompt)
+    spec = serving(model, "v1", failover=FailoverPolicy(connect_failure="fail"))
+    async with (
+        toys((model, "v1"), (model, "v1")) as started,
+        aiohttp.ClientSession() as session,
+        lanes_client(servers) as lanes,
+        router_in_process(servers, prefix_affinity=True) as (_runner, url),
+    ):
+        toy_of = dict(zip(ids, started, strict=True))
+        for replica_id, toy in toy_of.items():
+            await announce_replica(lanes, replica_id, spec, toy.endpoint)
+        await wait_routable(session, url, model, 2)
+        toy_of[dead].kill()
+        messages = [{"role": "user", "content": prompt}]
+        status, _, body = await chat(session, url, model, messages=messages, headers={"X-Request-Id": f"c-{unique}"})
+        (event,) = await wait_served(lanes, model, 1)
+    assert status == 502, body
+    assert [(a.replica, a.outcome) for a in event.data.attempts] == [(dead, "refused")]
