@@ -134,3 +134,33 @@ async def test_a_drilled_fault_is_localised_to_its_rank_node_and_lane_and_recove
     poc = await run_lanes_async(own_urls, "poc", "--job", job_id, "--json")
     drills = {row["capability"]: row for row in json.loads(poc.stdout)["capabilities"]}["fault drills"]
     assert drills["verdict"] == "passed", drills
+
+
+async def _checkpointed_at(conns: Connections, job_id: str, step: int) -> bool:
+    timeline = await job_timeline(conns.nc.jetstream(), job_id)
+    return any(isinstance(entry.event, CheckpointSaved) and entry.event.data.step >= step for entry in timeline)
+
+
+async def test_a_slow_rank_that_fails_nothing_is_named_by_its_slowdown(
+    stack: Connections, own_urls: ServerUrls, tmp_path: Path
+) -> None:
+    job_id = "drill-slow"
+    command = (sys.executable, "-m", "lanes_agent.drill_workload", "--step-s", "0.05", "--timeout-s", "15")
+    job = spec("drill", workers=4, command=command, checkpoint_location=str(tmp_path / "checkpoints"))
+    await LanesClient(stack.nc, "tests").publish(
+        JobSubmitted(source="tests", jobid=job_id, attempt=1, data=JobSubmittedData(spec=job))
+    )
+    # Past the steps telemetry reads as the attempt's baseline (its first 30), so the slowdown is a change.
+    await eventually(lambda: _checkpointed_at(stack, job_id, 60), timeout_s=180, what="the drill job past step 60")
+    ran = await run_lanes_async(
+        own_urls, "drill", job_id, "--kind", "slow", "--rank", str(DRILLED_RANK), "--duration", "20",
+        "--timeout", "120", "--json",
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    (report,) = json.loads(ran.stdout)["drills"]
+    assert report["named_right"], report
+    assert report["named"] == {
+        "lane": "host", "category": "compute_straggler", "node": report["node"], "rank": DRILLED_RANK,
+    }  # fmt: skip
+    assert report["localise_s"] is not None
+    assert report["decision"] is None  # nothing failed: nothing to decide

@@ -63,10 +63,13 @@ async def test_a_rank_that_computes_longer_is_named_once_with_its_node_lane_onse
         (found,) = await wait_for(client, slow, JobSlowdown)
         assert (found.data.kind, found.lane, found.rank, found.node) == ("compute_straggler", Lane.HOST, 2, NODES[2])
         assert found.data.rank == 2
-        assert 58 <= found.data.onset_step <= 61
-        assert 0.25 < found.data.slowdown < 0.4
+        assert abs(found.data.onset_step - 60) <= 8  # within the block of steps it began in
+        assert 0.35 < found.data.slowdown < 0.45  # its compute, 40% longer
         assert found.data.gpu_hours > 0  # 8 GPUs held while everyone waited for rank 2
-        assert found.data.summary.startswith("rank 2: step time +")
+        assert found.data.summary == (
+            f"rank 2: compute +{found.data.slowdown:.0%}, the others wait for it since step {found.data.onset_step}"
+            " (compute_straggler)"
+        )
         await _run(client, slow, 300, slow_from=60)  # later heartbeats (and redeliveries) report nothing new
         await _run(client, later, 200, slow_from=60)
         # One consumer reads the heartbeats in order: once the last job's slowdown is out, every heartbeat

@@ -218,5 +218,20 @@ def test_a_drill_still_playing_out_is_not_complete() -> None:
     assert report.wrong == "no settled finding yet"
     assert not complete(report)
     (slow,) = drill_reports([*failing_drill()[:4], _injected(4, "slow")])
-    assert slow.wrong is None  # a straggler is not a failure: nothing to name
+    assert slow.wrong == "no slowdown reported yet"  # a straggler fails nothing: a slowdown must name it
+    assert not complete(slow)
+
+
+def test_a_slow_drill_is_named_by_the_attempts_slowdown_and_needs_no_decision() -> None:
+    slowdown = {"kind": "compute_straggler", "rank": 0, "node": "n1", "onset_step": 40, "slowdown": 0.4}
+    rows = [*failing_drill()[:4], _injected(4, "slow"), _row(9, "slowdown", lane="host", data=slowdown)]
+    (slow,) = drill_reports(rows)
+    assert slow.named == {"lane": "host", "category": "compute_straggler", "node": "n1", "rank": 0}
+    assert (slow.detect_s, slow.localise_s, slow.decision) == (5.0, 5.0, None)
+    assert slow.wrong is None
     assert complete(slow)
+    elsewhere = {**slowdown, "rank": 3, "node": "n2"}
+    (wrong,) = drill_reports(
+        [*failing_drill()[:4], _injected(4, "slow"), _row(9, "slowdown", lane="network", data=elsewhere)]
+    )
+    assert wrong.wrong == "rank 3 instead of 0; node n2 instead of n1; the network lane instead of host"

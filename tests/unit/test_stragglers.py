@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lanes_contract.events import Lane
-from lanes_telemetry.domain.stragglers import RankStep, SlowClass, StepShift, detect, last_to_arrive, step_times
+from lanes_telemetry.domain.stragglers import RankStep, SlowClass, detect, last_to_arrive, step_times
 
 NODES = {0: "node-a", 1: "node-a", 2: "node-b", 3: "node-b"}
 
@@ -50,12 +50,29 @@ def test_a_rank_whose_compute_rose_is_named_as_the_straggler_with_onset_slowdown
     found = detect(_job(slow_rank=2, compute_from=60, factor=1.4), nodes=NODES)
     assert found is not None
     assert (found.kind, found.lane, found.rank, found.node) == (SlowClass.COMPUTE_STRAGGLER, Lane.HOST, 2, "node-b")
-    assert 58 <= found.onset_step <= 61
-    assert 0.25 < found.slowdown < 0.4  # a 40% slower compute is about +32% on a step that also all-reduces
+    assert abs(found.onset_step - 60) <= 8  # the first block of 8 steps in which the others waited for it
+    assert 0.35 < found.slowdown < 0.45  # its compute, 40% longer
     assert found.votes == 1.0
     assert found.lost_s > 0
     assert found.gpu_hours(32) == found.lost_s * 32 / 3600
-    assert found.summary().startswith(f"rank 2: step time +{found.slowdown:.0%} since step {found.onset_step}")
+    assert found.summary() == (
+        f"rank 2: compute +{found.slowdown:.0%}, the others wait for it since step {found.onset_step} "
+        "(compute_straggler)"
+    )
+
+
+def test_a_straggler_the_others_slack_absorbs_is_still_named():
+    # Rank 3 computes 15% longer but the others still wait longer in their all-reduce (a real drill showed
+    # it: the job's step barely moved, rank 3 became the one everybody waits for).
+    steps = [
+        RankStep(s.rank, s.step, s.compute_s * (1.15 if s.rank == 3 and s.step >= 40 else 1.0), 0.3)
+        if s.rank != 3 or s.step < 40
+        else RankStep(3, s.step, s.compute_s * 1.15, 0.01)
+        for s in _job(120)
+    ]
+    found = detect(steps, nodes=NODES)
+    assert found is not None
+    assert (found.kind, found.rank) == (SlowClass.COMPUTE_STRAGGLER, 3)
 
 
 def test_waits_that_rose_while_no_rank_computes_longer_are_a_degraded_link():
@@ -70,12 +87,18 @@ def test_waits_that_rose_while_no_rank_computes_longer_are_a_degraded_link():
     assert (behind_b.kind, behind_b.node) == (SlowClass.DEGRADED_LINK, "node-b")
 
 
+def test_a_job_whose_every_rank_computes_slower_names_no_rank_and_no_link():
+    # A shared host or a slow data source: the whole job slowed, nobody waits for anybody in particular.
+    steps = [RankStep(s.rank, s.step, s.compute_s * (1.3 if s.step >= 50 else 1.0), s.wait_s) for s in _job()]
+    assert detect(steps, nodes=NODES) is None
+
+
 def test_a_rank_slower_from_the_first_step_is_imbalance_in_the_algorithm_lane():
     found = detect(_job(slow_rank=1, factor=1.2), nodes=NODES)
     assert found is not None
     assert (found.kind, found.lane, found.rank, found.onset_step) == (SlowClass.IMBALANCE, Lane.ALGORITHM, 1, 0)
     assert 0.15 < found.slowdown < 0.25
-    assert "from the first step" in found.summary()
+    assert "from the first steps" in found.summary()
 
 
 def test_the_last_to_arrive_is_the_rank_that_waited_least_and_a_step_lasts_as_long_as_its_slowest_rank():
@@ -84,27 +107,19 @@ def test_the_last_to_arrive_is_the_rank_that_waited_least_and_a_step_lasts_as_lo
     assert step_times(steps) == {s: max(r.total_s for r in steps if r.step == s) for s in range(3)}
 
 
-@settings(max_examples=200)
-@given(
-    st.lists(st.floats(min_value=0.97, max_value=1.03), min_size=60, max_size=400),
-    st.sets(st.integers(min_value=30, max_value=399), max_size=20),
-)
-def test_isolated_slow_steps_never_raise_an_alarm(wobble: list[float], spiky: set[int]):
-    # Any number of single slow steps (checkpoints, collections), as long as no two are adjacent.
-    lone = {s for s in spiky if s - 1 not in spiky and s + 1 not in spiky}
-    detector = StepShift()
-    alarms = [detector.observe(step, w * (5.0 if step in lone else 1.0)) for step, w in enumerate(wobble)]
-    assert not any(alarms)
+@settings(max_examples=100, deadline=None)
+@given(st.sets(st.integers(min_value=0, max_value=299), max_size=40), st.integers(min_value=2, max_value=4))
+def test_isolated_slow_steps_never_raise_an_alarm(spiky: set[int], factor: int):
+    # Any number of lone slow steps (checkpoints, collections), as long as no two are adjacent.
+    lone = frozenset(s for s in spiky if s - 1 not in spiky and s + 1 not in spiky)
+    steps = [RankStep(s.rank, s.step, s.compute_s * (factor if s.step in lone else 1), s.wait_s) for s in _job(300)]
+    assert detect(steps, nodes=NODES) is None
 
 
-@settings(max_examples=100)
-@given(st.floats(min_value=0.1, max_value=2.0), st.integers(min_value=30, max_value=200))
-def test_a_sustained_shift_of_ten_percent_or_more_is_found_within_twenty_steps(shift: float, onset: int):
-    detector = StepShift()
-    fired = next(
-        (step for step in range(onset + 200) if detector.observe(step, 1.0 + (shift if step >= onset else 0.0))),
-        None,
-    )
-    assert fired is not None
-    assert onset <= fired < onset + 20
-    assert detector.onset == onset
+@settings(max_examples=30, deadline=None)
+@given(st.floats(min_value=0.25, max_value=2.0), st.integers(min_value=30, max_value=120), st.integers(0, 3))
+def test_a_rank_a_quarter_slower_or_more_is_named_within_twenty_four_steps(factor: float, onset: int, rank: int):
+    steps = _job(onset + 24, slow_rank=rank, compute_from=onset, factor=1 + factor)
+    found = detect(steps, nodes=NODES)
+    assert found is not None
+    assert (found.kind, found.rank) == (SlowClass.COMPUTE_STRAGGLER, rank)

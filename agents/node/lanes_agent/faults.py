@@ -3,7 +3,7 @@
 Each kind does what the fault does on a real node, so the evidence that follows is the real evidence:
 - `kill`: SIGKILL, as an operator's `kill -9` or a watchdog would;
 - `hang`: SIGSTOP (SIGCONT after `duration_s`, if given); the peers wait in their collective and time out;
-- `slow`: SIGSTOP and SIGCONT in turn for `duration_s`: a straggler that is not dead;
+- `slow`: SIGSTOP and SIGCONT in turn (every 50 ms) for `duration_s`: a straggler that is not dead;
 - `oom`: the rank's memory cgroup limit lowered to what it uses; what it allocates next is over it, and the
   kernel's OOM killer kills it and logs its real line;
 - `xid`: an NVRM Xid 94 line (a contained ECC error, which names the process) written to the kernel log for
@@ -33,9 +33,10 @@ EXCEPTION_SIGNAL = signal.SIGUSR1
 """The drill workload raises an exception at its next step when it receives this."""
 CUDA_FAILURE_SIGNAL = signal.SIGUSR2
 """The drill workload fails its next step as a CUDA call fails after a GPU fault when it receives this."""
-_SLOW_PERIOD_S = 1.0
+_SLOW_PERIOD_S = 0.1
 _SLOW_STOPPED = 0.5
-"""Of each second of a slow-down, the rank is stopped this fraction."""
+"""Of each tenth of a second of a slow-down, the rank is stopped this fraction: short enough that every step
+of a training run is slowed (a throttled GPU, a noisy neighbour), not one step in ten stalled."""
 
 
 class FaultError(RuntimeError):

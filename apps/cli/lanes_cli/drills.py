@@ -23,13 +23,15 @@ EXPECTED_LANE: dict[DrillKind, Lane | None] = {
     DrillKind.OOM: Lane.HOST,
     DrillKind.XID: Lane.HOST,  # the GPU's ECC error explains the CUDA failure after it
     DrillKind.EXCEPTION: Lane.ALGORITHM,
-    DrillKind.SLOW: None,  # a straggler, not a failure: nothing to localise
+    DrillKind.SLOW: Lane.HOST,  # a straggler, not a failure: telemetry's `slowdown` must name it
     DrillKind.LINK_DOWN: Lane.NETWORK,
 }
 """The lane whose team owns each injected fault: the finding must name it."""
 NODE_FAULTS = frozenset({DrillKind.LINK_DOWN})
 """Faults of a node rather than of one rank: the finding must name the node; any rank on it will do."""
-_EVIDENCE_KINDS = {"evidence", "rank_exited", "finding"}
+_EVIDENCE_KINDS = {"evidence", "rank_exited", "finding", "slowdown"}
+STRAGGLERS = frozenset({DrillKind.SLOW})
+"""Faults that fail nothing: named by the attempt's `slowdown`, not by a settled finding, and nothing decides."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ class DrillReport:
         if self.expected_lane is None:
             return None
         if self.named is None:
-            return "no settled finding yet"
+            return "no slowdown reported yet" if self.kind in STRAGGLERS else "no settled finding yet"
         misses = []
         if self.rank is not None and self.kind not in NODE_FAULTS and self.named.get("rank") != self.rank:
             misses.append(f"rank {self.named.get('rank')} instead of {self.rank}")
@@ -126,18 +128,16 @@ def drill_report(drill: Row, rows: list[Row]) -> DrillReport:
         return row_kind(row) in _EVIDENCE_KINDS
 
     def names_it(row: Row) -> bool:
-        if row_kind(row) != "finding" or not (row.get("data") or {}).get("settled"):
-            return False
-        first = (row.get("data") or {}).get("first_error") or {}
+        first = _named_by(row, kind)
         by_rank = rank is not None and kind not in NODE_FAULTS
-        return bool(first.get("rank") == rank if by_rank else first.get("node") == node)
+        return first is not None and bool(first.get("rank") == rank if by_rank else first.get("node") == node)
 
     def running_again(row: Row) -> bool:
         to_state = (row.get("data") or {}).get("to_state")
         return row_kind(row) == "state_changed" and to_state == "running" and int(row.get("attempt") or 0) > attempt
 
-    settled = [r for r in mine if row_kind(r) == "finding" and (r.get("data") or {}).get("settled")]
-    first_error = (settled[-1].get("data") or {}).get("first_error") if settled else None
+    namings = [named for r in mine if (named := _named_by(r, kind)) is not None]
+    first_error = namings[-1] if namings else None
     decisions = [r for r in mine if row_kind(r) == "recovery_decided" and _time(r) >= start]
     return DrillReport(
         drill_id=str(drill.get("id")),
@@ -157,6 +157,24 @@ def drill_report(drill: Row, rows: list[Row]) -> DrillReport:
     )
 
 
+def _named_by(row: Row, kind: DrillKind) -> dict[str, Any] | None:
+    """What this row names as the fault: a settled finding's first error, or (a straggler) a slowdown's."""
+    data = row.get("data") or {}
+    if kind in STRAGGLERS:
+        if row_kind(row) != "slowdown":
+            return None
+        return {
+            "lane": row.get("lane"),
+            "category": data.get("kind"),
+            "node": data.get("node"),
+            "rank": data.get("rank"),
+        }
+    if row_kind(row) != "finding" or not data.get("settled"):
+        return None
+    first: dict[str, Any] = data.get("first_error") or {}
+    return first
+
+
 def drill_reports(rows: list[Row]) -> list[DrillReport]:
     """A report per drill among the rows (of any set of jobs), in the order they were injected."""
     by_job: dict[str, list[Row]] = {}
@@ -169,6 +187,8 @@ def complete(report: DrillReport) -> bool:
     """Whether the drill has played out: settled and decided, and recovered when the decision expects it."""
     if report.expected_lane is None:
         return True
+    if report.kind in STRAGGLERS:
+        return report.named is not None  # nothing failed: nothing to decide or recover
     if report.named is None or report.decision is None:
         return False
     return report.decision == "manual" or report.recover_s is not None

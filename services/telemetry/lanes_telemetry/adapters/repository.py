@@ -431,10 +431,10 @@ class PostgresStepTimings:
         return found is not None
 
     async def complete_steps(self, job_id: str, attempt: int, baseline: int, recent: int) -> list[TimedStep]:
-        """The attempt's first `baseline` and last `recent` steps that every rank heard from so far reported."""
+        """The attempt's first `baseline` and last `recent` steps that every placed rank reported."""
         rows = await self._conn.fetch(
             """WITH world AS (
-                   SELECT count(DISTINCT rank) AS ranks FROM telemetry_step_timings WHERE job_id = $1 AND attempt = $2
+                   SELECT count(*) AS ranks FROM telemetry_placements WHERE job_id = $1 AND attempt = $2
                ), complete AS (
                    SELECT step FROM telemetry_step_timings WHERE job_id = $1 AND attempt = $2
                    GROUP BY step HAVING count(*) = (SELECT ranks FROM world)
@@ -450,6 +450,23 @@ class PostgresStepTimings:
             recent,
         )
         return [TimedStep(r["rank"], r["step"], r["node"], r["compute_s"], r["wait_s"]) for r in rows]
+
+    async def read_through(self, job_id: str, attempt: int) -> int:
+        """The last step the attempt's timings were read up to (-1: none yet)."""
+        found = await self._conn.fetchval(
+            "SELECT read_through FROM telemetry_slowdown_reads WHERE job_id = $1 AND attempt = $2", job_id, attempt
+        )
+        return -1 if found is None else int(found)
+
+    async def set_read_through(self, job_id: str, attempt: int, step: int) -> None:
+        """Remember how far the attempt's timings were read."""
+        await self._conn.execute(
+            """INSERT INTO telemetry_slowdown_reads (job_id, attempt, read_through) VALUES ($1, $2, $3)
+               ON CONFLICT (job_id, attempt) DO UPDATE SET read_through = EXCLUDED.read_through""",
+            job_id,
+            attempt,
+            step,
+        )
 
     async def gpus(self, job_id: str, attempt: int) -> int:
         """GPUs the attempt holds, from telemetry's copy of its placement (0 when not known)."""

@@ -1,51 +1,66 @@
 """Slow ranks and degraded links: the faults that crash nothing, read from per-rank step timings. Pure.
 
-A slow rank fails no collective: every rank waits for it, so every rank's step grows and nothing errs. What
-tells it apart is where each rank spends its step. A rank reports, per training step, the time it
-computed and the time it waited inside collectives; the rank that arrives last at a collective waits least.
+A slow rank fails no collective: every rank waits for it, and nothing errs. What tells it apart is where
+each rank spends its step. A rank reports, per training step, the time it computed and the time it waited
+inside collectives; the rank that arrives last at a collective waits least.
 
-- **Detection** is a one-sided CUSUM on the job's step time relative to its own baseline (the median of
-  the first `warmup` steps): each step adds how far it is above the baseline beyond half the smallest
-  shift worth reporting, and the sum is cut back at zero. An alarm needs the sum above a threshold, so
-  one slow step (a checkpoint, a garbage collection) is never a shift: each step's excess is clipped, and
-  only several slow steps in a row reach the threshold. The onset is the step after the sum last stood at
-  zero, and the slowdown the median excess since then.
-- **Attribution** reads the steps since the onset beside the baseline:
-  - a **compute straggler** (host lane): one rank's own compute time rose, and it is the last to arrive
-    at most collectives (the vote);
-  - a **degraded link** (network lane): no rank computes longer, the waits rose; when the rise is
-    concentrated on the ranks of one node (or leaf) that node is named, else the job's collective path;
-  - **imbalance** (algorithm lane): no change at all, but one rank computes longer than its peers from the
-    first step on and holds the others back: the work is split unevenly.
-- **Cost**, as a what-if: the seconds the job lost against its baseline since the onset (the job as it
-  would have run had no rank been slow), and the GPU-hours that held.
+Real step times are noisy (a shared host, a garbage collection, a checkpoint), so nothing here reads one
+step: every signal is the **median of a block** of steps against the attempt's **baseline** (its first
+`warmup` steps), and the smallest shift worth a finding grows with the noise the baseline showed.
 
-CUSUM rather than Bayesian online change-point detection: it is a few additions per step per job, its two
-parameters read as "the smallest slowdown worth a page" and "how sure", and `bench/stragglers.py` measures
-what it detects and how fast.
+- **A straggler** is a rank that arrives last at most collectives of the recent window while it did not
+  before, and whose own compute rose against its own baseline (host lane). It is named even while the
+  others' slack absorbs it (the job's step barely moves): from then on it is the job's critical path.
+- **A job that slowed** is found by a one-sided CUSUM over the block medians of the job's step time: each
+  block adds how far it is above the baseline beyond half the smallest shift worth a finding (clipped, so
+  one bad block is never a slowdown) and the sum is cut back at zero; an alarm needs the sum above a
+  threshold. The onset is the first step of the run of blocks that raised it. Attributed then:
+  - waits that rose (by at least half the step's rise) while no single rank holds the others back: a
+    **degraded link** (network lane), its node named when the rise sits on one node's ranks (in a ring every
+    rank waits alike, so often only the job's collective path can be named);
+  - every rank computing slower: the whole job slowed (a shared host, a data source); that names no rank
+    and no link, and nothing is said.
+- **Imbalance** (algorithm lane): a rank that computed longer than its peers and arrived last from the
+  first steps on: the work is split unevenly.
+
+Each finding carries what it cost, as a what-if: the seconds the job lost against its baseline since the
+onset, and the GPU-hours that held.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 
 from lanes_contract.events import Lane
 
 DEFAULT_WARMUP = 30
-"""Steps read as the job's baseline before any shift is looked for."""
+"""Steps read as the attempt's baseline before any change is looked for."""
 DEFAULT_MIN_SHIFT = 0.05
-"""The smallest relative slowdown worth a finding (5%); a shift of half of it is the CUSUM's allowance."""
-_THRESHOLD_SHIFTS = 6
-"""How many minimum shifts the CUSUM must gather before it alarms (with each step's excess clipped to
-three of them, at least three slow steps in a row: one checkpoint step is never a slowdown)."""
+"""The smallest relative slowdown worth a finding on a quiet job (5%); a noisy baseline raises it."""
+BLOCK = 8
+"""Steps per block: each signal is a block's median, so a burst of a few bad steps moves nothing."""
+RECENT = 32
+"""Steps of the recent window in which a straggler must be the one the others wait for."""
+_NOISE_SHIFTS = 3.0
+"""A shift must stand this many noise units (the baseline's spread of a block median) above the baseline."""
+_THRESHOLD_SHIFTS = 4
+"""How many minimum shifts the CUSUM must gather: with each block's excess clipped to three of them, at
+least two slow blocks in a row."""
 _CLIP_SHIFTS = 3
-_VOTE_MAJORITY = 0.5
+_MAJORITY = 0.6
+"""Share of the window's collectives a rank must arrive last at to be the one holding the others back (at
+least 1.5 times its fair share: three in four of a two-rank job's)."""
+_LINK_SHARE = 0.5
+"""How much of the step's rise the collective waits must explain for the slowdown to be a degraded link."""
 _CONCENTRATION = 1.5
 """How much more a node's ranks' wait must have risen than the others' for the link to be named there."""
+_MAD_TO_SIGMA = 1.4826
+_NOISE_FLOOR = 0.01
 
 
 class SlowClass(StrEnum):
@@ -78,41 +93,6 @@ class RankStep:
         return self.compute_s + self.wait_s
 
 
-@dataclass
-class StepShift:
-    """Online one-sided CUSUM over a job's step times (one `observe` per completed step)."""
-
-    warmup: int = DEFAULT_WARMUP
-    min_shift: float = DEFAULT_MIN_SHIFT
-    baseline: float | None = None
-    onset: int | None = None
-    """The step the current shift began at, once the detector alarmed."""
-    _warm: list[float] = field(default_factory=list)
-    _sum: float = 0.0
-    _since: int | None = None
-
-    def observe(self, step: int, seconds: float) -> bool:
-        """Take one step's time; True when this step makes the shift certain (the alarm, raised once)."""
-        if self.baseline is None:
-            self._warm.append(seconds)
-            if len(self._warm) >= self.warmup:
-                self.baseline = statistics.median(self._warm)
-            return False
-        if self.onset is not None or self.baseline <= 0:
-            return False
-        excess = min(seconds / self.baseline - 1, _CLIP_SHIFTS * self.min_shift)
-        if self._sum == 0:
-            self._since = step
-        self._sum = max(0.0, self._sum + excess - self.min_shift / 2)
-        if self._sum == 0:
-            self._since = None
-            return False
-        if self._sum >= _THRESHOLD_SHIFTS * self.min_shift:
-            self.onset = self._since
-            return True
-        return False
-
-
 @dataclass(frozen=True)
 class Slowdown:
     """A finding about a slow job: what kind, whose, how much, since when and what it cost."""
@@ -121,13 +101,14 @@ class Slowdown:
     lane: Lane
     onset_step: int
     slowdown: float
-    """Relative step-time increase since the onset (0.38: +38%); for imbalance, the rank's excess compute."""
+    """How much slower (0.38: +38%): the rank's compute (a straggler, imbalance: over its peers) or the
+    job's step (a degraded link)."""
     rank: int | None = None
     node: str | None = None
     lost_s: float = 0.0
     """Seconds the job lost against its baseline since the onset (the what-if: no rank slow)."""
     votes: float = 0.0
-    """Share of the collectives since the onset at which the named rank arrived last."""
+    """Share of the recent collectives at which the named rank arrived last."""
 
     def gpu_hours(self, gpus: int) -> float:
         """GPU-hours the slowness held, on a job of `gpus` GPUs."""
@@ -136,13 +117,13 @@ class Slowdown:
     def summary(self) -> str:
         """One line for the timeline: the rank or link, the class and the slowdown."""
         who = f"rank {self.rank}" if self.rank is not None else (self.node or "the job's collective path")
-        since = "from the first step" if self.kind is SlowClass.IMBALANCE else f"since step {self.onset_step:,}"
+        since = "from the first steps" if self.kind is SlowClass.IMBALANCE else f"since step {self.onset_step:,}"
         what = {
-            SlowClass.COMPUTE_STRAGGLER: "step time",
-            SlowClass.DEGRADED_LINK: "step time (collective wait)",
-            SlowClass.IMBALANCE: "compute time over its peers",
+            SlowClass.COMPUTE_STRAGGLER: f"compute +{self.slowdown:.0%}, the others wait for it",
+            SlowClass.DEGRADED_LINK: f"step time +{self.slowdown:.0%} in collective waits",
+            SlowClass.IMBALANCE: f"compute +{self.slowdown:.0%} over its peers, the others wait for it",
         }[self.kind]
-        return f"{who}: {what} +{self.slowdown:.0%} {since} ({self.kind.value})"
+        return f"{who}: {what} {since} ({self.kind.value})"
 
 
 def step_times(steps: Sequence[RankStep]) -> dict[int, float]:
@@ -162,6 +143,22 @@ def last_to_arrive(steps: Sequence[RankStep]) -> dict[int, int]:
     return {step: s.rank for step, s in last.items()}
 
 
+@dataclass(frozen=True)
+class _Job:
+    """One attempt's timings, ordered, with its baseline read once."""
+
+    ordered: list[int]
+    times: dict[int, float]
+    ranks: dict[int, dict[int, RankStep]]
+    last: dict[int, int]
+    baseline: list[int]
+    nodes: Mapping[int, str]
+
+    @property
+    def later(self) -> list[int]:
+        return self.ordered[len(self.baseline) :]
+
+
 def detect(
     steps: Sequence[RankStep],
     *,
@@ -169,67 +166,107 @@ def detect(
     warmup: int = DEFAULT_WARMUP,
     min_shift: float = DEFAULT_MIN_SHIFT,
 ) -> Slowdown | None:
-    """Read a job's per-rank step timings: a slowdown with its class, rank or link, onset and cost, or None."""
+    """Read an attempt's per-rank step timings: a slowdown with its class, rank or link, onset and cost, or None."""
     times = step_times(steps)
     ordered = sorted(times)
-    detector = StepShift(warmup=warmup, min_shift=min_shift)
-    for step in ordered:
-        if detector.observe(step, times[step]):
-            break
-    by_rank = _by_rank(steps)
-    baseline_steps = set(ordered[:warmup])
-    if detector.onset is None or detector.baseline is None:
-        return _imbalance(steps, by_rank, nodes or {}, min_shift)
-    onset, baseline = detector.onset, detector.baseline
-    after = {step for step in ordered if step >= onset}
-    slowdown = statistics.median(times[s] / baseline - 1 for s in after)
-    lost = sum(max(times[s] - baseline, 0.0) for s in after)
-    compute_rise = {
-        rank: _rise([s.compute_s for s in rs if s.step in baseline_steps], [s.compute_s for s in rs if s.step in after])
-        for rank, rs in by_rank.items()
-    }
-    votes = Counter(rank for step, rank in last_to_arrive(steps).items() if step in after)
-    straggler, count = votes.most_common(1)[0] if votes else (None, 0)
-    share = count / max(len(after), 1)
-    if straggler is not None and compute_rise.get(straggler, 0.0) >= min_shift and share >= _VOTE_MAJORITY:
-        return Slowdown(
-            SlowClass.COMPUTE_STRAGGLER,
-            LANE_OF[SlowClass.COMPUTE_STRAGGLER],
-            onset,
-            slowdown,
-            rank=straggler,
-            node=(nodes or {}).get(straggler),
-            lost_s=lost,
-            votes=share,
-        )
-    wait_rise = {
-        rank: statistics.median(s.wait_s for s in rs if s.step in after)
-        - statistics.median(s.wait_s for s in rs if s.step in baseline_steps)
-        for rank, rs in by_rank.items()
-    }
+    ranks: dict[int, dict[int, RankStep]] = {}
+    for s in steps:
+        ranks.setdefault(s.rank, {})[s.step] = s
+    if len(ordered) < warmup + BLOCK or len(ranks) < 2:  # noqa: PLR2004 - nobody waits for anybody alone
+        return None
+    job = _Job(ordered, times, ranks, last_to_arrive(steps), ordered[:warmup], nodes or {})
+    return _straggler(job, min_shift) or _job_shift(job, min_shift) or _imbalance(job, min_shift)
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def _shift_worth(values: Sequence[float], min_shift: float, block: int) -> float:
+    """The smallest relative shift of a `block`-step median that stands out of this baseline's noise."""
+    centre = _median(values)
+    if centre <= 0:
+        return min_shift
+    spread = _MAD_TO_SIGMA * _median([abs(v - centre) for v in values]) / centre
+    return max(min_shift, _NOISE_SHIFTS * max(spread, _NOISE_FLOOR) / math.sqrt(block))
+
+
+def _lost(job: _Job, since: int) -> float:
+    base = _median([job.times[s] for s in job.baseline])
+    return sum(max(job.times[s] - base, 0.0) for s in job.ordered if s >= since)
+
+
+def _straggler(job: _Job, min_shift: float) -> Slowdown | None:
+    """A rank the others now wait for (they did not in the baseline), whose own compute rose."""
+    recent = job.later[-RECENT:]
+    if len(recent) < RECENT // 2:
+        return None
+    votes = Counter(job.last[s] for s in recent)
+    rank, count = votes.most_common(1)[0]
+    share = count / len(recent)
+    before = Counter(job.last[s] for s in job.baseline)[rank] / len(job.baseline)
+    majority = max(_MAJORITY, 1.5 / len(job.ranks))
+    if share < majority or before >= majority:
+        return None  # nobody stands out, or this rank always did (imbalance, read below)
+    mine = job.ranks[rank]
+    base = [mine[s].compute_s for s in job.baseline if s in mine]
+    rise = _median([mine[s].compute_s for s in recent if s in mine]) / _median(base) - 1 if base else 0.0
+    if rise < _shift_worth(base, min_shift, len(recent)):
+        return None
+    onset = _onset(job, rank)
+    kind = SlowClass.COMPUTE_STRAGGLER
     return Slowdown(
-        SlowClass.DEGRADED_LINK,
-        LANE_OF[SlowClass.DEGRADED_LINK],
-        onset,
-        slowdown,
-        node=_concentrated(wait_rise, nodes or {}),
-        lost_s=lost,
+        kind, LANE_OF[kind], onset, rise, rank=rank, node=job.nodes.get(rank), lost_s=_lost(job, onset), votes=share
     )
 
 
-def _by_rank(steps: Sequence[RankStep]) -> dict[int, list[RankStep]]:
-    ranks: dict[int, list[RankStep]] = {}
-    for s in steps:
-        ranks.setdefault(s.rank, []).append(s)
-    return ranks
+def _onset(job: _Job, rank: int) -> int:
+    """Where `rank` began to hold the others back: the first step of the run of blocks it was last in."""
+    blocks = [job.later[i : i + BLOCK] for i in range(0, len(job.later), BLOCK)]
+    onset = job.later[0]
+    held = False
+    for block in blocks:
+        mostly = sum(job.last[s] == rank for s in block) / len(block) >= _MAJORITY
+        if mostly and not held:
+            onset, held = block[0], True
+        elif not mostly:
+            held = False
+    return onset
 
 
-def _rise(before: Sequence[float], after: Sequence[float]) -> float:
-    """Relative rise of the median from `before` to `after` (0 when either is empty or zero)."""
-    if not before or not after:
-        return 0.0
-    base = statistics.median(before)
-    return statistics.median(after) / base - 1 if base > 0 else 0.0
+def _job_shift(job: _Job, min_shift: float) -> Slowdown | None:
+    """A CUSUM over block medians of the step time; a shift the waits explain is a degraded link."""
+    base_times = [job.times[s] for s in job.baseline]
+    baseline = _median(base_times)
+    shift = _shift_worth(base_times, min_shift, BLOCK)
+    total = 0.0
+    since: int | None = None
+    onset: int | None = None
+    for i in range(0, len(job.later) - BLOCK + 1, BLOCK):
+        block = job.later[i : i + BLOCK]
+        excess = min(_median([job.times[s] for s in block]) / baseline - 1, _CLIP_SHIFTS * shift)
+        if total == 0:
+            since = block[0]
+        total = max(0.0, total + excess - shift / 2)
+        if total >= _THRESHOLD_SHIFTS * shift:
+            onset = since
+            break
+    if onset is None:
+        return None
+    after = [s for s in job.later if s >= onset]
+    slowdown = _median([job.times[s] for s in after]) / baseline - 1
+    wait_rise = {
+        rank: _median([mine[s].wait_s for s in after if s in mine])
+        - _median([mine[s].wait_s for s in job.baseline if s in mine])
+        for rank, mine in job.ranks.items()
+    }
+    if _median(list(wait_rise.values())) < _LINK_SHARE * slowdown * baseline:
+        # Every rank computes slower and none waits much longer: the whole job slowed (a shared host, a data
+        # source), which names no rank and no link. Said nothing rather than guessed.
+        return None
+    kind = SlowClass.DEGRADED_LINK
+    node = _concentrated(wait_rise, job.nodes)
+    return Slowdown(kind, LANE_OF[kind], onset, slowdown, node=node, lost_s=_lost(job, onset))
 
 
 def _concentrated(wait_rise: Mapping[int, float], nodes: Mapping[int, str]) -> str | None:
@@ -242,26 +279,24 @@ def _concentrated(wait_rise: Mapping[int, float], nodes: Mapping[int, str]) -> s
         return None
     means = {node: statistics.fmean(rises) for node, rises in per_node.items()}
     worst = max(means, key=lambda node: (means[node], node))
-    others = [rise for node, rise in means.items() if node != worst]
-    rest = max(statistics.fmean(others), 0.0)
+    rest = max(statistics.fmean([rise for node, rise in means.items() if node != worst]), 0.0)
     return worst if means[worst] > 0 and means[worst] >= _CONCENTRATION * rest else None
 
 
-def _imbalance(
-    steps: Sequence[RankStep], by_rank: Mapping[int, list[RankStep]], nodes: Mapping[int, str], min_shift: float
-) -> Slowdown | None:
-    """No shift over time: a rank that computed longer than its peers from the start and held them back."""
-    if len(by_rank) < 2:  # noqa: PLR2004 - imbalance needs peers
+def _imbalance(job: _Job, min_shift: float) -> Slowdown | None:
+    """No change over time: a rank that computed longer than its peers from the first steps and held them back."""
+    votes = Counter(job.last[s] for s in job.baseline)
+    rank, count = votes.most_common(1)[0]
+    share = count / len(job.baseline)
+    if share < max(_MAJORITY, 1.5 / len(job.ranks)):
         return None
-    compute = {rank: statistics.median(s.compute_s for s in rs) for rank, rs in by_rank.items()}
-    slowest = max(compute, key=lambda rank: (compute[rank], -rank))
-    peers = statistics.median(c for rank, c in compute.items() if rank != slowest)
-    excess = compute[slowest] / peers - 1 if peers > 0 else 0.0
-    votes = Counter(last_to_arrive(steps).values())
-    share = votes[slowest] / max(sum(votes.values()), 1)
-    if excess < min_shift or share < _VOTE_MAJORITY:
+    compute = {r: _median([mine[s].compute_s for s in job.ordered if s in mine]) for r, mine in job.ranks.items()}
+    peers = _median([c for r, c in compute.items() if r != rank])
+    excess = compute[rank] / peers - 1 if peers > 0 else 0.0
+    if excess < min_shift:
         return None
-    first = min(s.step for s in steps)
-    lost = (compute[slowest] - peers) * len(step_times(steps))  # every step waited for it that much
+    lost = (compute[rank] - peers) * len(job.ordered)  # every step waited for it that much
     kind = SlowClass.IMBALANCE
-    return Slowdown(kind, LANE_OF[kind], first, excess, rank=slowest, node=nodes.get(slowest), lost_s=lost, votes=share)
+    return Slowdown(
+        kind, LANE_OF[kind], job.ordered[0], excess, rank=rank, node=job.nodes.get(rank), lost_s=lost, votes=share
+    )

@@ -230,7 +230,15 @@ class StepTimingStore(Protocol):
         ...
 
     async def complete_steps(self, job_id: str, attempt: int, baseline: int, recent: int) -> list[TimedStep]:
-        """The first `baseline` and last `recent` steps that every rank heard from so far reported."""
+        """The first `baseline` and last `recent` steps that every placed rank reported."""
+        ...
+
+    async def read_through(self, job_id: str, attempt: int) -> int:
+        """The last step the attempt's timings were read up to (-1: none yet)."""
+        ...
+
+    async def set_read_through(self, job_id: str, attempt: int, step: int) -> None:
+        """Remember how far the attempt's timings were read."""
         ...
 
     async def gpus(self, job_id: str, attempt: int) -> int:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from lanes_contract.events import Event, Heartbeat, JobSlowdown, JobSlowdownData, derive
 from lanes_runtime.consumer import Caused, HandlerContext
 from lanes_telemetry.adapters.repository import PostgresStepTimings
-from lanes_telemetry.domain.stragglers import DEFAULT_WARMUP, RankStep, detect
+from lanes_telemetry.domain.stragglers import BLOCK, DEFAULT_WARMUP, RankStep, Slowdown, detect
 from lanes_telemetry.service_layer.ports import StepTimingFactory, StepTimingStore
 
 SOURCE = "lanes/telemetry"
@@ -54,9 +54,7 @@ async def _read(store: StepTimingStore, attempts: dict[tuple[str, int], Event]) 
     for (job_id, attempt), cause in sorted(attempts.items()):
         if await store.reported(job_id, attempt):
             continue
-        timed = await store.complete_steps(job_id, attempt, DEFAULT_WARMUP, RECENT_STEPS)
-        nodes = {t.rank: t.node for t in timed}
-        slow = detect([RankStep(t.rank, t.step, t.compute_s, t.wait_s) for t in timed], nodes=nodes)
+        slow = await _first_slowdown(store, job_id, attempt)
         if slow is None:
             continue
         report = JobSlowdownData(
@@ -71,10 +69,27 @@ async def _read(store: StepTimingStore, attempts: dict[tuple[str, int], Event]) 
             summary=slow.summary(),
         )
         await store.save_report(job_id, attempt, report)
-        found.append(
-            (
-                cause,
-                derive(JobSlowdown, cause, source=SOURCE, lane=slow.lane, rank=slow.rank, node=slow.node, data=report),
-            )
-        )
+        event = derive(JobSlowdown, cause, source=SOURCE, lane=slow.lane, rank=slow.rank, node=slow.node, data=report)
+        found.append((cause, event))
     return found
+
+
+async def _first_slowdown(store: StepTimingStore, job_id: str, attempt: int) -> Slowdown | None:
+    """The first slowdown the attempt's complete steps show, read block by block from where the last read ended.
+
+    Read at block ends only, the same timings give the same finding however their heartbeats were batched.
+    """
+    timed = await store.complete_steps(job_id, attempt, DEFAULT_WARMUP, RECENT_STEPS)
+    nodes = {t.rank: t.node for t in timed}
+    steps = [RankStep(t.rank, t.step, t.compute_s, t.wait_s) for t in timed]
+    ordered = sorted({s.step for s in steps})
+    done = await store.read_through(job_id, attempt)
+    ends = [step for i, step in enumerate(ordered) if (i + 1) % BLOCK == 0 and step > done]
+    for end in ends:
+        slow = detect([s for s in steps if s.step <= end], nodes=nodes)
+        if slow is not None:
+            await store.set_read_through(job_id, attempt, end)
+            return slow
+    if ends:
+        await store.set_read_through(job_id, attempt, ends[-1])
+    return None
