@@ -30,7 +30,7 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     """A non-streaming answer that takes longer is a timeout: tried elsewhere."""
     stream_idle_timeout_s: float = 60.0
-    """A stream silent this long mid-way is a failed replica: the client gets an error event."""
+    """A stream silent this long mid-way is a failed replica: continued on another when its spec allows it."""
     lease_ttl_s: float = 10.0
     probe_interval_s: float = 1.0
     ready_probe_interval_s: float = 5.0
