@@ -4,6 +4,7 @@ client still gets the answer it would have had, byte for byte, under one request
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -81,6 +82,24 @@ def assert_one_whole_stream(request_id: str, headers: CIMultiDict[str], body: by
     assert {chunk["id"] for chunk in chunks[:-1]} == {chunks[0]["id"]}
     assert _text(body) == "".join(f"tok{i} " for i in range(TOKENS))  # no token lost or doubled
     assert chunks[-2]["usage"]["completion_tokens"] == TOKENS
+
+
+@dataclass(frozen=True)
+class _Pair:
+    """Two replicas of one model, the prompt every test streams, and which replica that prompt goes to first."""
+
+    model: str
+    ids: list[str]
+    prompt: str
+    first: str
+    other: str
+
+
+def _pair(unique: str) -> _Pair:
+    ids = [f"a-{unique}", f"b-{unique}"]
+    prompt = f"system prompt {unique}"
+    first = preferred_replica(ids, prompt)  # with prefix affinity, the replica this prompt is sent to
+    return _Pair(f"m-{unique}", ids, prompt, first, next(r for r in ids if r != first))
 
 
 @pytest.mark.slow
@@ -226,11 +245,8 @@ async def test_a_stream_moves_while_a_replica_is_left_and_its_record_says_where(
 async def test_a_stream_whose_replica_goes_silent_moves_when_the_idle_timeout_says_so(
     servers: ServerUrls, unique: str
 ) -> None:
-    model = f"m-{unique}"
-    ids = [f"a-{unique}", f"b-{unique}"]
-    prompt = f"system prompt {unique}"
-    silent = preferred_replica(ids, prompt)
-    other = next(replica_id for replica_id in ids if replica_id != silent)
+    pair = _pair(unique)
+    model, ids, prompt, silent, other = pair.model, pair.ids, pair.prompt, pair.first, pair.other
     async with (
         toys((model, "v1"), (model, "v1")) as started,
         aiohttp.ClientSession() as session,
@@ -260,12 +276,9 @@ async def test_a_stream_whose_replica_goes_silent_moves_when_the_idle_timeout_sa
 
 @pytest.mark.slow
 async def test_streams_on_a_lost_node_move_at_once_not_at_the_idle_timeout(servers: ServerUrls, unique: str) -> None:
-    model = f"m-{unique}"
-    ids = [f"a-{unique}", f"b-{unique}"]
+    pair = _pair(unique)
+    model, ids, prompt, lost, other = pair.model, pair.ids, pair.prompt, pair.first, pair.other
     nodes = dict(zip(ids, (f"n-a-{unique}", f"n-b-{unique}"), strict=True))
-    prompt = f"system prompt {unique}"
-    lost = preferred_replica(ids, prompt)
-    other = next(replica_id for replica_id in ids if replica_id != lost)
     request_id = f"lost-{unique}"
     # An idle timeout far beyond the test's wait: only the node's loss can move the stream in time.
     async with (
@@ -302,11 +315,8 @@ async def test_streams_on_a_lost_node_move_at_once_not_at_the_idle_timeout(serve
 async def test_a_drained_replica_hands_its_streams_over_after_the_drain_timeout(
     servers: ServerUrls, unique: str
 ) -> None:
-    model = f"m-{unique}"
-    ids = [f"a-{unique}", f"b-{unique}"]
-    prompt = f"system prompt {unique}"
-    drained = preferred_replica(ids, prompt)
-    other = next(replica_id for replica_id in ids if replica_id != drained)
+    pair = _pair(unique)
+    model, ids, prompt, drained, other = pair.model, pair.ids, pair.prompt, pair.first, pair.other
     request_id = f"drain-{unique}"
     spec = serving(model, "v1", failover=FailoverPolicy(drain_timeout_s=0.5))
     async with (
@@ -349,10 +359,8 @@ async def test_a_drained_replica_hands_its_streams_over_after_the_drain_timeout(
 async def test_a_deployment_that_asks_for_connect_failures_gets_them_not_another_replica(
     servers: ServerUrls, unique: str
 ) -> None:
-    model = f"m-{unique}"
-    ids = [f"a-{unique}", f"b-{unique}"]
-    prompt = f"system prompt {unique}"
-    dead = preferred_replica(ids, prompt)
+    pair = _pair(unique)
+    model, ids, prompt, dead = pair.model, pair.ids, pair.prompt, pair.first
     spec = serving(model, "v1", failover=FailoverPolicy(connect_failure="fail"))
     async with (
         toys((model, "v1"), (model, "v1")) as started,
