@@ -3,13 +3,16 @@
 Four ranks on four nodes report every step's compute and wait in batches, as their agents send them; from
 step 60 rank 2 computes 40% longer and the other three wait for it. Telemetry publishes one `slowdown` on the
 job's subject naming rank 2 and its node, in the host lane, with the onset and the GPU-hours lost; the
-batches that keep coming change nothing (one report per attempt), and a clean job gets none.
+batches that keep coming change nothing (one report per attempt), and a clean job gets none, even when
+another node's agent sends slow timings in the name of one of its ranks (dead-lettered: not its node).
 """
 
 from __future__ import annotations
 
 from support.cli import local_stack
+from support.contract import stored
 from support.recovery import events_of, wait_for
+from support.waiting import eventually
 
 from lanes_contract.client import LanesClient
 from lanes_contract.events import (
@@ -22,6 +25,7 @@ from lanes_contract.events import (
     RankAssignment,
     StepTiming,
 )
+from lanes_contract.streams import DEAD, JOBS
 from lanes_runtime.settings import ServerUrls
 
 NODES = ("sr-node-0", "sr-node-1", "sr-node-2", "sr-node-3")
@@ -39,11 +43,25 @@ def _timing(rank: int, step: int, slow_from: int | None) -> StepTiming:
     return StepTiming(step=step, compute_s=compute(rank), wait_s=slowest - compute(rank) + 0.25)
 
 
-async def _run(client: LanesClient, job_id: str, steps: int, slow_from: int | None) -> None:
+async def _forged(client: LanesClient, job_id: str, steps: int) -> None:
+    """Node 0's agent claims rank 2's timings (rank 2 runs on node 2), slow ones, before rank 2 says anything."""
+    timings = tuple(_timing(2, step, slow_from=0) for step in range(steps))
+    for first in range(0, steps, BATCH):
+        data = HeartbeatData(step=first + BATCH - 1, timings=timings[first : first + BATCH])
+        keys = {"source": f"agent/{NODES[0]}", "jobid": job_id, "attempt": 1, "rank": 2, "node": NODES[0]}
+        await client.publish(Heartbeat(data=data, **keys))  # type: ignore[arg-type]
+
+
+async def _placed(client: LanesClient, job_id: str) -> None:
     assignments = tuple(RankAssignment(rank=r, node=n, gpus=(0, 1)) for r, n in enumerate(NODES))
     await client.publish(
         JobPlaced(source="tests", jobid=job_id, attempt=1, data=JobPlacedData(assignments=assignments))
     )
+
+
+async def _run(client: LanesClient, job_id: str, steps: int, slow_from: int | None, *, place: bool = True) -> None:
+    if place:
+        await _placed(client, job_id)
     for first in range(0, steps, BATCH):
         for rank, node in enumerate(NODES):
             timings = tuple(_timing(rank, step, slow_from) for step in range(first, first + BATCH))
@@ -58,7 +76,9 @@ async def test_a_rank_that_computes_longer_is_named_once_with_its_node_lane_onse
     slow, clean, later = f"slow-{unique}", f"clean-{unique}", f"later-{unique}"
     async with local_stack(own_urls, ["telemetry"], nodes=False, agent=False) as conns:
         client = LanesClient(conns.nc, "tests")
-        await _run(client, clean, 200, slow_from=None)
+        await _placed(client, clean)
+        await _forged(client, clean, 200)  # another node's agent tries to make the clean job's rank 2 slow
+        await _run(client, clean, 200, slow_from=None, place=False)
         await _run(client, slow, 200, slow_from=60)
         (found,) = await wait_for(client, slow, JobSlowdown)
         assert (found.data.kind, found.lane, found.rank, found.node) == ("compute_straggler", Lane.HOST, 2, NODES[2])
@@ -75,5 +95,15 @@ async def test_a_rank_that_computes_longer_is_named_once_with_its_node_lane_onse
         # One consumer reads the heartbeats in order: once the last job's slowdown is out, every heartbeat
         # published before it was read, the clean job's and the slow job's later ones included.
         await wait_for(client, later, JobSlowdown)
+        # A heartbeat read before its placement is redelivered, so wait for what the ordering cannot promise:
+        # every genuine timing of the clean job stored, every forged heartbeat dead-lettered.
+        dead = f"lanes.dead.{JOBS.name}.telemetry-progress"
+
+        async def all_read() -> bool:
+            timings = await conns.pool.fetchval("SELECT count(*) FROM telemetry_step_timings WHERE job_id = $1", clean)
+            letters = await stored(conns.nc.jetstream(), DEAD.name, dead)
+            return bool(timings == len(NODES) * 200 and letters == 200 // BATCH)
+
+        await eventually(all_read, what="the clean job's timings stored and the forged ones dead-lettered")
         assert await events_of(client, clean, JobSlowdown) == []
         assert len(await events_of(client, slow, JobSlowdown)) == 1

@@ -420,6 +420,16 @@ class PostgresStepTimings:
             [(job_id, attempt, rank, t.step, node, t.compute_s, t.wait_s) for t in timings],
         )
 
+    async def placed_node(self, job_id: str, attempt: int, rank: int) -> str | None:
+        """The node the rank of the attempt was placed on (None: its placement not read yet)."""
+        node = await self._conn.fetchval(
+            "SELECT node FROM telemetry_placements WHERE job_id = $1 AND attempt = $2 AND rank = $3",
+            job_id,
+            attempt,
+            rank,
+        )
+        return None if node is None else str(node)
+
     async def reported(self, job_id: str, attempt: int) -> bool:
         """Whether this attempt's slowdown is already reported (once per attempt), locking the attempt's row."""
         await self._conn.execute(

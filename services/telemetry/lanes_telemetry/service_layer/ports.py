@@ -225,6 +225,10 @@ class StepTimingStore(Protocol):
         """Keep a rank's step timings (a redelivered heartbeat writes the same rows again)."""
         ...
 
+    async def placed_node(self, job_id: str, attempt: int, rank: int) -> str | None:
+        """The node the rank of the attempt was placed on (None: its placement not read yet)."""
+        ...
+
     async def reported(self, job_id: str, attempt: int) -> bool:
         """Whether this attempt's slowdown is already reported, holding the attempt until the commit."""
         ...

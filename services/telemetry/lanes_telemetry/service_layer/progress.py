@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from lanes_contract.errors import PoisonEventError, TransientError
 from lanes_contract.events import Event, Heartbeat, JobSlowdown, JobSlowdownData, derive
 from lanes_runtime.consumer import Caused, HandlerContext
 from lanes_telemetry.adapters.repository import PostgresStepTimings
@@ -36,6 +37,15 @@ class SlowRanks:
         if event.rank is None or event.node is None:
             return ()  # a heartbeat that does not say whose timings they are cannot place them
         store = self._store(ctx.conn)
+        # Timings count only from the node the rank was placed on: another node's agent (which may sign for
+        # its own node only) must not be able to make a rank elsewhere look slow, or hide that it is.
+        placed = await store.placed_node(event.job_key, event.attempt, event.rank)
+        if placed is None:
+            msg = f"heartbeat of rank {event.rank} of {event.job_key}/{event.attempt} before its placement was read"
+            raise TransientError(msg, delay_s=1.0)
+        if placed != event.node:
+            msg = f"heartbeat of rank {event.rank} from node {event.node}, but the rank was placed on {placed}"
+            raise PoisonEventError(msg)
         await store.add(event.job_key, event.attempt, event.rank, event.node, event.data.timings)
         if not ctx.scope.deferred:
             return [found for _, found in await _read(store, {(event.job_key, event.attempt): event})]
