@@ -39,6 +39,7 @@ from lanes_cli import (
     router_cli,
     run_cli,
     slurm_cli,
+    trace_cli,
     whatif_cli,
 )
 from lanes_cli.agent_cli import node_networks
@@ -99,6 +100,7 @@ drill_cli.register(app)
 recover_cli.register(app)
 router_cli.register(app)
 whatif_cli.register(app)
+trace_cli.register(app)
 
 
 @app.command()
