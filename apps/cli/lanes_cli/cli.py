@@ -29,6 +29,7 @@ from lanes_cli import (
     analyze_cli,
     asyncapi_cli,
     audit_cli,
+    console_cli,
     dead_cli,
     drill_cli,
     import_cli,
@@ -68,7 +69,7 @@ from lanes_cli.limits import MAX_LOCAL_NODES, MAX_OPTION_SECONDS, MAX_STREAM_SEQ
 from lanes_cli.render import render_demo, render_job
 from lanes_cli.replay import Pace, merged, selections, write_ndjson
 from lanes_cli.scheduling import scheduling_view
-from lanes_cli.stack import servers, signing_exports
+from lanes_cli.stack import identity_url, servers, signing_exports
 from lanes_cli.terminal import print_json
 from lanes_cli.timeline import job_header, job_timeline
 from lanes_cli.topology_cli import app as topology_app
@@ -100,6 +101,7 @@ drill_cli.register(app)
 recover_cli.register(app)
 router_cli.register(app)
 whatif_cli.register(app)
+console_cli.register(app)
 trace_cli.register(app)
 
 
@@ -222,8 +224,18 @@ def up(
                 url = await router.url()
                 out.print(f"router (OpenAI-compatible): {url}/v1/chat/completions", highlight=False, soft_wrap=True)
 
+            # The console reads as its own identity, which may only read: what it serves cannot write the log.
+            console_nc = await connect_nats(identity_url("console", urls.nats_url), name="lanes-console")
             settle_heap()
-            await asyncio.gather(run_consumers(consumers, stop), launcher.run(stop), announce_router())
+            try:
+                await asyncio.gather(
+                    run_consumers(consumers, stop),
+                    launcher.run(stop),
+                    announce_router(),
+                    console_cli.serve_beside(console_nc, stop),
+                )
+            finally:
+                await console_nc.close()
 
     networks = node_networks(list(local_nodes(nodes, gpus))) if netns else None
     try:

@@ -71,6 +71,17 @@ def signing_exports(identity: str = OPERATOR) -> list[tuple[str, str]]:
     return [(SIGNING_KEY_ENV, str(credentials / f"{identity}.key")), (KEYRING_ENV, str(credentials / KEYRING_FILE))]
 
 
+def identity_url(identity: str, given: str) -> str:
+    """The URL that connects to the embedded NATS as `identity` (from its credentials directory), else `given`.
+
+    `lanes up` runs the console as its own read-only identity, not as the platform it runs the services as.
+    """
+    credentials = _embedded_credentials.get()
+    if credentials is None:
+        return given
+    return (credentials / identity).read_text().strip()
+
+
 @contextlib.contextmanager
 def _env_default(name: str, value: str) -> Iterator[None]:
     """Set an environment variable the user did not set, for the duration of the block."""

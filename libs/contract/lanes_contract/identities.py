@@ -286,6 +286,13 @@ PEOPLE_IDENTITIES = (
         "an outside launcher or script posting a job's rank and progress events and evidence: never places",
     ),
     Identity(
+        "console",
+        (),
+        "the live console (`lanes console`): reads the log through its own ephemeral ordered consumers; publishes"
+        " nothing, owns no durable, sends no request",
+        reads=True,
+    ),
+    Identity(
         "observer",
         (*subjects_of(JobSubmitted, JobPlaced, ResourcesReleased, *RANK_EVENTS), f"lanes.{Family.TELEMETRY}.>"),
         "a platform adapter observing jobs another scheduler placed (`lanes run` under Slurm or Kubernetes):"

@@ -1,0 +1,241 @@
+"""The console's HTTP app: two pages and their live feeds, over one NATS connection that only reads.
+
+- `GET /` the jobs list; `GET /jobs/<id>` a job's swimlanes. Each page is static HTML and a script from the
+  package; the state of a view (job id, filters, `#seq=<n>`) is all in its URL, so a pasted link opens the same
+  view.
+- `GET /api/jobs` and `GET /api/jobs/<id>/events` are `text/event-stream`: the stored events first, then new
+  ones as they are stored, each with `id: <stream sequence>`. A browser that reconnects sends `Last-Event-ID`
+  and gets what came after it, no gap and no duplicate. Each feed has a reader's consumer of its own
+  (`lanes_console.tail`), deleted when the browser goes away.
+
+Everything a page shows is sent as JSON and put in the page as text, never as markup; the pages forbid every
+script, style and connection not from this server (Content-Security-Policy), so they load nothing from
+elsewhere and run on an offline machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import html
+import json
+from collections.abc import Awaitable, Callable
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+import structlog
+from aiohttp import web
+from nats.aio.client import Client as NatsClient
+
+from lanes_console.rows import (
+    JOBS_LIST_KINDS,
+    MAX_QUERY_CHARS,
+    BadQueryError,
+    Filters,
+    FirstError,
+    job_update,
+    row_of,
+)
+from lanes_console.tail import Mark, follow
+from lanes_contract.ids import is_valid_token
+from lanes_contract.streams import JOBS
+from lanes_runtime.reader import Selection, count
+
+log = structlog.get_logger(__name__)
+NATS_KEY: web.AppKey[NatsClient] = web.AppKey("nats", NatsClient)
+STATIC = Path(str(files("lanes_console") / "static"))
+KEEPALIVE_S = 15.0
+"""How often an idle feed sends an SSE comment: proxies keep the connection, a closed one is noticed."""
+MAX_EVENT_ID = 2**63 - 1
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+    "base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
+)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def create_app(nc: NatsClient) -> web.Application:
+    """The console over a NATS connection that may read the log (the `console` identity)."""
+    app = web.Application(middlewares=[_guard])
+    app[NATS_KEY] = nc
+    app.router.add_get("/", jobs_page)
+    app.router.add_get("/jobs/{job_id}", job_page)
+    app.router.add_get("/api/jobs", jobs_feed)
+    app.router.add_get("/api/jobs/{job_id}/events", job_feed)
+    app.router.add_static("/static/", STATIC, follow_symlinks=False)
+    return app
+
+
+@web.middleware
+async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Refuse a huge query string before anything reads it, and send every answer with the page policy."""
+    if len(request.query_string) > MAX_QUERY_CHARS:
+        raise web.HTTPRequestURITooLong(text=f"the query string is over {MAX_QUERY_CHARS} characters")
+    response = await handler(request)
+    response.headers.setdefault("Content-Security-Policy", CSP)
+    response.headers.setdefault("X-Content-Type-Options", "nosniff")
+    response.headers.setdefault("Referrer-Policy", "no-referrer")
+    return response
+
+
+def _page(name: str, **values: str) -> web.Response:
+    text = (STATIC / name).read_text(encoding="utf-8")
+    for key, value in values.items():
+        text = text.replace("{{" + key + "}}", html.escape(value, quote=True))
+    return web.Response(text=text, content_type="text/html", charset="utf-8")
+
+
+async def jobs_page(_request: web.Request) -> web.Response:
+    """The jobs list (its rows come over /api/jobs)."""
+    return _page("jobs.html")
+
+
+async def job_page(request: web.Request) -> web.Response:
+    """A job's swimlanes (its events come over /api/jobs/<id>/events, with the page's query string)."""
+    job_id = await _known_job(request)
+    _filters(request)  # a bad filter is refused here, not in a feed the page cannot read the reason of
+    return _page("job.html", JOB_ID=job_id)
+
+
+async def _known_job(request: web.Request) -> str:
+    job_id = request.match_info["job_id"]
+    if not is_valid_token(job_id):
+        raise web.HTTPBadRequest(
+            text=f"{job_id[:60]!r} is not a job id: 1-128 characters from A-Z a-z 0-9 _ -, starting with a letter"
+            " or digit"
+        )
+    if await count(request.app[NATS_KEY].jetstream(), Selection(JOBS.name, f"lanes.job.{job_id}.>")) == 0:
+        raise web.HTTPNotFound(text=f"unknown job {job_id!r}: no events on lanes.job.{job_id}.>")
+    return job_id
+
+
+def _filters(request: web.Request) -> Filters:
+    query = {key: request.query.get(key, "") for key in ("failures", "q")}
+    query["lane"] = ",".join(request.query.getall("lane", []))
+    try:
+        return Filters.parse(query)
+    except BadQueryError as exc:
+        raise web.HTTPBadRequest(text=str(exc)) from exc
+
+
+def _last_event_id(request: web.Request) -> int:
+    """The sequence the browser already has (`Last-Event-ID`, sent when it reconnects), 0 for none."""
+    raw = request.headers.get("Last-Event-ID", "").strip()
+    if not raw:
+        return 0
+    if not raw.isdigit() or int(raw) > MAX_EVENT_ID:
+        raise web.HTTPBadRequest(text="Last-Event-ID must be a stream sequence (a whole number)")
+    return int(raw)
+
+
+class _Feed:
+    """One SSE response: named events with ids, and comments while idle."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        self._response = response
+        self._idle_s = 0.0
+
+    @classmethod
+    async def open(cls, request: web.Request) -> _Feed:
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream; charset=utf-8",
+                "Cache-Control": "no-store",
+                "X-Accel-Buffering": "no",  # a buffering proxy in front would hold the live events back
+                "Content-Security-Policy": CSP,
+                "X-Content-Type-Options": "nosniff",
+            }
+        )
+        await response.prepare(request)
+        await response.write(b"retry: 1000\n\n")
+        return cls(response)
+
+    async def send(self, event: str, data: Any, event_id: int | None = None) -> None:
+        # json.dumps escapes every control character, so one event is one `data:` line whatever it says.
+        lines = f"event: {event}\n" + (f"id: {event_id}\n" if event_id is not None else "")
+        lines += f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+        self._idle_s = 0.0
+        await self._response.write(lines.encode())
+
+    async def idle(self, waited_s: float) -> None:
+        self._idle_s += waited_s
+        if self._idle_s >= KEEPALIVE_S:
+            self._idle_s = 0.0
+            await self._response.write(b": still here\n\n")
+
+
+async def job_feed(request: web.Request) -> web.StreamResponse:
+    """A job's rows, stored then live (`row`), its first error whenever the election changes (`first_error`).
+
+    The election sees every row, also those the filters hide or the browser already has.
+    """
+    job_id = await _known_job(request)
+    filters = _filters(request)
+    after = _last_event_id(request)
+    feed = await _Feed.open(request)
+    election = FirstError()
+    elected_sent = False
+    subjects = (f"lanes.job.{job_id}.>",)
+    with contextlib.suppress(ConnectionResetError):
+        async with contextlib.aclosing(follow(request.app[NATS_KEY], JOBS.name, subjects)) as messages:
+            async for msg in messages:
+                if msg is Mark.IDLE:
+                    await feed.idle(1.0)
+                    continue
+                if msg is Mark.CAUGHT_UP:
+                    if not elected_sent:
+                        await feed.send("first_error", election.current)
+                        elected_sent = True
+                    await feed.send("caught_up", {"after": after})
+                    continue
+                row = row_of(msg.metadata.sequence.stream, msg.subject, msg.headers, msg.data)
+                if election.add(row) and elected_sent:
+                    await feed.send("first_error", election.current)
+                if row["seq"] > after and filters.keeps(row):
+                    await feed.send("row", row, row["seq"])
+    return web.Response()  # not sent: the stream was prepared; only reached when the browser went away
+
+
+async def jobs_feed(request: web.Request) -> web.StreamResponse:
+    """Every job's name, state and first-error lane, as the events that set them are stored (`job`)."""
+    after = _last_event_id(request)
+    feed = await _Feed.open(request)
+    subjects = tuple(f"lanes.job.*.{kind}" for kind in JOBS_LIST_KINDS)
+    with contextlib.suppress(ConnectionResetError):
+        async with contextlib.aclosing(follow(request.app[NATS_KEY], JOBS.name, subjects, after + 1)) as messages:
+            async for msg in messages:
+                if msg is Mark.IDLE:
+                    await feed.idle(1.0)
+                elif msg is Mark.CAUGHT_UP:
+                    await feed.send("caught_up", {"after": after})
+                else:
+                    row = row_of(msg.metadata.sequence.stream, msg.subject, msg.headers, msg.data)
+                    if row.get("job_id"):
+                        await feed.send("job", job_update(row), row["seq"])
+    return web.Response()
+
+
+async def serve(nc: NatsClient, host: str, port: int) -> tuple[web.AppRunner, str]:
+    """Start the console on host:port (0: a free port); the runner to clean up and the URL it answers on."""
+    # A browser that closes the page cancels its feed's handler at once, and with it the feed's consumer.
+    runner = web.AppRunner(create_app(nc), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    address = runner.addresses[0]  # where it bound: with port 0, the port the system picked
+    shown = f"[{address[0]}]" if ":" in address[0] else address[0]
+    return runner, f"http://{shown}:{address[1]}/"
+
+
+async def serve_until(
+    nc: NatsClient, host: str, port: int, stop: asyncio.Event, on_ready: Callable[[str], None]
+) -> None:
+    """Serve the console until `stop` is set, telling `on_ready` the URL once it answers."""
+    runner, url = await serve(nc, host, port)
+    try:
+        on_ready(url)
+        await stop.wait()
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,226 @@
+"""What the console shows of one stored event, which events a view keeps, and the job's first error (pure).
+
+A row is the JSON the page draws: the join keys of the event (seq, time, lane, attempt, node, rank, source,
+type), its data, and one line saying what it means. The first error is elected the way `lanes timeline
+--html` does: the latest version of telemetry's finding when there is one, else the first rank that did not
+exit cleanly. The election always sees every event of the job, whatever the view filters out, so a filter
+never changes which event is the first error.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lanes_contract.codec import decode, format_time
+from lanes_contract.errors import DecodeError
+from lanes_contract.events import Lane
+
+LANES = tuple(lane.value for lane in Lane)
+"""The swimlanes, top to bottom."""
+MAX_QUERY_CHARS = 2048
+"""A query string longer than this is refused (414): every view's state fits in far less."""
+MAX_PATTERN_CHARS = 200
+"""The longest text filter (a regular expression) a view accepts."""
+MAX_SEARCHED_CHARS = 4096
+"""How much of an event a text filter reads: its keys, its summary and the start of its data."""
+MAX_SUMMARY_CHARS = 300
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+class BadQueryError(ValueError):
+    """A view's query string asks for something the console cannot do; the message says what (HTTP 400)."""
+
+
+def row_of(seq: int, subject: str, headers: Mapping[str, str] | None, payload: bytes) -> dict[str, Any]:
+    """The row of one stored message; an undecodable one keeps its place with the reason."""
+    try:
+        event = decode(subject, headers, payload)
+    except DecodeError as exc:
+        return {"seq": seq, "subject": subject, "type": None, "lane": None, "error": str(exc), "summary": str(exc)}
+    data = event.model_dump(mode="json")["data"]
+    row = {
+        "seq": seq,
+        "id": event.id,
+        "time": format_time(event.time),
+        "type": event.type,
+        "kind": kind_of(event.type),
+        "lane": event.lane.value,
+        "job_id": event.jobid,
+        "attempt": event.attempt,
+        "node": event.node,
+        "rank": event.rank,
+        "source": event.source,
+        "data": data,
+    }
+    row["summary"] = summary_of(row["kind"], data)
+    row["failure"] = is_failure(row)
+    return row
+
+
+def kind_of(event_type: str | None) -> str:
+    """The event's name within its family: `placed` for `io.lanes.job.placed.v1`."""
+    parts = str(event_type or "").split(".")
+    return parts[-2] if len(parts) >= 2 else ""  # noqa: PLR2004 - <name>.v<N> ends every type
+
+
+def is_failure(row: Mapping[str, Any]) -> bool:
+    """A rank that did not exit cleanly, a job or attempt moved to a failed state, evidence or a finding."""
+    data = row.get("data") or {}
+    kind = row.get("kind")
+    if kind == "rank_exited":
+        return data.get("exit_code") not in (0, None) or bool(data.get("signal"))
+    if kind == "state_changed":
+        return data.get("to_state") in {"failed", "partially_failed"}
+    return kind in {"evidence", "finding", "rejected", "escalated"} or row.get("type") is None
+
+
+def _text(value: Any) -> str:
+    return "" if value is None else str(value)
+
+
+def summary_of(kind: str, data: Mapping[str, Any]) -> str:
+    """One line saying what an event means, from its data (the page shows it as text, never as markup)."""
+    said: str
+    if kind == "state_changed":
+        said = f"{_text(data.get('from_state')) or '-'} -> {_text(data.get('to_state'))} ({_text(data.get('reason'))})"
+    elif kind == "rank_exited":
+        said = f"signal {data['signal']}" if data.get("signal") else f"exit {_text(data.get('exit_code'))}"
+    elif kind == "evidence":
+        evidence = data.get("evidence") or {}
+        lines = evidence.get("lines") or [""]
+        said = f"{_text(evidence.get('category'))}: {_text(evidence.get('summary') or lines[0])}"
+    elif kind == "finding":
+        cause = data.get("first_error") or {}
+        said = f"first error: {_text(cause.get('category'))}: {_text(cause.get('summary'))} (owner {data.get('owner')})"
+    elif kind == "waiting":
+        said = f"{_text(data.get('reason'))}: {_text(data.get('detail'))}"
+    elif kind == "submitted":
+        spec = data.get("spec") or {}
+        said = f"{_text(spec.get('name'))}: {_text(spec.get('workers'))} workers"
+    elif kind == "placed":
+        said = " ".join(f"r{a.get('rank')}@{a.get('node')}" for a in data.get("assignments") or [])
+    else:
+        said = " ".join(f"{key}={value}" for key, value in data.items() if isinstance(value, str | int | float))
+    # One line without control characters, whatever the event says: a terminal escape or a carriage return
+    # copied out of the page into a log or a terminal does nothing there (the event's data keeps them as sent).
+    return " ".join(_CONTROL.sub(" ", said).split())[:MAX_SUMMARY_CHARS]
+
+
+class FirstError:
+    """The job's elected first error, updated one row at a time in stream order."""
+
+    def __init__(self) -> None:
+        self._finding: tuple[int, int] | None = None
+        """(version, seq) of the finding in force."""
+        self._exit_seq: int | None = None
+        self.current: dict[str, Any] | None = None
+
+    def add(self, row: Mapping[str, Any]) -> bool:
+        """Fold one row in; whether the elected first error changed."""
+        data = row.get("data") or {}
+        if row.get("kind") == "finding" and isinstance(data.get("first_error"), dict):
+            key = (int(data.get("version") or 0), int(row["seq"]))
+            if self._finding is not None and key <= self._finding:
+                return False  # an older version of the finding arrived late: the newer one stays
+            self._finding = key
+            cause = data["first_error"]
+            self.current = {
+                "seq": row["seq"],
+                "rank": cause.get("rank"),
+                "node": cause.get("node"),
+                "lane": cause.get("lane"),
+                "category": cause.get("category"),
+                "detail": cause.get("summary") or cause.get("category"),
+                "owner": data.get("owner"),
+                "missing_evidence": missing_by_lane(data.get("missing_evidence") or []),
+            }
+            return True
+        if self._finding is None and self._exit_seq is None and row.get("kind") == "rank_exited" and row["failure"]:
+            self._exit_seq = int(row["seq"])
+            self.current = {
+                "seq": row["seq"],
+                "rank": row.get("rank"),
+                "node": row.get("node"),
+                "lane": row.get("lane"),
+                "category": "process_exit",
+                "detail": f"rank {row.get('rank')} ended with {row['summary']}",
+                "owner": None,
+                "missing_evidence": {},
+            }
+            return True
+        return False
+
+
+def missing_by_lane(missing: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """A finding's missing evidence grouped by lane, each item saying what and where."""
+    grouped: dict[str, list[str]] = {}
+    for item in missing:
+        where = ", ".join(f"{key} {item[key]}" for key in ("node", "rank") if item.get(key) is not None)
+        grouped.setdefault(str(item.get("lane")), []).append(f"{item.get('what')}" + (f" ({where})" if where else ""))
+    return grouped
+
+
+@dataclass(frozen=True)
+class Filters:
+    """Which rows a job view shows: failures only, some lanes, a text pattern. All of it is in the URL."""
+
+    failures: bool = False
+    lanes: tuple[str, ...] = ()
+    pattern: re.Pattern[str] | None = None
+
+    @classmethod
+    def parse(cls, query: Mapping[str, str]) -> Filters:
+        """The filters of a query string (`failures=1`, `lane=host,network`, `q=<regex>`), or BadQueryError."""
+        failures = query.get("failures", "")
+        if failures not in {"", "0", "1"}:
+            raise BadQueryError("failures must be 0 or 1")
+        lanes = tuple(part for part in query.get("lane", "").split(",") if part)
+        if unknown := [lane for lane in lanes if lane not in LANES]:
+            raise BadQueryError(f"unknown lane {unknown[0][:40]!r}; the lanes are {', '.join(LANES)}")
+        text = query.get("q", "")
+        if len(text) > MAX_PATTERN_CHARS:
+            raise BadQueryError(f"the text filter q is {len(text)} characters; at most {MAX_PATTERN_CHARS}")
+        try:
+            pattern = re.compile(text, re.IGNORECASE) if text else None
+        except re.error as exc:
+            raise BadQueryError(f"the text filter q is not a regular expression: {exc}") from exc
+        return cls(failures == "1", lanes, pattern)
+
+    def keeps(self, row: Mapping[str, Any]) -> bool:
+        """Whether the view shows this row."""
+        if self.failures and not row.get("failure"):
+            return False
+        if self.lanes and row.get("lane") not in self.lanes:
+            return False
+        return self.pattern is None or self.pattern.search(searched_text(row)) is not None
+
+
+def searched_text(row: Mapping[str, Any]) -> str:
+    """What a text filter reads of a row: its keys, its summary, then its data, bounded."""
+    keys = " ".join(
+        _text(row.get(key)) for key in ("type", "lane", "node", "rank", "attempt", "source", "summary", "error")
+    )
+    data = json.dumps(row.get("data"), separators=(",", ":"), ensure_ascii=False)
+    return f"{keys} {data}"[:MAX_SEARCHED_CHARS]
+
+
+JOBS_LIST_KINDS = ("submitted", "state_changed", "finding")
+"""The events the jobs list folds: a job's name, its state, and the lane and owner of its first error."""
+
+
+def job_update(row: Mapping[str, Any]) -> dict[str, Any]:
+    """What one event changes in the jobs list (the page folds these by job id, later ones winning)."""
+    data = row.get("data") or {}
+    update: dict[str, Any] = {"seq": row["seq"], "job_id": row.get("job_id"), "time": row.get("time")}
+    if row.get("kind") == "submitted":
+        spec = data.get("spec") or {}
+        update |= {"name": spec.get("name"), "state": "submitted"}
+    elif row.get("kind") == "state_changed":
+        update["state"] = data.get("to_state")
+    elif row.get("kind") == "finding" and isinstance(data.get("first_error"), dict):
+        update |= {"error_lane": data["first_error"].get("lane"), "owner": data.get("owner")}
+    return update

@@ -1,0 +1,167 @@
+// The job page: its swimlanes and event list, fed live by the server's event stream (EventSource).
+// Everything an event says is put in the page with textContent or as an attribute value, never as markup.
+(function () {
+  "use strict";
+  const NS = "http://www.w3.org/2000/svg";
+  const LANES = ["algorithm", "platform", "host", "network"];
+  const COLORS = {algorithm: "#8e44ad", platform: "#2d6cdf", host: "#d35400", network: "#16a085"};
+  const MAX_ROWS = 2000; // the page keeps this many events in the DOM; older ones leave it as new ones come
+  const body = document.body;
+  const jobId = body.dataset.job;
+  const params = new URLSearchParams(location.search);
+  const rows = []; // the events shown, in stream order
+  let first = null;
+  let dropped = 0;
+  let drawQueued = false;
+
+  // The filter form shows the URL's filters; applying it loads the URL with the new ones (a link to paste).
+  const form = document.getElementById("filters");
+  form.elements.q.value = params.get("q") || "";
+  form.elements.failures.checked = params.get("failures") === "1";
+  const chosenLanes = new Set(params.getAll("lane"));
+  const laneFilters = document.getElementById("lane-filters");
+  LANES.forEach(lane => {
+    const label = document.createElement("label");
+    const box = document.createElement("input");
+    box.type = "checkbox"; box.name = "lane"; box.value = lane; box.checked = chosenLanes.has(lane);
+    label.appendChild(box); label.appendChild(document.createTextNode(" " + lane + " "));
+    laneFilters.appendChild(label);
+  });
+  document.getElementById("clear").href = location.pathname;
+
+  const svg = document.getElementById("chart");
+  const W = 1100, left = 110, right = 20, bandH = 48, top = 12, H = top + bandH * LANES.length + 30;
+  svg.setAttribute("width", W); svg.setAttribute("height", H);
+  function el(name, attrs, parent) {
+    const e = document.createElementNS(NS, name);
+    for (const k in attrs) e.setAttribute(k, attrs[k]);
+    (parent || svg).appendChild(e); return e;
+  }
+  LANES.forEach((lane, i) => {
+    el("rect", {x: 0, y: top + i * bandH, width: W, height: bandH, class: "band" + (i % 2 ? " alt" : ""),
+      "data-lane": lane});
+    el("text", {x: 8, y: top + i * bandH + bandH / 2 + 4, class: "lane-label"}).textContent = lane;
+  });
+  el("line", {x1: left, x2: W - right, y1: H - 24, y2: H - 24, class: "axis"});
+  const ticks = [0, 1, 2, 3, 4, 5].map(() => el("text", {y: H - 8, class: "tick"}));
+  const marks = el("g", {id: "marks"});
+  const tbody = document.querySelector("#events tbody");
+
+  function text(value) { return value === null || value === undefined ? "-" : String(value); }
+
+  function add(row) {
+    const tr = document.createElement("tr");
+    tr.className = "event" + (row.failure ? " failure" : "");
+    tr.id = "seq-" + row.seq; tr.dataset.seq = row.seq; tr.dataset.lane = row.lane || "";
+    [row.seq, row.time, row.lane, row.attempt, row.node, row.rank, row.kind || row.subject, row.summary]
+      .forEach((value, i) => {
+        const td = document.createElement("td"); td.textContent = text(value);
+        if (i === 7) td.className = "summary";
+        tr.appendChild(td);
+      });
+    tr.addEventListener("click", () => { location.hash = "seq=" + row.seq; });
+    tbody.appendChild(tr);
+    row.tr = tr;
+    if (row.lane && !isNaN(Date.parse(row.time))) {
+      row.mark = el("circle", {r: 6, fill: COLORS[row.lane] || "#777", class: "mark", "data-seq": row.seq,
+        "data-lane": row.lane}, marks);
+      el("title", {}, row.mark).textContent = "#" + row.seq + " " + text(row.kind) + " node=" + text(row.node) +
+        " rank=" + text(row.rank) + ": " + text(row.summary);
+      row.mark.addEventListener("click", () => { location.hash = "seq=" + row.seq; });
+    }
+    rows.push(row);
+    while (rows.length > MAX_ROWS) {
+      const old = rows.shift(); dropped += 1;
+      old.tr.remove(); if (old.mark) old.mark.remove();
+    }
+    markFirst();
+    queueDraw();
+  }
+
+  function queueDraw() {
+    if (drawQueued) return;
+    drawQueued = true;
+    requestAnimationFrame(draw);
+  }
+
+  function draw() {
+    drawQueued = false;
+    const times = rows.filter(r => r.mark).map(r => Date.parse(r.time));
+    const t0 = times.length ? Math.min(...times) : 0, t1 = Math.max(...times, t0 + 1);
+    const x = t => left + (W - left - right) * (t - t0) / (t1 - t0);
+    rows.forEach((r, i) => {
+      if (!r.mark) return;
+      const jitter = ((i * 7) % 5 - 2) * 6;
+      r.mark.setAttribute("cx", x(Date.parse(r.time)));
+      r.mark.setAttribute("cy", top + LANES.indexOf(r.lane) * bandH + bandH / 2 + jitter);
+    });
+    ticks.forEach((tick, k) => {
+      const t = t0 + (t1 - t0) * k / 5;
+      tick.setAttribute("x", x(t) - 20);
+      tick.textContent = "+" + ((t - t0) / 1000).toFixed(3) + "s";
+    });
+    document.getElementById("summary").textContent = rows.length + " events shown" +
+      (dropped ? " (the " + dropped + " oldest left the page; filter to see them)" : "") +
+      (params.toString() ? " \u00b7 filtered" : "");
+  }
+
+  function markFirst() {
+    rows.forEach(r => {
+      const on = first !== null && r.seq === first.seq;
+      r.tr.classList.toggle("first-error", on);
+      if (r.mark) r.mark.classList.toggle("first-error", on);
+    });
+  }
+
+  function showFirst(elected) {
+    first = elected;
+    const box = document.getElementById("first-error");
+    box.replaceChildren();
+    const div = document.createElement("div");
+    if (!first) {
+      div.className = "callout none"; div.textContent = "No error on this timeline yet.";
+      box.appendChild(div); markFirst(); return;
+    }
+    div.className = "callout first-error";
+    div.textContent = "First error: " + text(first.detail) + " (" + text(first.lane) + " lane, node " +
+      text(first.node) + ", rank " + text(first.rank) + (first.owner ? ", owner " + first.owner : "") + ") ";
+    const jump = document.createElement("a");
+    jump.id = "jump-first-error"; jump.href = "#seq=" + first.seq; jump.textContent = "jump to first error";
+    div.appendChild(jump);
+    box.appendChild(div);
+    const missing = first.missing_evidence || {};
+    if (Object.keys(missing).length) {
+      const m = document.createElement("div"); m.className = "callout missing";
+      m.textContent = "Missing evidence: " + Object.keys(missing).map(l => l + ": " + missing[l].join("; ")).join(" | ");
+      box.appendChild(m);
+    }
+    markFirst();
+  }
+
+  // `#seq=<n>` selects that event: the row scrolled to and its detail shown.
+  function select() {
+    const m = /^#seq=(\d+)$/.exec(location.hash);
+    rows.forEach(r => { r.tr.classList.remove("selected"); if (r.mark) r.mark.classList.remove("selected"); });
+    if (!m) return;
+    const row = rows.find(r => r.seq === Number(m[1]));
+    const detail = document.getElementById("detail");
+    if (!row) { detail.textContent = "Event #" + m[1] + " is not among the events shown."; return; }
+    row.tr.classList.add("selected"); if (row.mark) row.mark.classList.add("selected");
+    row.tr.scrollIntoView({block: "center"});
+    const shown = Object.assign({}, row); delete shown.tr; delete shown.mark;
+    detail.textContent = JSON.stringify(shown, null, 2);
+    body.dataset.selected = row.seq;
+  }
+  window.addEventListener("hashchange", select);
+
+  const status = document.getElementById("status");
+  const source = new EventSource("/api/jobs/" + encodeURIComponent(jobId) + "/events" + location.search);
+  source.addEventListener("open", () => { status.textContent = "live"; status.className = "status live"; });
+  source.addEventListener("error", () => { status.textContent = "reconnecting"; status.className = "status lost"; });
+  source.addEventListener("row", e => { add(JSON.parse(e.data)); });
+  source.addEventListener("first_error", e => { showFirst(JSON.parse(e.data)); });
+  source.addEventListener("caught_up", () => {
+    if (body.dataset.caughtUp !== "true") { body.dataset.caughtUp = "true"; select(); }
+  });
+  body.dataset.ready = "true";
+})();

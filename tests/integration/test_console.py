@@ -1,0 +1,327 @@
+"""The live console on a real NATS server with every identity: its pages, its live feeds, and what it refuses.
+
+The console connects as its own `console` identity (read-only), so every test here also shows that reading
+through ephemeral consumers is all it needs. Events are published as the platform, as `lanes up` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+from nats.aio.client import Client as NatsClient
+from support.waiting import eventually
+
+from lanes_console.app import serve
+from lanes_contract.client import LanesClient, connect_nats
+from lanes_contract.errors import PermissionDeniedError
+from lanes_contract.events import (
+    EvidenceCategory,
+    EvidenceData,
+    FindingCause,
+    JobEvidence,
+    JobEvidenceData,
+    JobFinding,
+    JobFindingData,
+    JobSubmitted,
+    JobSubmittedData,
+    Lane,
+    RankExited,
+    RankExitedData,
+    RankStarted,
+    RankStartedData,
+)
+from lanes_contract.jobs import JobSpec
+from lanes_contract.streams import JOBS
+from lanes_runtime.reader import READER_PREFIX
+from lanes_sandbox.embedded import EmbeddedNats
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.real_servers]
+READ_BOUND_S = 30.0
+"""How long a test waits for an event it expects on a feed before failing (a bound, not a measurement)."""
+
+
+@dataclass
+class Console:
+    url: str
+    nats: EmbeddedNats
+    publisher: LanesClient
+    reader: NatsClient
+
+
+@pytest.fixture
+async def console(secured_nats: EmbeddedNats) -> AsyncIterator[Console]:
+    """The console served on a free port as the `console` identity; a platform client to publish with."""
+    reader = await connect_nats(secured_nats.url_for("console"), name="console")
+    publisher = await LanesClient.connect(
+        secured_nats.url_for("platform"), source="lanes/tests", signer=secured_nats.signer_for("platform")
+    )
+    runner, url = await serve(reader, "127.0.0.1", 0)
+    try:
+        yield Console(url, secured_nats, publisher, reader)
+    finally:
+        await runner.cleanup()
+        await publisher.close()
+        await reader.close()
+
+
+def submitted(job_id: str) -> JobSubmitted:
+    spec = JobSpec(name="train", workers=2, gpus_per_worker=1)
+    return JobSubmitted(source="lanes/tests", jobid=job_id, attempt=1, data=JobSubmittedData(spec=spec))
+
+
+def started(job_id: str, rank: int) -> RankStarted:
+    return RankStarted(
+        source="lanes/tests", jobid=job_id, attempt=1, node="node-1", rank=rank, data=RankStartedData(pid=100 + rank)
+    )
+
+
+def exited(job_id: str, rank: int, code: int) -> RankExited:
+    return RankExited(
+        source="lanes/tests", jobid=job_id, attempt=1, node="node-1", rank=rank, data=RankExitedData(exit_code=code)
+    )
+
+
+def evidence(job_id: str, summary: str) -> JobEvidence:
+    found = EvidenceData(category=EvidenceCategory.OOM_KILL, summary=summary, lines=(summary,))
+    return JobEvidence(
+        source="lanes/tests",
+        jobid=job_id,
+        attempt=1,
+        node="node-2",
+        rank=1,
+        data=JobEvidenceData(evidence_id=f"e-{job_id}", evidence=found),
+    )
+
+
+def finding(job_id: str, version: int) -> JobFinding:
+    cause = FindingCause(category="oom_kill", lane=Lane.HOST, node="node-2", rank=1, summary="rank 1 OOM-killed")
+    data = JobFindingData(version=version, first_error=cause, stage="steady_state", confidence=0.9, settled=True)
+    return JobFinding(source="lanes/telemetry", jobid=job_id, attempt=1, lane=Lane.HOST, data=data)
+
+
+@dataclass
+class SseEvent:
+    event: str
+    data: Any
+    id: str | None
+
+
+class Feed:
+    """An SSE response read event by event (`event:`, `id:`, `data:` lines, a blank line ends one)."""
+
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self.response = response
+        self.raw: list[str] = []
+
+    async def next(self) -> SseEvent:
+        fields: dict[str, str] = {}
+        while True:
+            line = (await asyncio.wait_for(self.response.content.readline(), READ_BOUND_S)).decode()
+            assert line, "the feed ended"
+            self.raw.append(line)
+            line = line.rstrip("\n")
+            if not line:
+                if "data" in fields:
+                    return SseEvent(fields.get("event", "message"), json.loads(fields["data"]), fields.get("id"))
+                continue
+            if line.startswith(":"):
+                continue
+            name, _, value = line.partition(": ")
+            assert name not in fields, f"a second {name!r} line in one event: {line!r}"
+            fields[name] = value
+
+    async def until(self, event: str) -> list[SseEvent]:
+        """Every event up to and including the next one named `event`."""
+        seen: list[SseEvent] = []
+        while not seen or seen[-1].event != event:
+            seen.append(await self.next())
+        return seen
+
+    async def next_named(self, event: str) -> SseEvent:
+        return (await self.until(event))[-1]
+
+
+async def open_feed(session: aiohttp.ClientSession, url: str, **headers: str) -> Feed:
+    response = await session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=None, sock_read=None))
+    assert response.status == 200, await response.text()
+    assert response.headers["Content-Type"].startswith("text/event-stream")
+    return Feed(response)
+
+
+def rows_of(events: list[SseEvent]) -> list[dict[str, Any]]:
+    return [e.data for e in events if e.event == "row"]
+
+
+async def publish(console: Console, *events: Any) -> list[int]:
+    return [await console.publisher.publish(event) for event in events]
+
+
+async def test_a_job_feed_replays_the_timeline_then_pushes_a_new_event_as_it_is_stored(
+    console: Console, unique: str
+) -> None:
+    job = f"live-{unique}"
+    seqs = await publish(console, submitted(job), started(job, 0), started(job, 1))
+    async with aiohttp.ClientSession() as session:
+        feed = await open_feed(session, f"{console.url}api/jobs/{job}/events")
+        replayed = await feed.until("caught_up")
+        assert [row["seq"] for row in rows_of(replayed)] == seqs
+        assert [e.id for e in replayed if e.event == "row"] == [str(seq) for seq in seqs]  # id: is the sequence
+        assert next(e for e in replayed if e.event == "first_error").data is None  # nothing failed yet
+
+        (failed,) = await publish(console, exited(job, 1, 137))
+        elected = await feed.next_named("first_error")
+        assert elected.data["seq"] == failed
+        assert elected.data["rank"] == 1
+        row = await feed.next_named("row")
+        assert (row.id, row.data["kind"], row.data["failure"]) == (str(failed), "rank_exited", True)
+        assert row.data["summary"] == "exit 137"
+
+        # A finding names the first error: it replaces the failed exit, whatever came first.
+        (found,) = await publish(console, finding(job, 1))
+        elected = await feed.next_named("first_error")
+        assert (elected.data["seq"], elected.data["lane"], elected.data["category"]) == (found, "host", "oom_kill")
+
+
+async def test_a_reconnecting_browser_resumes_after_its_last_event_id_without_gap_or_duplicate(
+    console: Console, unique: str
+) -> None:
+    job = f"resume-{unique}"
+    seqs = await publish(console, submitted(job), started(job, 0), exited(job, 0, 3), started(job, 1))
+    async with aiohttp.ClientSession() as session:
+        feed = await open_feed(session, f"{console.url}api/jobs/{job}/events", **{"Last-Event-ID": str(seqs[1])})
+        resumed = await feed.until("caught_up")
+        assert [row["seq"] for row in rows_of(resumed)] == seqs[2:]
+        # The election still saw every event, also those the browser already had.
+        assert next(e for e in resumed if e.event == "first_error").data["seq"] == seqs[2]
+
+        bad = await session.get(f"{console.url}api/jobs/{job}/events", headers={"Last-Event-ID": "1; drop"})
+        assert bad.status == 400
+        assert "Last-Event-ID" in await bad.text()
+
+
+async def test_the_filters_in_the_query_string_choose_the_rows_and_bad_ones_are_refused(
+    console: Console, unique: str
+) -> None:
+    job = f"filters-{unique}"
+    seqs = await publish(
+        console, submitted(job), started(job, 0), exited(job, 0, 0), exited(job, 1, 9), evidence(job, "oom on node-2")
+    )
+    base = f"{console.url}api/jobs/{job}/events"
+    async with aiohttp.ClientSession() as session:
+        failures = rows_of(await (await open_feed(session, f"{base}?failures=1")).until("caught_up"))
+        assert [row["seq"] for row in failures] == [seqs[3], seqs[4]]  # the clean exit is not a failure
+        text = rows_of(await (await open_feed(session, f"{base}?q=OOM%20on%20node-%5Cd")).until("caught_up"))
+        assert [row["seq"] for row in text] == [seqs[4]]  # a regex, case-insensitive
+        lanes = rows_of(await (await open_feed(session, f"{base}?lane=platform")).until("caught_up"))
+        assert {row["lane"] for row in lanes} == {"platform"}
+        assert seqs[0] in [row["seq"] for row in lanes]
+
+        for query, status, said in [
+            ("q=%28unclosed", 400, "not a regular expression"),
+            ("lane=kitchen", 400, "unknown lane"),
+            ("failures=yes", 400, "failures must be 0 or 1"),
+            ("q=" + "a" * 201, 400, "at most 200"),
+            ("q=" + "a" * 3000, 414, "over 2048"),
+        ]:
+            for url in (f"{base}?{query}", f"{console.url}jobs/{job}?{query}"):
+                refused = await session.get(url)
+                assert refused.status == status, (url, refused.status)
+                assert said in await refused.text()
+
+
+async def test_the_job_page_opens_at_its_deep_link_and_escapes_what_it_is_given(console: Console, unique: str) -> None:
+    job = f"page-{unique}"
+    await publish(console, submitted(job))
+    async with aiohttp.ClientSession() as session:
+        page = await session.get(f"{console.url}jobs/{job}?failures=1&q=oom#seq=1")
+        assert page.status == 200
+        body = await page.text()
+        assert f'data-job="{job}"' in body
+        assert "default-src 'none'" in page.headers["Content-Security-Policy"]
+        # Offline: every script and stylesheet is the console's own.
+        links = re.findall(r'(?:src|href)="([^"]*)"', body)
+        assert {"/static/console.css", "/static/job.js"} <= set(links)
+        assert not [link for link in links if re.match(r"[a-z][a-z0-9+.-]*:|//", link, re.IGNORECASE)], links
+        for asset in ("/static/console.css", "/static/job.js", "/static/jobs.js"):
+            assert (await session.get(console.url.rstrip("/") + asset)).status == 200
+
+        markup = await session.get(f"{console.url}jobs/%3Cscript%3Ealert(1)%3C%2Fscript%3E")
+        assert markup.status == 400
+        assert markup.content_type == "text/plain"
+        assert "is not a job id" in await markup.text()
+        wildcard = await session.get(f"{console.url}api/jobs/job.*/events")
+        assert wildcard.status == 400
+        unknown = await session.get(f"{console.url}jobs/nothing-{unique}")
+        assert unknown.status == 404
+        assert "unknown job" in await unknown.text()
+        jobs = await session.get(console.url)
+        assert jobs.status == 200
+        assert "/static/jobs.js" in await jobs.text()
+
+
+async def test_control_characters_and_markup_in_an_event_stay_data_in_the_feed(console: Console, unique: str) -> None:
+    job = f"hostile-{unique}"
+    said = "\x1b[31mred\r\nevent: row\ndata: {}\n\nid: 999999\n</script><img src=x onerror=alert(1)>"
+    seqs = await publish(console, submitted(job), evidence(job, said))
+    async with aiohttp.ClientSession() as session:
+        feed = await open_feed(session, f"{console.url}api/jobs/{job}/events")
+        rows = rows_of(await feed.until("caught_up"))
+    assert [row["seq"] for row in rows] == seqs  # nothing the event said became an event of the feed
+    hostile = rows[1]
+    assert hostile["data"]["evidence"]["summary"] == said  # the data arrives as it was stored
+    assert not re.search(r"[\x00-\x1f\x7f-\x9f]", hostile["summary"])  # the one-line summary has no control character
+    assert all(line.startswith(("event: ", "id: ", "data: ", "retry: ", ":")) or line == "\n" for line in feed.raw)
+
+
+async def test_the_jobs_feed_lists_jobs_and_follows_their_state(console: Console, unique: str) -> None:
+    first, second = f"list-a-{unique}", f"list-b-{unique}"
+    await publish(console, submitted(first))
+    async with aiohttp.ClientSession() as session:
+        feed = await open_feed(session, f"{console.url}api/jobs")
+        listed = [e.data for e in await feed.until("caught_up") if e.event == "job"]
+        assert [(u["job_id"], u["state"], u["name"]) for u in listed] == [(first, "submitted", "train")]
+
+        await publish(console, submitted(second), finding(first, 1))
+        update = (await feed.next_named("job")).data
+        assert (update["job_id"], update["state"]) == (second, "submitted")
+        update = (await feed.next_named("job")).data
+        assert (update["job_id"], update["error_lane"]) == (first, "host")
+
+
+async def test_a_closed_page_leaves_no_consumer_behind(console: Console, unique: str) -> None:
+    job = f"closed-{unique}"
+    await publish(console, submitted(job))
+    admin = await connect_nats(console.nats.url, name="inspector")
+    js = admin.jetstream()
+
+    async def readers() -> int:
+        return sum((info.name or "").startswith(READER_PREFIX) for info in await js.consumers_info(JOBS.name))
+
+    async def none_left() -> bool:
+        return await readers() == 0
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            feed = await open_feed(session, f"{console.url}api/jobs/{job}/events")
+            await feed.until("caught_up")
+            assert await readers() == 1
+        # Deleted when the browser goes, not when the server would drop it idle (READER_IDLE_S, 30 s).
+        await eventually(none_left, timeout_s=20.0, what="the feed's consumer to be deleted")
+    finally:
+        await admin.close()
+
+
+async def test_the_console_identity_reads_and_can_do_nothing_else(console: Console, unique: str) -> None:
+    with pytest.raises(PermissionDeniedError):
+        await console.reader.request(f"lanes.job.x-{unique}.submitted", b"{}", timeout=1.0)
+    with pytest.raises(PermissionDeniedError):
+        await console.reader.request("lanes.api.job.cancel", b"{}", timeout=1.0)
+    with pytest.raises(PermissionDeniedError):  # a durable of its own, named in the subject
+        await console.reader.request(f"$JS.API.CONSUMER.DURABLE.CREATE.{JOBS.name}.console-{unique}", b"{}", timeout=1)
