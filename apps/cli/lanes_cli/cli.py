@@ -451,7 +451,7 @@ async def _existing_stream(js: JetStreamContext, name: str) -> None:
 
 app.add_typer(audit_cli.app, name="audit")
 app.add_typer(dead_cli.app, name="dead")
-app.command()(poc_cli.poc)
+app.add_typer(poc_cli.app, name="poc")
 app.command()(asyncapi_cli.asyncapi)
 app.command()(incident_cli.incident)
 app.command("import")(import_cli.import_events)

@@ -1,25 +1,47 @@
-"""`lanes poc`: the scorecard of a drill or any time window, read from the log."""
+"""`lanes poc`: the scorecard of a drill or any time window, read from the log; `lanes poc run` runs a POC plan."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import tempfile
 from datetime import datetime
+from pathlib import Path
 from typing import Annotated
 
 import typer
 from nats.js import JetStreamContext
 
-from lanes_cli.console import checked_job_id, checked_window, load_settings, out, require, run_async
+from lanes_agent.faults import kernel_faults_unavailable
+from lanes_cli.agent_cli import node_networks
+from lanes_cli.console import (
+    EXIT_BAD_INPUT,
+    checked_job_id,
+    checked_window,
+    err,
+    fail,
+    load_settings,
+    out,
+    print_big_json,
+    require,
+    run_async,
+)
+from lanes_cli.demo import FaultPaths
 from lanes_cli.drill_cli import print_report
 from lanes_cli.drills import DrillReport, drill_reports
+from lanes_cli.input_files import read_text_file
 from lanes_cli.poc import CapabilityResult, Row, Verdict, scorecard
+from lanes_cli.poc_plan import PlanError, default_plan_text, parse_plan
+from lanes_cli.poc_report import print_table, render_report
+from lanes_cli.poc_run import cluster_nodes, run_plan
+from lanes_cli.stack import servers
 from lanes_cli.timeline import read_stream
 from lanes_contract.client import connect_nats
 from lanes_contract.streams import JOBS, REQUESTS
 from lanes_runtime.reader import Selection
 
 _STYLE = {Verdict.PASSED: "green", Verdict.PENDING_EVIDENCE: "yellow", Verdict.NOT_APPLICABLE: "dim"}
+app = typer.Typer(invoke_without_command=True, help="The POC scorecard of the log, or (`lanes poc run`) a POC run.")
 
 
 async def rows_of(js: JetStreamContext, selection: Selection) -> list[Row]:
@@ -59,13 +81,17 @@ def print_scorecard(results: list[CapabilityResult]) -> None:
         )
 
 
+@app.callback()
 def poc(
+    ctx: typer.Context,
     job: Annotated[str | None, typer.Option(help="Only this job's timeline.")] = None,
     since: Annotated[datetime | None, typer.Option(help="Window start (RFC 3339, UTC if no offset).")] = None,
     until: Annotated[datetime | None, typer.Option(help="Window end (RFC 3339, UTC if no offset).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """The scorecard: passed, pending evidence (naming the gap) or not applicable, per capability."""
+    if ctx.invoked_subcommand is not None:
+        return
     if job is not None:
         checked_job_id(job)
     since, until = checked_window(since, until)
@@ -80,3 +106,67 @@ def poc(
         print_scorecard(results)
         for report in drills:
             print_report(report)
+
+
+@app.command("run")
+def run(
+    plan: Annotated[
+        Path | None, typer.Argument(help="The POC plan (YAML); without one, the shipped default plan.")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the run's JSON instead of the table.")] = False,
+    out_dir: Annotated[
+        Path | None,
+        typer.Option("--out", help="Write events.ndjson (a bundle `lanes import` reads), poc.json and report.html."),
+    ] = None,
+    netns: Annotated[
+        bool, typer.Option("--netns", help="Each node's ranks in a network namespace of its own (root).")
+    ] = False,
+    kernel: Annotated[bool, typer.Option("--kernel", help="Faults through this host's kernel (root).")] = False,
+) -> None:
+    """Run a POC plan end to end: every rung, a drill at each, one verdict table read from the timeline."""
+    text = default_plan_text() if plan is None else read_text_file(plan, what="a POC plan is YAML")
+    try:
+        parsed = parse_plan(text)
+    except PlanError as exc:
+        fail(f"{plan or 'the default plan'}: {exc}", EXIT_BAD_INPUT)
+    if out_dir is not None:
+        if out_dir.exists() and not out_dir.is_dir():
+            fail(f"--out {out_dir} is not a directory", EXIT_BAD_INPUT)
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            fail(f"--out {out_dir}: {exc.strerror}", EXIT_BAD_INPUT)
+    settings = load_settings(quiet=True)
+    through_kernel = False
+    if kernel:
+        why = kernel_faults_unavailable()
+        if why:
+            err.print(f"--kernel: {why}; the faults are played")
+        through_kernel = why is None
+    networks = node_networks(cluster_nodes(parsed)) if netns else None
+    paths = FaultPaths(networks, through_kernel)
+    bundle = None if out_dir is None else out_dir / "events.ndjson"
+    try:
+        with tempfile.TemporaryDirectory(prefix="lanes-poc-") as work, servers(settings) as urls:
+            result = run_async(
+                lambda: run_plan(urls, parsed, Path(work), paths=paths, bundle=bundle, progress=_progress)
+            )
+    except KeyboardInterrupt:
+        fail("interrupted; embedded servers stopped", 130)
+    finally:
+        if networks is not None:
+            networks.down()
+    report = None
+    if out_dir is not None:
+        page = out_dir / "report.html"
+        page.write_text(render_report(result.as_json(str(page))), encoding="utf-8")
+        report = str(page)
+        (out_dir / "poc.json").write_text(json.dumps(result.as_json(report), indent=2), encoding="utf-8")
+    if as_json:
+        print_big_json(result.as_json(report))
+    else:
+        print_table(out, result.as_json(report))
+
+
+def _progress(line: str) -> None:
+    err.print(line, highlight=False)
