@@ -11,11 +11,14 @@ import json
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 from nats.aio.client import Client as NatsClient
+from playwright.async_api import Browser, Page, async_playwright
+from support.optional import CHROMIUM, chromium, require
 from support.waiting import eventually
 
 from lanes_console.app import serve
@@ -325,3 +328,96 @@ async def test_the_console_identity_reads_and_can_do_nothing_else(console: Conso
         await console.reader.request("lanes.api.job.cancel", b"{}", timeout=1.0)
     with pytest.raises(PermissionDeniedError):  # a durable of its own, named in the subject
         await console.reader.request(f"$JS.API.CONSUMER.DURABLE.CREATE.{JOBS.name}.console-{unique}", b"{}", timeout=1)
+
+
+@pytest.fixture
+async def browser() -> AsyncIterator[Browser]:
+    """Debian's Chromium, headless, driven by Playwright (never a browser Playwright downloads)."""
+    require(CHROMIUM)
+    binary = chromium()
+    assert binary is not None
+    async with async_playwright() as playwright:
+        launched = await playwright.chromium.launch(executable_path=binary, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            yield launched
+        finally:
+            await launched.close()
+
+
+async def open_page(browser: Browser, url: str) -> Page:
+    page = await browser.new_page(viewport={"width": 1200, "height": 900})
+    refused: list[str] = []
+    page.on("requestfailed", lambda request: refused.append(request.url))
+    await page.goto(url)
+    await page.wait_for_selector("body[data-caught-up='true']", timeout=READ_BOUND_S * 1000)
+    assert not refused, refused
+    return page
+
+
+async def test_in_chromium_an_event_published_after_the_page_loaded_appears_in_the_swimlane(
+    console: Console, browser: Browser, unique: str, tmp_path: Path
+) -> None:
+    job = f"browser-{unique}"
+    seqs = await publish(console, submitted(job), started(job, 0), started(job, 1))
+    page = await open_page(browser, f"{console.url}jobs/{job}")
+    assert await page.locator("#events tbody tr").count() == len(seqs)
+    assert await page.text_content("#first-error") == "No error on this timeline yet."
+
+    (failed,) = await publish(console, exited(job, 1, 137))
+    await page.wait_for_selector(f"tr.first-error[data-seq='{failed}']", timeout=READ_BOUND_S * 1000)
+    assert await page.locator(f"#chart circle.first-error[data-seq='{failed}']").count() == 1
+    assert "rank 1 ended with exit 137" in (await page.text_content("#first-error") or "")
+    assert await page.get_attribute("#jump-first-error", "href") == f"#seq={failed}"
+    shot = tmp_path / "job.png"
+    await page.screenshot(path=str(shot), full_page=True)
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+async def test_in_chromium_a_deep_link_opens_at_its_event_and_a_filter_hides_what_it_should(
+    console: Console, browser: Browser, unique: str
+) -> None:
+    job = f"deep-{unique}"
+    attack = "<img src=x onerror=\"document.body.dataset.owned='1'\">\x1b[2J"
+    seqs = await publish(
+        console, submitted(job), started(job, 0), exited(job, 0, 0), exited(job, 1, 9), evidence(job, attack)
+    )
+    page = await open_page(browser, f"{console.url}jobs/{job}?failures=1#seq={seqs[3]}")
+    shown = [
+        int(seq) for seq in await page.locator("#events tbody tr").evaluate_all("rs => rs.map(r => r.dataset.seq)")
+    ]
+    assert shown == [seqs[3], seqs[4]]  # failures only: the clean exit and the starts are hidden
+    assert await page.get_attribute(f"tr[data-seq='{seqs[3]}']", "class") == "event failure first-error selected"
+    assert json.loads(await page.text_content("#detail") or "")["seq"] == seqs[3]
+    assert await page.input_value("input[name=q]") == ""
+    assert await page.is_checked("input[name=failures]")
+
+    # The markup an event carries is text on the page: no element made of it, none of its script run.
+    assert await page.locator("#events img").count() == 0
+    assert await page.get_attribute("body", "data-owned") is None
+    assert "<img src=x" in (await page.text_content(f"tr[data-seq='{seqs[4]}'] td.summary") or "")
+
+    # Choosing a lane in the form is a new URL: the view it shows is the one a pasted link shows.
+    await page.check("input[name=lane][value=host]")
+    await page.uncheck("input[name=failures]")
+    await page.click("button[type=submit]")
+    await page.wait_for_selector("body[data-caught-up='true']")
+    assert "lane=host" in page.url
+    lanes = await page.locator("#events tbody tr").evaluate_all("rs => rs.map(r => r.dataset.lane)")
+    assert lanes
+    assert set(lanes) == {"host"}
+
+
+async def test_in_chromium_the_jobs_list_shows_a_job_submitted_after_it_loaded(
+    console: Console, browser: Browser, unique: str
+) -> None:
+    first, later = f"list-a-{unique}", f"list-b-{unique}"
+    await publish(console, submitted(first))
+    page = await open_page(browser, console.url)
+    await page.wait_for_selector(f"tr[data-job='{first}']")
+    await publish(console, submitted(later))
+    await page.wait_for_selector(f"tr[data-job='{later}']", timeout=READ_BOUND_S * 1000)
+    assert await page.get_attribute(f"tr[data-job='{later}'] a", "href") == f"/jobs/{later}"
+
+    filtered = await open_page(browser, f"{console.url}?q=list-b")
+    await filtered.wait_for_selector(f"tr[data-job='{later}']")
+    assert await filtered.locator(f"tr[data-job='{first}']").count() == 0
