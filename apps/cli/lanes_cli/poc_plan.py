@@ -7,6 +7,7 @@ trace. The shipped default plan is `poc_default.yaml` beside this module.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from enum import StrEnum
 from importlib import resources
@@ -160,13 +161,10 @@ def default_plan_text() -> str:
 
 
 def _with_line(message: str) -> str:
-    # A YAML error names its place as `line N, column M`; lead with the line, as every plan error does.
-    marker = message.find("line ")
-    if marker >= 0:
-        digits = message[marker + 5 :].split(",", 1)[0].strip()
-        if digits.isdigit():
-            return f"line {digits}: {message}"
-    return f"line 1: {message}"
+    # A YAML error names its place (`line N, column M`, or `(line N)` for a key given twice); lead with the
+    # first line it names, as every plan error does.
+    found = re.search(r"line (\d+)", message)
+    return f"line {found.group(1) if found else 1}: {message}"
 
 
 def _line_of(text: str, loc: Sequence[int | str]) -> int:
