@@ -59,29 +59,33 @@ def print_table(console: Console, result: dict[str, Any]) -> None:
         table.add_row(capability, *row)
     console.print(table)
 
-    stages = Table(title="stage times (s from submission) and drills, read from the timeline")
+    stages = Table(title="stage times (s from submission), read from the timeline")
     stages.add_column("rung")
     for name in STAGES:
         stages.add_column(name.removesuffix("_s"), justify="right")
-    stages.add_column("drills")
     stages.add_column("ettr", justify="right")
     for rung in result["rungs"]:
-        drills = "; ".join(
-            f"{d['kind']} rank {d['rank']}: named rank {d['named_rank']} ({d['named_lane']}), "
-            + ", ".join(f"{t.removesuffix('_s')} {_seconds(d[t])}" for t in _DRILL_TIMES)
-            for d in rung["drills"]
-        )
         ettr = rung["goodput"]["ettr"]
         stages.add_row(
             f"{rung['nodes']}x{rung['gpus']}",
             *(_seconds(rung["stages"][name]) for name in STAGES),
-            drills or "-",
             "-" if ettr is None else f"{ettr:.2f}",
         )
     console.print(stages)
-    for cell in result["verdicts"]:
+    for rung in result["rungs"]:
+        for d in rung["drills"]:
+            times = ", ".join(f"{t.removesuffix('_s')} {_seconds(d[t])} s" for t in _DRILL_TIMES)
+            console.print(
+                f"{rung['nodes']}x{rung['gpus']} {d['kind']} of rank {d['rank']}: named rank {d['named_rank']} on "
+                f"{d['named_node']}, {d['named_lane']} lane; {times}; released {d['released']}; {d['verdict']}",
+                highlight=False,
+            )
+    pending: dict[tuple[str, str], list[str]] = {}
+    for cell in result["verdicts"]:  # one line per missing link, however many capabilities it holds back
         if cell["verdict"] == "pending evidence":
-            console.print(f"[yellow]pending[/yellow] {cell['capability']} @ {cell['rung']}: {cell['missing']}")
+            pending.setdefault((cell["rung"], cell["missing"]), []).append(cell["capability"])
+    for (rung_label, missing), capabilities in pending.items():
+        console.print(f"[yellow]pending[/yellow] {', '.join(capabilities)} @ {rung_label}: {missing}", highlight=False)
     for step in result["inference"]["steps"]:
         console.print(f"inference {step['step']}: {step['verdict']}")
     for diff in result["diff"]:
