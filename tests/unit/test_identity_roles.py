@@ -134,7 +134,7 @@ def test_the_readers_are_exactly_those_that_replay_the_log() -> None:
     """Readers create consumers of their own: the list of identities that may is kept as short as the code
     allows, and widening it is a visible change."""
     readers = {i.name for i in identities(("node-1",)) if i.reads}
-    assert readers == {"router", "cli", "platform"}
+    assert readers == {"router", "cli", "platform", "console"}
 
 
 @pytest.mark.parametrize("identity", identities(("node-1",)), ids=lambda i: i.name)
