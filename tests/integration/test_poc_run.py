@@ -151,7 +151,7 @@ async def test_the_bundle_imported_into_a_fresh_server_gives_the_same_rung_figur
                 ),
                 plan.criteria,
             )
-            for key in ("stages", "drills", "completeness", "goodput", "nodes_used"):
+            for key in ("stages", "drills", "completeness", "goodput", "nodes_placed", "nodes_used"):
                 assert again[key] == rung[key], key
     finally:
         await nc.close()

@@ -85,7 +85,9 @@ def passing_rung(job_id: str = JOB, nodes: tuple[str, ...] = ("n1", "n2")) -> _T
     t.add(10, "drill_injected", data={"kind": "kill", "node": nodes[1], "rank": 1, "pid": 101})
     t.add(10.5, "rank_exited", "host", node=nodes[1], rank=1, data={"exit_code": None, "signal": 9})
     first = {"lane": "host", "category": "process_killed", "node": nodes[1], "rank": 1}
-    t.add(12, "finding", "platform", data={"settled": True, "version": 1, "first_error": first})
+    silent = {"lane": "host", "category": "silent_node", "node": None, "rank": None}
+    t.add(11, "finding", "host", data={"settled": False, "version": 1, "first_error": silent})  # names nobody yet
+    t.add(12, "finding", "host", node=nodes[1], data={"settled": True, "version": 2, "first_error": first})
     t.state(12, "failed")
     t.add(12.5, "resources_released", data={"nodes": list(nodes), "gpus": 8})
     t.state(12.5, "released")
@@ -183,6 +185,16 @@ def test_a_job_that_never_completed_names_the_missing_stages_and_has_no_ettr() -
     assert _verdicts(judged)["goodput"]["verdict"] == "pending evidence"
 
 
+def test_a_settled_host_finding_without_its_node_is_named_incomplete() -> None:
+    t = passing_rung()
+    for row in t.rows:
+        if row["type"].endswith(".finding.v1") and row["data"]["settled"]:
+            row["node"] = None
+    judged = judge(_result(t), Criteria())
+    assert judged["completeness"]["host"] < 1
+    assert _verdicts(judged)["responsibility"]["missing"].startswith("host lane: finding")
+
+
 def test_a_lane_whose_events_lack_their_node_is_named_incomplete() -> None:
     t = passing_rung()
     for row in t.rows:
@@ -227,6 +239,7 @@ def test_a_rung_that_fails_after_one_that_passed_gets_the_diff_of_the_two() -> N
     assert diff["from"] == "2x4"
     assert diff["to"] == "4x4"
     assert diff["nodes_added"] == ["n3", "n4"]
+    assert big["nodes_placed"] == ["n1", "n2", "n3", "n4"]
     assert diff["domains_crossed"] == {"nvlink_domain": ["nvl-n3", "nvl-n4"], "leaf": ["leaf-2"], "spine": []}
     assert diff["interfaces"] == {"n3": "veth3", "n4": "veth4"}
     assert diff["resource_states"] == {"n1": "ready", "n2": "cordoned", "n3": "ready", "n4": "ready"}

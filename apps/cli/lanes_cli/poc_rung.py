@@ -188,7 +188,9 @@ def completeness(rows: list[Row]) -> tuple[dict[str, float], dict[str, str]]:
     fractions: dict[str, float] = {}
     missing: dict[str, str] = {}
     for lane in LANES:
-        mine = [r for r in rows if r.get("lane") == lane]
+        # A finding still being formed names nobody yet (a silent node among many): it is telemetry's conclusion
+        # in progress, not the lane's evidence, so it is not held to the lane's join keys.
+        mine = [r for r in rows if r.get("lane") == lane and not _interim_finding(r)]
         if not mine:
             fractions[lane] = 0.0
             missing[lane] = f"no {lane}-lane evidence on the timeline"
@@ -205,6 +207,10 @@ def completeness(rows: list[Row]) -> tuple[dict[str, float], dict[str, str]]:
                 joined += 1
         fractions[lane] = round(joined / len(mine), 4)
     return fractions, missing
+
+
+def _interim_finding(row: Row) -> bool:
+    return row_kind(row) == "finding" and not (row.get("data") or {}).get("settled")
 
 
 def goodput(rows: list[Row], gpus: int) -> dict[str, Any]:
@@ -276,10 +282,10 @@ class RungResult:
         """`2x4`: nodes x GPUs per node."""
         return f"{self.rung.nodes}x{self.rung.gpus}"
 
-    def nodes_used(self) -> list[str]:
-        """Every node any attempt of the rung's job was placed on."""
-        used = {a["node"] for r in _of(self.rows, "placed") for a in (r.get("data") or {}).get("assignments", ())}
-        return sorted(used)
+    def nodes_used(self, attempt: int | None = None) -> list[str]:
+        """Every node an attempt (any, when None) of the rung's job was placed on."""
+        placements = _of(self.rows, "placed", attempt)
+        return sorted({a["node"] for r in placements for a in (r.get("data") or {}).get("assignments", ())})
 
 
 def _recovery_verdict(result: RungResult, drills: list[dict[str, Any]], jobs: dict[str, list[Row]]) -> CapabilityResult:
@@ -365,6 +371,7 @@ def judge(result: RungResult, criteria: Criteria) -> dict[str, Any]:
         "job_id": result.job_id,
         "placed": result.placed,
         "unplaced_reason": result.unplaced_reason or None,
+        "nodes_placed": result.nodes_used(1),
         "nodes_used": result.nodes_used(),
         "stages": stages,
         "drills": drills,
@@ -419,11 +426,12 @@ def diffs(rungs: list[dict[str, Any]], node_rows: list[Row], interfaces: dict[st
     for before, after in itertools.pairwise(rungs):
         if not rung_passed(before) or rung_passed(after):
             continue
-        added = sorted(set(after["nodes_used"]) - set(before["nodes_used"]))
+        # The first attempts' placements: a resumed attempt's move off a cordoned node is recovery, not scale.
+        added = sorted(set(after["nodes_placed"]) - set(before["nodes_placed"]))
         crossed = {
             level: sorted(
-                {domains[n][level] for n in after["nodes_used"] if n in domains}
-                - {domains[n][level] for n in before["nodes_used"] if n in domains}
+                {domains[n][level] for n in after["nodes_placed"] if n in domains}
+                - {domains[n][level] for n in before["nodes_placed"] if n in domains}
             )
             for level in _TOPOLOGY_LEVELS
         }
