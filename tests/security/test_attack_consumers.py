@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.real_servers]
 
 VICTIMS = {"audit": "audit", "lifecycle-jobs": "lifecycle", "scheduler-jobs": "scheduler"}
 """Each attacked durable and the identity that owns it."""
-ATTACKERS = ("agent-node-1", "producer", "observer", "cli", "telemetry", "router")
+ATTACKERS = ("agent-node-1", "producer", "observer", "cli", "telemetry", "router", "console")
 """A node agent and an outside producer (the hostile cases), and identities that own other consumers or read."""
 
 
