@@ -40,7 +40,16 @@ def row_of(seq: int, subject: str, headers: Mapping[str, str] | None, payload: b
     try:
         event = decode(subject, headers, payload)
     except DecodeError as exc:
-        return {"seq": seq, "subject": subject, "type": None, "lane": None, "error": str(exc), "summary": str(exc)}
+        said = summary_of("", {"error": str(exc)})
+        return {
+            "seq": seq,
+            "subject": subject,
+            "type": None,
+            "lane": None,
+            "error": str(exc),
+            "summary": said,
+            "failure": True,
+        }
     data = event.model_dump(mode="json")["data"]
     row = {
         "seq": seq,
