@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lanes_cli.analyze_cli import load_all, load_evidence
+from lanes_cli.analyze_cli import load_evidence
 from lanes_contract.events import Lane
 from lanes_evidence.evidence import Evidence
 from lanes_telemetry.views import elect_first_error
@@ -217,8 +217,8 @@ def _missing_named(dumps: list[Path], deleted: Path, rank: int, seq: int) -> boo
         for dump in dumps:
             if dump != deleted:
                 shutil.copy(dump, Path(tmp) / dump.name)
-        evidence, world, pending = load_all([Path(tmp)])
-    elect_first_error(evidence, world=world)  # as `lanes analyze` does; the pending list is what is checked
+        evidence, world = load_evidence([Path(tmp)])
+    pending = elect_first_error(evidence, world=world).missing_evidence  # as `lanes analyze` reports it
     said = (
         f"rank {rank}'s Flight Recorder dump is missing: it would settle whether rank {rank} entered collective {seq}"
     )
@@ -234,7 +234,7 @@ def flight_recorder_drills(root: Path = DRILLS) -> dict[str, Any]:
         drill = label_path.parent
         label = tomllib.loads(label_path.read_text())
         dumps = sorted(p for p in drill.iterdir() if p.suffix not in {".toml", ".md"})
-        evidence, world, _ = load_all([drill])
+        evidence, world = load_evidence([drill])
         first = elect_first_error(evidence, world=world).first_error
         present.append(first is not None and first.rank == label["rank"])
         if not present[-1]:

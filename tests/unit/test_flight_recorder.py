@@ -29,11 +29,11 @@ from lanes_evidence.flight_recorder import (
     describe,
     flight_recorder_evidence,
     is_flight_recorder_dump,
-    missing_dump_evidence,
     parse_dump,
     rank_of_name,
 )
 from lanes_evidence.parsers import SourceContext
+from lanes_telemetry.views import World, elect_first_error
 
 HANG = Path(__file__).resolve().parent.parent / "data" / "flight_recorder" / "hang_rank2"
 MISMATCH = HANG.parent / "mismatch_rank1"
@@ -74,10 +74,32 @@ def test_a_deleted_dump_is_missing_evidence_that_says_what_it_would_settle():
     (missing,) = analysis.missing
     assert (missing.rank, missing.waited_on) == (2, 4)
     assert describe(analysis) == ["rank 2's dump is missing: it would settle whether rank 2 entered collective 4"]
-    (pending,) = missing_dump_evidence(analysis)
+    # The election says so: the three dumps read as evidence, rank 2 still in the world.
+    context = SourceContext(origin="dumps", node=None, rank=None, year=None, tz=UTC)
+    world = World(ranks=dict.fromkeys(range(4)), nodes=frozenset())
+    finding = elect_first_error(flight_recorder_evidence(analysis, context), world=world)
+    (pending,) = [m for m in finding.missing_evidence if "Flight Recorder" in m.what]
     assert pending.rank == 2
-    assert "rank 2's Flight Recorder dump is missing" in pending.what
-    assert "whether rank 2 entered collective 4" in pending.what
+    assert pending.what == (
+        "rank 2's Flight Recorder dump is missing: it would settle whether rank 2 entered collective 4 (ALLREDUCE)"
+    )
+
+
+def test_absent_dumps_on_one_node_are_one_line_of_pending_evidence():
+    analysis = analyze_dumps(_dumps(skip=frozenset({1, 2, 3})))
+    context = SourceContext(origin="dumps", node="n1", rank=None, year=None, tz=UTC)
+    world = World(ranks={0: "n1", 1: "n2", 2: "n2", 3: "n2"}, nodes=frozenset({"n1", "n2"}))
+    finding = elect_first_error(flight_recorder_evidence(analysis, context), world=world)
+    assert [(m.node, m.rank, m.what) for m in finding.missing_evidence if "Flight Recorder" in m.what] == [
+        (
+            "n2",
+            None,
+            (
+                "ranks 1-3' Flight Recorder dumps are missing: they would settle whether ranks 1-3 entered "
+                "collective 4 (ALLREDUCE)"
+            ),
+        )
+    ]
 
 
 def test_an_expected_world_size_names_missing_ranks_beyond_the_dumps():

@@ -11,6 +11,10 @@ LANES_RESUME_STEP and the versions the job trains with. It really trains:
 - each step's batch is allocated afresh and large enough to be mapped from the kernel, as a data loader's
   is, so under a squeezed memory limit the next step is over it.
 
+When a collective fails (a peer timed out or went away) it writes its Flight Recorder buffer where the agent
+collects it (`TORCH_FR_DUMP_TEMP_FILE` + rank), as NCCL's watchdog does on a timeout: gloo records the
+collectives (`TORCH_FR_BUFFER_SIZE`) but never dumps on its own in this torch.
+
 It honours the drills' fault hooks: SIGUSR1 raises an exception at the next step (the model's bug), SIGUSR2
 fails the next step as a CUDA call fails after a GPU fault. torch is not a dependency of Lanes itself; it
 comes with the `drills` dependency group.
@@ -64,6 +68,19 @@ def _on_fault_signal(signum: int, _frame: FrameType | None) -> None:
     _faults.append(signum)  # acted on at the next step, between collectives, as a real failure would surface
 
 
+def _dump_flight_recorder(rank: int) -> None:
+    """This rank's Flight Recorder buffer at `TORCH_FR_DUMP_TEMP_FILE<rank>`, whole or not at all (renamed in)."""
+    prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
+    if not prefix or not os.environ.get("TORCH_FR_BUFFER_SIZE"):
+        return
+    from torch._C._distributed_c10d import _dump_fr_trace_json  # noqa: PLC0415 - torch's own dump call, torch loaded
+
+    path = Path(f"{prefix}{rank}")
+    partial = path.with_name(path.name + ".partial")
+    partial.write_bytes(_dump_fr_trace_json())
+    partial.replace(path)
+
+
 def _checkpoint(model: torch.nn.Module, step: int, directory: Path) -> str:
     path = directory / f"step-{step}.pt"
     torch.save(model.state_dict(), path)
@@ -112,7 +129,11 @@ def main() -> None:
         for parameter in model.parameters():
             assert parameter.grad is not None  # noqa: S101 - backward() just filled it
             entered = time.perf_counter()
-            dist.all_reduce(parameter.grad)
+            try:
+                dist.all_reduce(parameter.grad)
+            except RuntimeError:
+                _dump_flight_recorder(rank)
+                raise
             waited += time.perf_counter() - entered
             parameter.grad /= world
         optimiser.step()

@@ -84,6 +84,13 @@ from lanes_contract.jobs import JobSpec, JobState
 from lanes_contract.signing import Keyring, SignatureError, verified_signer
 from lanes_contract.streams import BEATS, JOBS, TELEMETRY
 from lanes_evidence.evidence import Evidence, evidence_event
+from lanes_evidence.flight_recorder import (
+    MAX_DUMP_BYTES,
+    FlightRecorderError,
+    analyze_dumps,
+    flight_recorder_evidence,
+    parse_dump,
+)
 from lanes_evidence.parsers import LogParser, SourceContext
 from lanes_runtime import decision
 from lanes_runtime.consumer import ConsumerSpec
@@ -118,6 +125,9 @@ _STEP = re.compile(
 TIMINGS_EVERY_S = 1.0
 """A rank's step timings travel in one heartbeat at most this often (a step a millisecond is not an event a
 millisecond); what is left is sent when its output ends."""
+FLIGHT_RECORDER_ENTRIES = "2000"
+"""Collectives each rank's Flight Recorder keeps (`TORCH_FR_BUFFER_SIZE`) unless the agent's own environment sets
+it: PyTorch's default size, a few hundred KiB per rank. Ranks that never dump cost only the ring buffer."""
 _CHECKPOINT = re.compile(r"^lanes: checkpoint saved (?P<fields>(?:\w+=\S+\s*)+)$")
 _CHECKPOINT_FIELDS = frozenset({"step", "path", "digest", "model_version", "data_version", "config_version", "image"})
 # What a rank runs when the spec names no command: ready at once, a little real CPU work, a clean exit.
@@ -258,6 +268,8 @@ class LocalLauncher:
         self._state_dir = state_dir
         """Where the ledger lives (survives restarts); None: a temporary one, for a launcher that never restarts."""
         self._ledger: RankLedger | None = None
+        self._dumps: Path | None = None
+        """Where the ranks write their Flight Recorder dumps (beside the ledger), to be read as their evidence."""
         self._incarnation = uuid.uuid4().hex
         self._runs: dict[str, asyncio.Task[RankRecord]] = {}
         """The ranks this run of the agent is running, by ledger key: a redelivered placement waits for them."""
@@ -293,6 +305,7 @@ class LocalLauncher:
                 scratch.enter_context(tempfile.TemporaryDirectory(prefix="lanes-agent-"))
             )
             self._ledger = RankLedger(directory)
+            self._dumps = directory / "flight-recorder"
             settled = await asyncio.to_thread(self._settle_earlier_runs, self._ledger)
             await self._report_settled(settled)
             await self._consume(stop, directory)
@@ -529,14 +542,25 @@ class LocalLauncher:
         port = self._rendezvous_ports.setdefault(attempt_key, _free_port())
         first = next(a.node for a in placed.data.assignments if a.rank == 0)
         # LANES_NODE_ADDRESS: where the node's servers listen, so others reach them (a replica, the router).
-        env |= {"MASTER_ADDR": self._address(first), "MASTER_PORT": str(port)}
-        env |= {"LANES_NODE_ADDRESS": self._address(assignment.node)}
+        env |= {
+            "MASTER_ADDR": self._address(first),
+            "MASTER_PORT": str(port),
+            "LANES_NODE_ADDRESS": self._address(assignment.node),
+        }
         if self._networks is not None and first in self._networks.links:
             # Each node in its own namespace: rank 0 listens on its node's address, and every rank's traffic
             # leaves through its node's own interface, across the bridge.
             env |= {"GLOO_SOCKET_IFNAME": netns.INTERFACE, "NCCL_SOCKET_IFNAME": netns.INTERFACE}
             command = self._networks.command(assignment.node, command)
-        env |= _spec_environment(spec, self._resume_steps.get((placed.job_key, placed.attempt or 1)))
+        # PyTorch's Flight Recorder: every rank records its collectives, and dumps them (on a watchdog timeout, or
+        # as the drill workload does when a collective fails) where this agent reads them after the rank ends.
+        dumps = self._dump_prefix(placed)
+        env = (
+            _flight_recorder_environment(dumps)
+            | env
+            | _spec_environment(spec, self._resume_steps.get((placed.job_key, placed.attempt or 1)))
+            | {"TORCH_FR_DUMP_TEMP_FILE": str(dumps)}  # always the agent's: it reads the dumps there
+        )
         keys = {"source": f"agent/{assignment.node}", "node": assignment.node, "rank": assignment.rank}
         group = self._rank_cgroup(placed, assignment, spec.host_memory_gib)
         try:
@@ -666,8 +690,7 @@ class LocalLauncher:
         so telemetry never has to guess them from the node and the time. Returns how many evidence events it
         published (the rank's exit says so, and telemetry knows when it has heard all of them).
         """
-        assert proc.stdout is not None  # noqa: S101 - the process is always started with pipes
-        assert proc.stderr is not None  # noqa: S101
+        assert proc.stdout is not None and proc.stderr is not None  # noqa: PT018, S101 - always started with pipes
         rank_key = str(assignment.rank)
         # The output is read as it is written: its year-less timestamps are of this year, in UTC (the agent's clock).
         context = SourceContext(
@@ -735,7 +758,17 @@ class LocalLauncher:
         if beat := timings.rest():
             await publish(Heartbeat, beat, f"step:{beat.step}")
         await report(parser.finish())
+        # The output has ended, so the rank has: a dump it wrote is whole (the workload renames it into place).
+        # Its dump is named as PyTorch names it: the prefix, then the rank.
+        await report(
+            await asyncio.to_thread(collect_dump, Path(f"{self._dump_prefix(placed)}{assignment.rank}"), context)
+        )
         return published
+
+    def _dump_prefix(self, placed: JobPlaced) -> Path:
+        """The attempt's Flight Recorder dump prefix (`TORCH_FR_DUMP_TEMP_FILE`); rank r writes `<prefix>r`."""
+        assert self._dumps is not None  # noqa: S101 - set by run()
+        return self._dumps / f"{placed.jobid}-{placed.attempt or 1}" / "rank_"
 
     def _rank_cgroup(self, placed: JobPlaced, assignment: RankAssignment, limit_gib: float | None) -> Path | None:
         """The rank's own memory cgroup when its spec sets a limit and this node can make one."""
@@ -943,6 +976,32 @@ def _rank_evidence(placed: JobPlaced, assignment: RankAssignment, found: Evidenc
     return event.model_copy(
         update={"id": derived, "jobid": placed.jobid, "attempt": placed.attempt or 1, "rank": assignment.rank}
     )
+
+
+def _flight_recorder_environment(prefix: Path) -> dict[str, str]:
+    """What turns a rank's Flight Recorder on, unless the agent's own environment says otherwise."""
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    return {"TORCH_FR_BUFFER_SIZE": FLIGHT_RECORDER_ENTRIES, "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+
+
+def collect_dump(path: Path, context: SourceContext) -> list[Evidence]:
+    """A rank's Flight Recorder dump, taken (read, then removed), as its evidence: the last collective it entered.
+
+    No dump, no evidence: a rank killed or stopped before it could dump is the one the election then names as
+    missing its dump. A dump that cannot be read is said in the agent's log and is, for the election, missing.
+    """
+    assert context.rank is not None  # noqa: S101 - a rank's own context
+    try:
+        with path.open("rb") as file:
+            data = file.read(MAX_DUMP_BYTES + 1)  # parse_dump refuses what is larger
+        path.unlink()
+        dump = parse_dump(data, rank=context.rank, origin=str(path))
+    except FileNotFoundError:
+        return []
+    except (OSError, FlightRecorderError) as exc:
+        log.warning("a rank's Flight Recorder dump cannot be read", path=str(path), error=str(exc))
+        return []
+    return flight_recorder_evidence(analyze_dumps({context.rank: dump}, world_size=1), context)
 
 
 async def _holding(msg: Msg, run: asyncio.Task[RankRecord]) -> RankRecord:

@@ -29,7 +29,7 @@ import typer
 from lanes_cli.console import EXIT_BAD_INPUT, EXIT_FAILED, fail, out
 from lanes_cli.limits import MAX_YEAR, MIN_YEAR, InputLimitError, check_utc_offset
 from lanes_cli.terminal import markup, print_line
-from lanes_contract.events import EvidenceCategory, JobFindingData, MissingEvidence
+from lanes_contract.events import EvidenceCategory, JobFindingData
 from lanes_contract.ids import is_valid_token
 from lanes_evidence.evidence import Evidence
 from lanes_evidence.flight_recorder import (
@@ -39,7 +39,6 @@ from lanes_evidence.flight_recorder import (
     analyze_dumps,
     flight_recorder_evidence,
     is_flight_recorder_dump,
-    missing_dump_evidence,
     parse_dump,
     rank_of_name,
 )
@@ -172,16 +171,10 @@ def load_evidence(
 ) -> tuple[list[Evidence], World]:
     """Parse every file; the world is every rank and node the files' names and contents mention.
 
-    `year` / `tz` override what each file's own timestamps (or its modification time) say.
+    `year` / `tz` override what each file's own timestamps (or its modification time) say. Flight Recorder dumps
+    are read together: their evidence joins the rest, and a rank their groups' size names joins the world even
+    without a dump (the election names its dump as missing).
     """
-    evidence, world, _ = load_all(paths, year=year, tz=tz)
-    return evidence, world
-
-
-def load_all(
-    paths: Iterable[Path], *, year: int | None = None, tz: tzinfo | None = None
-) -> tuple[list[Evidence], World, list[MissingEvidence]]:
-    """As `load_evidence`, with the pending evidence the files themselves name (Flight Recorder dumps missing)."""
     evidence: list[Evidence] = []
     ranks: dict[int, str | None] = {}
     nodes: set[str] = set()
@@ -224,19 +217,17 @@ def load_all(
         for launched in parser.ranks.global_ranks:
             if ranks.get(launched) is None:
                 ranks[launched] = context.node
-    pending = _read_dumps_together(dumps, ranks, evidence)
-    return evidence, World(ranks=ranks, nodes=frozenset(nodes)), pending
+    _read_dumps_together(dumps, ranks, evidence)
+    return evidence, World(ranks=ranks, nodes=frozenset(nodes))
 
 
-def _read_dumps_together(
-    dumps: dict[int, FrDump], ranks: dict[int, str | None], evidence: list[Evidence]
-) -> list[MissingEvidence]:
-    """The dumps' evidence (added to `evidence`), their missing ranks (added to the world), the pending evidence.
+def _read_dumps_together(dumps: dict[int, FrDump], ranks: dict[int, str | None], evidence: list[Evidence]) -> None:
+    """The dumps' evidence (added to `evidence`) and their missing ranks (added to the world).
 
     Read together, not one by one: a dump alone cannot say who lags, nor whose dump is absent.
     """
     if not dumps:
-        return []
+        return
     analysis = analyze_dumps(dumps)
     context = SourceContext(origin="flight recorder", node=None, rank=None, year=None, tz=UTC)
     evidence.extend(
@@ -245,7 +236,6 @@ def _read_dumps_together(
     )
     for missing in analysis.missing:
         ranks.setdefault(missing.rank, None)
-    return missing_dump_evidence(analysis)
 
 
 def finding_json(finding: JobFindingData) -> dict[str, Any]:
@@ -281,10 +271,8 @@ def analyze(
         tz = None if utc_offset is None else timezone(timedelta(hours=check_utc_offset(utc_offset)))
     except InputLimitError as exc:
         fail(str(exc), EXIT_BAD_INPUT)
-    evidence, world, pending = load_all(files, year=year, tz=tz)
+    evidence, world = load_evidence(files, year=year, tz=tz)
     finding = elect_first_error(evidence, world=world)
-    if pending:
-        finding = finding.model_copy(update={"missing_evidence": (*pending, *finding.missing_evidence)})
     if as_json:
         out.print_json(json.dumps(finding_json(finding)))
     else:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from lanes_contract.events import EvidenceCategory, EvidenceData, Lane, MissingEvidence
+from lanes_contract.events import EvidenceCategory, EvidenceData
 from lanes_evidence.evidence import Evidence
 from lanes_evidence.parsers import MAX_LINE, SourceContext
 
@@ -46,6 +46,9 @@ MAX_VALUES = 4_000_000
 bytes each, so the walk is bounded by what it visits, not by the bytes read."""
 MAX_RANKS = 1_000_000
 """Largest rank number or world size believed."""
+
+SUMMARY_PREFIX = "Flight Recorder: "
+"""How every piece of evidence read from a dump begins: what tells it apart from a log's line."""
 
 _RANK_IN_NAME = re.compile(r"(\d{1,7})(?:\.(?:json|pkl|pickle))?$")
 _PICKLE_PROTO = b"\x80"
@@ -356,7 +359,7 @@ def flight_recorder_evidence(analysis: FrAnalysis, context: SourceContext) -> li
             if entry is None:
                 continue
             line = (
-                f"Flight Recorder: rank {rank} last entered collective {seq} ({entry.op}) of process group {pg}"
+                f"{SUMMARY_PREFIX}rank {rank} last entered collective {seq} ({entry.op}) of process group {pg}"
                 f" (state {entry.state})"
             )
             fields = {
@@ -370,7 +373,7 @@ def flight_recorder_evidence(analysis: FrAnalysis, context: SourceContext) -> li
     for odd in analysis.divergent:
         entry = analysis.dumps[odd.rank].entry(odd.pg, odd.seq)
         line = (
-            f"Flight Recorder: rank {odd.rank} called {odd.called} at collective {odd.seq} of process group "
+            f"{SUMMARY_PREFIX}rank {odd.rank} called {odd.called} at collective {odd.seq} of process group "
             f"{odd.pg} where {odd.majority_count} ranks called {odd.majority}"
         )
         fields = {"category": C.COLLECTIVE_MISMATCH, "seq_num": odd.seq, "op_type": _op_type(entry.op if entry else "")}
@@ -378,19 +381,23 @@ def flight_recorder_evidence(analysis: FrAnalysis, context: SourceContext) -> li
     return found
 
 
-def missing_dump_evidence(analysis: FrAnalysis) -> list[MissingEvidence]:
-    """Each missing dump as pending evidence, saying what it would settle."""
-    return [
-        MissingEvidence(
-            lane=Lane.PLATFORM,
-            rank=m.rank,
-            what=(
-                f"rank {m.rank}'s Flight Recorder dump is missing: it would settle whether rank {m.rank} entered "
-                f"collective {m.waited_on} of process group {m.pg}"
-            ),
+def is_flight_recorder_evidence(evidence: Evidence) -> bool:
+    """Whether this evidence was read from a Flight Recorder dump (by `lanes analyze` or a node agent)."""
+    return evidence.data.summary.startswith(SUMMARY_PREFIX)
+
+
+def missing_dumps_what(ranks: str, plural: bool, collective: int, op_type: str | None) -> str:
+    """What an absent dump would settle, in one sentence (`ranks` as listed: "2" or "4-7")."""
+    called = f" ({op_type})" if op_type else ""
+    if plural:
+        return (
+            f"ranks {ranks}' Flight Recorder dumps are missing: they would settle whether ranks {ranks} entered "
+            f"collective {collective}{called}"
         )
-        for m in analysis.missing
-    ]
+    return (
+        f"rank {ranks}'s Flight Recorder dump is missing: it would settle whether rank {ranks} entered collective "
+        f"{collective}{called}"
+    )
 
 
 def describe(analysis: FrAnalysis) -> list[str]:

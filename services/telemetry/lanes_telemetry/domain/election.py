@@ -42,6 +42,7 @@ from lanes_contract.events import (
 )
 from lanes_contract.ids import is_valid_token
 from lanes_evidence.evidence import Evidence, lane_of
+from lanes_evidence.flight_recorder import is_flight_recorder_evidence, missing_dumps_what
 
 C = EvidenceCategory
 DEFAULT_SKEW_TOLERANCE = timedelta(seconds=2)
@@ -897,6 +898,7 @@ def _missing(items: list[_Item], world: World, first: FindingCause | None) -> li
                 lane=Lane.PLATFORM, node=quiet_node, rank=ranks[0] if len(ranks) == 1 else None, what=label + where
             )
         )
+    missing += _missing_dumps(items, world)
     if first is not None and first.lane is Lane.NETWORK and first.node:
         missing.append(
             MissingEvidence(
@@ -931,6 +933,34 @@ def _missing(items: list[_Item], world: World, first: FindingCause | None) -> li
         )
     del reporting_nodes
     return missing
+
+
+def _missing_dumps(items: list[_Item], world: World) -> list[MissingEvidence]:
+    """Once some ranks' Flight Recorder dumps are read, each rank of the world without one is pending evidence.
+
+    The absent dump is the one that would settle whether its rank entered the collective the others last entered:
+    a rank stopped, killed or stuck before it could dump is exactly the rank in question. One entry per node, as
+    for silent ranks, so a thousand absent dumps stay a few lines.
+    """
+    recorded = [i.evidence for i in items if is_flight_recorder_evidence(i.evidence)]
+    if not recorded:
+        return []
+    latest = max(recorded, key=lambda e: e.data.last_enqueued or e.data.seq_num or 0)
+    collective = latest.data.last_enqueued or latest.data.seq_num or 0
+    dumped = {e.rank for e in recorded}
+    absent: dict[str | None, list[int]] = defaultdict(list)
+    for rank, node in sorted(world.ranks.items()):
+        if rank not in dumped:
+            absent[node].append(rank)
+    return [
+        MissingEvidence(
+            lane=Lane.PLATFORM,
+            node=node,
+            rank=ranks[0] if len(ranks) == 1 else None,
+            what=missing_dumps_what(_ranges(ranks), len(ranks) > 1, collective, latest.data.op_type),
+        )
+        for node, ranks in sorted(absent.items(), key=lambda kv: (kv[0] or "", kv[1]))
+    ]
 
 
 def _owner(first: FindingCause | None) -> str:
