@@ -41,7 +41,13 @@ class MemoryRecoveryStore:
         """Every decision recorded, in the order it was made (dicts keep insertion order)."""
         self.superseded_by: dict[str, str] = {}
         self.escalated: dict[str, datetime] = {}
-        self._journal: list[tuple[dict[str, Any], str, object]] | None = None
+        # Indexes, so a decision costs the same in a log of a million events as in a short one: the policy
+        # decision in force per (job, attempt), and the decisions that cordon, in the order they were made.
+        self._in_force: dict[tuple[str, int | None], str] = {}
+        self._cordoning: dict[str, RecoveryDecided] = {}
+        self._in_time_order = True
+        """Whether the cordoning decisions were made in time order (a rerun at a recorded time can break it)."""
+        self._journal: list[tuple[dict[Any, Any], Any, object]] | None = None
 
     def __call__(self, conn: Db | None) -> RecoveryStore:
         """The store factory the handlers take: the connection is ignored, every call sees the same state."""
@@ -69,12 +75,12 @@ class MemoryRecoveryStore:
                 table[key] = before
         self._journal = None
 
-    def _write(self, table: dict[str, Any], key: str, value: object) -> None:
+    def _write(self, table: dict[Any, Any], key: Any, value: object) -> None:
         if self._journal is not None:
             self._journal.append((table, key, table.get(key, _ABSENT)))
         table[key] = value
 
-    def _delete(self, table: dict[str, Any], key: str) -> None:
+    def _delete(self, table: dict[Any, Any], key: Any) -> None:
         if key in table:
             if self._journal is not None:
                 self._journal.append((table, key, table[key]))
@@ -109,29 +115,43 @@ class MemoryRecoveryStore:
     async def record_decision(self, decided: RecoveryDecided) -> None:
         """See `RecoveryStore.record_decision`; a second policy decision in force for an attempt is refused."""
         if decided.data.manual_action is None:
-            for other in self.decisions.values():
-                in_force = other.data.manual_action is None and other.id not in self.superseded_by
-                if in_force and other.job_key == decided.job_key and other.attempt == decided.attempt:
-                    msg = f"job {decided.job_key} attempt {decided.attempt}: a second policy decision in force"
-                    raise DecisionClashError(msg)
+            key = (decided.job_key, decided.attempt)
+            if key in self._in_force:
+                msg = f"job {decided.job_key} attempt {decided.attempt}: a second policy decision in force"
+                raise DecisionClashError(msg)
+            self._write(self._in_force, key, decided.id)
+        if decided.data.cordon:
+            newest = next(reversed(self._cordoning.values()), None)
+            self._in_time_order &= newest is None or newest.time <= decided.time
+            self._write(self._cordoning, decided.id, decided)
         self._write(self.decisions, decided.id, decided)
 
     async def mark_superseded(self, decision_id: str, by: str) -> None:
         """See `RecoveryStore.mark_superseded`."""
         self._write(self.superseded_by, decision_id, by)
+        decided = self.decisions.get(decision_id)
+        if decided is not None and self._in_force.get((decided.job_key, decided.attempt)) == decision_id:
+            self._delete(self._in_force, (decided.job_key, decided.attempt))
 
     async def mark_escalated(self, decision_id: str, at: datetime) -> None:
         """See `RecoveryStore.mark_escalated`."""
         self._write(self.escalated, decision_id, at)
 
     async def cordoned_since(self, since: datetime) -> frozenset[str]:
-        """See `RecoveryStore.cordoned_since` (the decision's time is when it was decided)."""
-        return frozenset(
-            node
-            for decided in self.decisions.values()
-            if decided.time >= since and decided.id not in self.superseded_by
-            for node in decided.data.cordon
-        )
+        """See `RecoveryStore.cordoned_since` (the decision's time is when it was decided).
+
+        Newest first, stopping at the first decision older than `since` while they were made in time order (as
+        a replay makes them, unless a call re-run at a recorded time went back): only the window's are read.
+        """
+        nodes: set[str] = set()
+        for decided in reversed(self._cordoning.values()):
+            if decided.time < since:
+                if self._in_time_order:
+                    break
+                continue
+            if decided.id not in self.superseded_by:
+                nodes.update(decided.data.cordon)
+        return frozenset(nodes)
 
 
 class RecordedDigests:
