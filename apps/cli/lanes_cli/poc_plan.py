@@ -95,12 +95,16 @@ class Rung(_Strict):
 
 
 class Inference(_Strict):
-    """The inference service: a toy model with two versions behind the router, and the steps to take."""
+    """The inference service: the toy model behind the router, and the steps to take.
 
-    model: str = Field(default="toy", min_length=1, max_length=128)
+    The runner's story serves the toy model `tiny-chat` from two replicas under three streaming clients: the
+    plan says so explicitly, and anything else is refused rather than silently run as that.
+    """
+
+    model: Literal["tiny-chat"] = "tiny-chat"
     versions: tuple[str, str] = ("v1", "v2")
-    replicas: StrictInt = Field(default=2, ge=1, le=8)
-    streams: StrictInt = Field(default=4, ge=1, le=256)
+    replicas: Literal[2] = 2
+    clients: Literal[3] = 3
     steps: tuple[InferenceStep, ...] = Field(default=tuple(InferenceStep), max_length=len(InferenceStep))
 
 

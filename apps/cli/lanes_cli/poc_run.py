@@ -26,9 +26,11 @@ from lanes_cli.bootstrap import SERVICES, prepare_services
 from lanes_cli.demo import FaultPaths, _guarded, wait_for_nodes
 from lanes_cli.drill_cli import DrillStep, run_drill
 from lanes_cli.poc import Verdict
+from lanes_cli.poc_inference import inference_verdict, judge_inference
 from lanes_cli.poc_plan import Plan, Rung
 from lanes_cli.poc_rung import RungResult, diffs, judge
 from lanes_cli.replay import Pace, merged, write_ndjson
+from lanes_cli.scenarios.inference import replica_node_fails
 from lanes_cli.timeline import job_timeline, read_stream, row_kind
 from lanes_contract.client import LanesClient
 from lanes_contract.events import (
@@ -44,8 +46,9 @@ from lanes_contract.events import (
 from lanes_contract.ids import new_event_id
 from lanes_contract.jobs import JobSpec, Owners, WorkloadClass
 from lanes_contract.signing import Keyring
-from lanes_contract.streams import JOBS, NODES
+from lanes_contract.streams import JOBS, NODES, REQUESTS
 from lanes_contract.topology import NodeState
+from lanes_router.entrypoints.runner import RouterRunner
 from lanes_runtime.reader import Selection, count
 from lanes_runtime.service import Connections, connected, run_consumers
 from lanes_runtime.settings import ServerUrls, configured_keyring
@@ -310,6 +313,10 @@ async def run_plan(
             await runner.guarded(wait_for_nodes(conns, len(nodes), 60.0), 60.0)
             for index, rung in enumerate(plan.rungs):
                 results.append(await runner.rung(index, rung, keyring))
+            inference: dict[str, Any] = {"steps": [], "verdicts": [], "job_ids": []}
+            if plan.inference is not None:
+                router = next(consumer for consumer in consumers if isinstance(consumer, RouterRunner))
+                inference = await run_inference(runner, router, paths.through_kernel)
         finally:
             stop.set()
             await asyncio.gather(*workers, return_exceptions=True)
@@ -317,43 +324,44 @@ async def run_plan(
         if bundle is not None:
             await write_bundle(runner.js, bundle)
     rungs = [judge(result, plan.criteria) for result in results]
-    inference = pending_inference(plan)
     return PocRun(
         plan=plan,
         rungs=rungs,
         inference=inference,
         diff=diffs(rungs, node_rows, interfaces_of(paths, nodes)),
-        job_ids=[result.job_id for result in results],
+        job_ids=[result.job_id for result in results] + inference["job_ids"],
     )
 
 
 async def write_bundle(js: JetStreamContext, path: Path) -> int:
     """The run's job and node events, merged in time order, one CloudEvent a line: what `lanes import` reads."""
-    chosen = [Selection(JOBS.name, "lanes.job.>"), Selection(NODES.name, "lanes.node.>")]
+    chosen = [
+        Selection(JOBS.name, "lanes.job.>"),
+        Selection(NODES.name, "lanes.node.>"),
+        Selection(REQUESTS.name, "lanes.req.>"),
+    ]
     total = sum([await count(js, selection) for selection in chosen])
     with path.open("wb") as handle:
         return await write_ndjson(merged(js, chosen), handle, Pace("instant"), total)
 
 
-def pending_inference(plan: Plan) -> dict[str, Any]:
-    """The inference steps, each pending evidence: this runner does not drive the router yet, so nothing passes."""
-    if plan.inference is None:
-        return {"steps": [], "verdicts": []}
-    steps = [
-        {
-            "step": step.value,
-            "verdict": Verdict.PENDING_EVIDENCE.value,
-            "missing": f"lanes poc run does not drive the {step.value} step through the router yet: no request "
-            f"provenance for {plan.inference.model} {'/'.join(plan.inference.versions)} on the log",
-        }
-        for step in plan.inference.steps
-    ]
-    verdicts = [
-        {
-            "capability": "inference protection",
-            "rung": "inference",
-            "verdict": Verdict.PENDING_EVIDENCE.value,
-            "missing": f"{len(steps)} inference steps not run: " + ", ".join(s["step"] for s in steps),
-        }
-    ]
-    return {"steps": steps, "verdicts": verdicts}
+async def run_inference(runner: _Runner, router: RouterRunner, through_kernel: bool) -> dict[str, Any]:
+    """The toy model's story behind the router, then each plan step judged from the replicas' timelines."""
+    assert runner.plan.inference is not None  # noqa: S101 - the caller checked
+    timeout = runner.plan.rung_timeout_s
+    runner.progress("inference: two replicas of the toy model behind the router, then a replica's node fails")
+    try:
+        router_url = await runner.guarded(router.url(), timeout)
+        story = await runner.guarded(
+            replica_node_fails(runner.conns, router_url, timeout_s=timeout, through_kernel=through_kernel), timeout
+        )
+    except TimeoutError as exc:
+        steps = [
+            {"step": step.value, "verdict": Verdict.PENDING_EVIDENCE.value, "missing": f"the story did not end: {exc}"}
+            for step in runner.plan.inference.steps
+        ]
+        return {"steps": steps, "verdicts": [inference_verdict(steps)], "job_ids": []}
+    replicas = {job: await _rows(runner.js, job) for job in story.replica_job_ids}
+    requests = [e.as_json() for e in await read_stream(runner.js, Selection(REQUESTS.name, "lanes.req.>"))]
+    steps = judge_inference(runner.plan.inference.steps, replicas, requests, story.replica_job_ids[0])
+    return {"steps": steps, "verdicts": [inference_verdict(steps)], "job_ids": list(story.replica_job_ids)}
