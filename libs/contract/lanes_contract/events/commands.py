@@ -88,6 +88,8 @@ class DrillKind(StrEnum):
     """Make the rank raise an exception through the drill workload's fault hook (SIGUSR1)."""
     LINK_DOWN = "link-down"
     """Bring the rank's node's link down (its veth, with `lanes up --netns`), and up after a duration if given."""
+    LINK_SLOW = "link-slow"
+    """Rate-limit the rank's node's link both ways (a `tbf` on each end of its veth) for a duration: it degrades."""
 
 
 class DrillInjectedData(Data):
