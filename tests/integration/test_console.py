@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
-from collections.abc import AsyncIterator
+import shutil
+import signal
+import tempfile
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +22,9 @@ import aiohttp
 import pytest
 from nats.aio.client import Client as NatsClient
 from playwright.async_api import Browser, Page, async_playwright
+from support.cli import LANES
 from support.optional import CHROMIUM, chromium, require
+from support.processes import interruptible
 from support.waiting import eventually
 
 from lanes_console.app import serve
@@ -421,3 +427,80 @@ async def test_in_chromium_the_jobs_list_shows_a_job_submitted_after_it_loaded(
     filtered = await open_page(browser, f"{console.url}?q=list-b")
     await filtered.wait_for_selector(f"tr[data-job='{later}']")
     assert await filtered.locator(f"tr[data-job='{first}']").count() == 0
+
+
+async def read_console_url(proc: asyncio.subprocess.Process) -> str:
+    """The URL of the `console: <url>` line a `lanes` process prints (after any other lines)."""
+    assert proc.stdout is not None
+    while True:
+        line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
+        assert line, "the process ended before printing the console's URL"
+        if line.startswith("console: "):
+            return line.removeprefix("console: ").strip()
+
+
+async def test_lanes_console_serves_the_log_until_interrupted(console: Console, unique: str) -> None:
+    job = f"cli-{unique}"
+    await publish(console, submitted(job))
+    proc = await asyncio.create_subprocess_exec(
+        LANES,
+        "console",
+        "--port",
+        "0",
+        env=os.environ | {"NATS_URL": console.nats.url_for("console"), "LANES_LOG_FORMAT": "json"},
+        stdout=asyncio.subprocess.PIPE,
+        preexec_fn=interruptible,
+    )
+    try:
+        url = await read_console_url(proc)
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+/", url)
+        async with aiohttp.ClientSession() as session:
+            assert (await session.get(f"{url}jobs/{job}")).status == 200
+            rows = rows_of(await (await open_feed(session, f"{url}api/jobs/{job}/events")).until("caught_up"))
+            assert [row["job_id"] for row in rows] == [job]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        await asyncio.wait_for(proc.wait(), 30)
+    assert proc.returncode == 0
+
+    refused = await asyncio.create_subprocess_exec(
+        LANES, "console", "--port", "70000", stderr=asyncio.subprocess.PIPE, env=os.environ | {"NATS_URL": "x"}
+    )
+    _, said = await refused.communicate()
+    assert refused.returncode == 2
+    assert "--port" in said.decode()
+
+
+@pytest.fixture
+def own_tmp() -> Iterator[Path]:
+    """A TMPDIR for the embedded servers of `lanes up`, which the embedded PostgreSQL's user may pass through."""
+    root = Path(tempfile.mkdtemp(prefix="lanes-console-test-"))
+    root.chmod(0o755)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.slow
+async def test_lanes_up_starts_the_console_and_prints_its_url(own_tmp: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in {"NATS_URL", "DATABASE_URL", "REDIS_URL"}}
+    proc = await asyncio.create_subprocess_exec(
+        LANES,
+        "up",
+        "--nodes",
+        "1",
+        env=env | {"TMPDIR": str(own_tmp), "LANES_LOG_FORMAT": "json"},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+        preexec_fn=interruptible,
+    )
+    try:
+        url = await read_console_url(proc)
+        async with aiohttp.ClientSession() as session:
+            page = await session.get(url)
+            assert page.status == 200
+            assert "/static/jobs.js" in await page.text()
+            await (await open_feed(session, f"{url}api/jobs")).until("caught_up")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        await asyncio.wait_for(proc.wait(), 60)
+    assert proc.returncode == 0
