@@ -1,10 +1,12 @@
-"""A POC rung judged from its timeline rows alone: stage times, the drill, completeness, goodput, the diff."""
+"""A POC rung judged from its timeline rows alone: stage times, the drill, completeness, goodput, the diff; and
+the inference steps judged from the replicas' rows and the requests' provenance."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from lanes_cli.poc_plan import Criteria, Drill, Rung
+from lanes_cli.poc_inference import client_saw, inference_verdict, judge_inference
+from lanes_cli.poc_plan import Criteria, Drill, InferenceStep, Rung
 from lanes_cli.poc_rung import RungResult, diffs, judge, rung_passed
 from lanes_contract.events import DrillKind
 
@@ -260,3 +262,66 @@ def test_a_rung_never_placed_is_pending_with_the_schedulers_reason_and_no_stage(
     assert "never placed: spec_mismatch: needs 32 GPUs" in cells["orchestration"]["missing"]
     assert cells["recovery"]["verdict"] == "pending evidence"
     assert cells["topology"]["verdict"] == "not applicable"
+
+
+def _request(replica: str, status: str = "ok", **data: Any) -> Row:
+    attempts = data.pop("attempts", [{"replica": replica, "outcome": "ok", "elapsed_ms": 5.0}])
+    fields = {"replica": replica, "status": status, "version": "v1", "gpus": [0], "attempts": attempts} | data
+    return {"id": f"req-{replica}-{len(attempts)}-{status}", "type": "io.lanes.request.served.v1", "data": fields}
+
+
+def test_what_a_client_saw_is_read_from_its_requests_provenance() -> None:
+    moved = [
+        {"replica": "a", "outcome": "error", "elapsed_ms": 1.0},
+        {"replica": "b", "outcome": "ok", "elapsed_ms": 2.0},
+    ]
+    cut = [{"replica": "a", "outcome": "failed_mid_stream", "elapsed_ms": 1.0}]
+    assert client_saw(_request("a")) == "ok"
+    assert client_saw(_request("b", attempts=moved)) == "failed_over_unseen"
+    assert client_saw(_request("b", attempts=moved, continuations=1)) == "continued"
+    assert client_saw(_request("a", "failed", attempts=cut, http_status=200)) == "errored_mid_stream"
+    assert client_saw(_request("a", "rejected", http_status=503)) == "told_to_retry"
+    assert client_saw(_request("a", "rejected", http_status=403)) == "refused"
+
+
+def test_inference_steps_the_runner_does_not_take_are_pending_and_never_passed() -> None:
+    a, b = _Timeline("a"), _Timeline("b")
+    for t in (a, b):
+        t.state(1, "running")
+        t.add(2, "replica_state", data={"state": "ready"})
+    a.add(
+        5,
+        "finding",
+        "host",
+        node="n1",
+        data={"settled": True, "first_error": {"lane": "host", "category": "gpu_xid", "node": "n1"}},
+    )
+    a.add(6, "recovery_decided", data={"action": "replace"})
+    a.add(9, "replica_state", attempt=2, data={"state": "ready"})
+    requests = [_request("a"), _request("b", continuations=1), _request("elsewhere", "failed")]
+    steps = {s["step"]: s for s in judge_inference(tuple(InferenceStep), {"a": a.rows, "b": b.rows}, requests, "a")}
+    assert [steps[s]["verdict"] for s in ("start", "health", "traffic", "node_fault")] == ["passed"] * 4
+    assert steps["traffic"]["clients"] == {"ok": 1, "continued": 1}  # a request of another model is not counted
+    assert steps["node_fault"]["named"] == "host/gpu_xid on n1"
+    for step in ("upgrade", "rollback", "scale_down"):
+        assert steps[step]["verdict"] == "pending evidence"
+        assert "does not drive" in steps[step]["missing"]
+    cell = inference_verdict(list(steps.values()))
+    assert cell["verdict"] == "pending evidence"
+    assert cell["missing"].startswith("upgrade: ")
+
+
+def test_a_replica_never_replaced_and_a_stream_cut_leave_the_node_fault_pending() -> None:
+    a, b = _Timeline("a"), _Timeline("b")
+    for t in (a, b):
+        t.state(1, "running")
+        t.add(2, "replica_state", data={"state": "ready"})
+    cut = [{"replica": "a", "outcome": "failed_mid_stream", "elapsed_ms": 1.0}]
+    steps = judge_inference(
+        (InferenceStep.NODE_FAULT,), {"a": a.rows, "b": b.rows}, [_request("a", "failed", attempts=cut)], "a"
+    )
+    (fault,) = steps
+    assert fault["verdict"] == "pending evidence"
+    assert "no settled finding for replica a" in fault["missing"]
+    assert "no replacement of replica a back in rotation" in fault["missing"]
+    assert "1 requests errored" in fault["missing"]

@@ -137,14 +137,11 @@ def run(
         except OSError as exc:
             fail(f"--out {out_dir}: {exc.strerror}", EXIT_BAD_INPUT)
     settings = load_settings(quiet=True)
-    through_kernel = False
-    if kernel:
-        why = kernel_faults_unavailable()
-        if why:
-            err.print(f"--kernel: {why}; the faults are played")
-        through_kernel = why is None
+    unavailable = kernel_faults_unavailable() if kernel else None
+    if unavailable:
+        err.print(f"--kernel: {unavailable}; the faults are played")
     networks = node_networks(cluster_nodes(parsed)) if netns else None
-    paths = FaultPaths(networks, through_kernel)
+    paths = FaultPaths(networks, through_kernel=kernel and unavailable is None)
     bundle = None if out_dir is None else out_dir / "events.ndjson"
     try:
         with tempfile.TemporaryDirectory(prefix="lanes-poc-") as work, servers(settings) as urls:

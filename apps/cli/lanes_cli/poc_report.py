@@ -105,6 +105,7 @@ def _stage_chart(result: dict[str, Any]) -> go.Figure:
             go.Scatter(x=nodes, y=[rung["stages"][name] for rung in result["rungs"]], mode="lines+markers", name=name)
         )
     figure.update_layout(title="Stage times against scale", xaxis_title="nodes", yaxis_title="s from submission")
+    figure.update_xaxes(tickmode="array", tickvals=nodes)  # the rungs' node counts, not a continuous scale
     return figure
 
 
