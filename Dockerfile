@@ -1,6 +1,6 @@
 # One image per deployable, each with only what it runs:
 #   docker build --build-arg SERVICE=scheduler -t lanes-scheduler .
-# SERVICE is one of scheduler, lifecycle, telemetry, recovery, router, audit. The image installs that
+# SERVICE is one of scheduler, lifecycle, telemetry, recovery, router, audit, console. The image installs that
 # service's package and its dependencies (the event contract and the consumer runtime), never the embedded
 # servers, the sandbox or the CLI; tests/test_images.py checks that installed set without a Docker engine.
 # Versions come from the pins in each pyproject.toml (no lock file is committed).

@@ -27,6 +27,8 @@ COMPOSE_FILE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 REQUIRED_ENV = ("NATS_URL", "DATABASE_URL", "REDIS_URL")
 NATS_NODE_COUNT = 3
+APPS = ("console",)
+"""Deployables that are not consumer services (`lanes_cli.bootstrap.SERVICES`): each an image of its own too."""
 
 # --- Loading -------------------------------------------------------------------------------------------------------
 
@@ -355,9 +357,9 @@ def test_each_service_has_exactly_one_container_built_for_it(lanes_containers):
         build = spec["build"]
         assert isinstance(build, dict), f"{container}: build needs args.SERVICE"
         service = build["args"]["SERVICE"]
-        assert service in SERVICES, f"{container}: builds unknown service {service!r}"
+        assert service in {*SERVICES, *APPS}, f"{container}: builds unknown service {service!r}"
         served.setdefault(service, []).append(container)
-    assert set(served) == set(SERVICES), f"not served: {sorted(set(SERVICES) - set(served))}"
+    assert set(served) == {*SERVICES, *APPS}, f"not served: {sorted({*SERVICES, *APPS} - set(served))}"
     duplicates = {name: containers for name, containers in served.items() if len(containers) != 1}
     assert not duplicates, duplicates
 
@@ -471,6 +473,9 @@ def test_dockerfile_runs_one_service_as_a_non_root_user():
     for service in SERVICES:
         scripts = tomllib.loads((ROOT / "services" / service / "pyproject.toml").read_text())["project"]["scripts"]
         assert scripts == {f"lanes-{service}": f"lanes_{service}.__main__:main"}
+    for app in APPS:
+        scripts = tomllib.loads((ROOT / "apps" / app / "pyproject.toml").read_text())["project"]["scripts"]
+        assert scripts == {f"lanes-{app}": f"lanes_{app}.__main__:main"}
     users = [args.split(":")[0] for instruction, args in stage if instruction == "USER"]
     assert users, "the image runs as root"
     assert users[-1] not in {"root", "0"}

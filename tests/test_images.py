@@ -35,6 +35,7 @@ DEPLOYABLES = {
     "lanes-recovery": "lanes_recovery.__main__",
     "lanes-router": "lanes_router.__main__",
     "lanes-audit": "lanes_audit.__main__",
+    "lanes-console": "lanes_console.__main__",
     "lanes-agent": "lanes_agent.launcher",
     "lanes-observe": "lanes_observe.slurm",
 }
