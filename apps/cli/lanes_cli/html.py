@@ -12,6 +12,8 @@ import html
 import json
 from typing import Any
 
+from lanes_console.rows import missing_by_lane  # the live console's job page says it the same way
+
 LANE_ORDER = ("algorithm", "platform", "host", "network")
 
 
@@ -48,15 +50,6 @@ def first_error(job: dict[str, Any]) -> dict[str, Any] | None:
                 "detail": f"rank {row.get('rank')} ended with {how}",
             }
     return None
-
-
-def missing_by_lane(missing: list[dict[str, Any]]) -> dict[str, list[str]]:
-    """A finding's missing evidence grouped by lane, each item saying what and where."""
-    grouped: dict[str, list[str]] = {}
-    for item in missing:
-        where = ", ".join(f"{key} {item[key]}" for key in ("node", "rank") if item.get(key) is not None)
-        grouped.setdefault(str(item.get("lane")), []).append(f"{item.get('what')}" + (f" ({where})" if where else ""))
-    return grouped
 
 
 def render_page(job: dict[str, Any]) -> str:
