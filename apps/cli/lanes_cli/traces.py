@@ -99,6 +99,19 @@ def _rows(text: str, columns: tuple[str, ...], what: str) -> Iterator[tuple[int,
         yield reader.line_num, row
 
 
+def _named_rows(
+    text: str, columns: tuple[str, ...], what: str, name_column: str, kind: str
+) -> Iterator[tuple[int, Mapping[str, str], str]]:
+    """Each row with its name (a token), refusing a name given twice."""
+    seen: set[str] = set()
+    for line, row in _rows(text, columns, what):
+        name = _token(row[name_column], line, name_column)
+        if name in seen:
+            raise TraceFormatError(f"line {line}: {kind} {name} appears twice")
+        seen.add(name)
+        yield line, row, name
+
+
 def _number(row: Mapping[str, str], column: str, line: int, *, empty: bool = False) -> int | None:
     """A non-negative integer field (the traces write some as `12.0`); None when empty is allowed and empty."""
     raw = row[column].strip()
@@ -129,12 +142,7 @@ def _event_id(name: str, event_type: str, key: str = "") -> str:
 
 def openb_nodes(text: str, trace: ImportedTrace) -> None:
     """The node list: one registration per machine with GPUs (a CPU-only machine is counted, not imported)."""
-    seen: set[str] = set()
-    for line, row in _rows(text, NODE_COLUMNS, "openb node list"):
-        node_id = _token(row["sn"], line, "sn")
-        if node_id in seen:
-            raise TraceFormatError(f"line {line}: node {node_id} appears twice")
-        seen.add(node_id)
+    for line, row, node_id in _named_rows(text, NODE_COLUMNS, "openb node list", "sn", "node"):
         gpus = _number(row, "gpu", line) or 0
         if gpus == 0:
             trace.unexpressed["cpu_only_nodes"] += 1
@@ -153,12 +161,7 @@ def openb_nodes(text: str, trace: ImportedTrace) -> None:
 def openb_pods(text: str, trace: ImportedTrace, *, fractional: str = "skip") -> None:
     """The pod list: each GPU pod a one-worker job with its submission, start and end."""
     timed: list[tuple[datetime, int, Event]] = []
-    seen: set[str] = set()
-    for line, row in _rows(text, POD_COLUMNS, "openb pod list"):
-        name = _token(row["name"], line, "name")
-        if name in seen:
-            raise TraceFormatError(f"line {line}: pod {name} appears twice")
-        seen.add(name)
+    for line, row, name in _named_rows(text, POD_COLUMNS, "openb pod list", "name", "pod"):
         gpus = _number(row, "num_gpu", line) or 0
         milli = _number(row, "gpu_milli", line, empty=True)
         created = _number(row, "creation_time", line)
