@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -29,7 +30,7 @@ from support.recovery import register_nodes, spec
 from support.waiting import eventually
 
 from lanes_agent.launcher import LocalLauncher
-from lanes_agent.netns import NodeNetworks
+from lanes_agent.netns import NodeNetworks, link_of
 from lanes_cli.timeline import job_timeline
 from lanes_contract.client import LanesClient
 from lanes_contract.events import CheckpointSaved, JobSubmitted, JobSubmittedData
@@ -164,3 +165,36 @@ async def test_a_slow_rank_that_fails_nothing_is_named_by_its_slowdown(
     }  # fmt: skip
     assert report["localise_s"] is not None
     assert report["decision"] is None  # nothing failed: nothing to decide
+
+
+@pytest.mark.skipif(_NO_NETNS is not None, reason=_NO_NETNS or "")
+async def test_a_slowed_link_that_fails_nothing_is_named_a_degraded_link_on_its_node(
+    stack: Connections, own_urls: ServerUrls, tmp_path: Path
+) -> None:
+    job_id = "drill-link-slow"
+    command = (sys.executable, "-m", "lanes_agent.drill_workload", "--step-s", "0.05", "--timeout-s", "30")
+    job = spec("drill", workers=4, command=command, checkpoint_location=str(tmp_path / "checkpoints"))
+    await LanesClient(stack.nc, "tests").publish(
+        JobSubmitted(source="tests", jobid=job_id, attempt=1, data=JobSubmittedData(spec=job))
+    )
+    # Past the steps telemetry reads as the attempt's baseline (its first 30), so the slowdown is a change.
+    await eventually(lambda: _checkpointed_at(stack, job_id, 60), timeout_s=180, what="the drill job past step 60")
+    ran = await run_lanes_async(
+        own_urls, "drill", job_id, "--kind", "link-slow", "--rank", str(DRILLED_RANK), "--duration", "30",
+        "--timeout", "150", "--json",
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    (report,) = json.loads(ran.stdout)["drills"]
+    assert report["named_right"], report
+    # The link's node, in the network lane; no rank is the one the others wait for (in a ring they all wait).
+    assert report["named"] == {
+        "lane": "network", "category": "degraded_link", "node": report["node"], "rank": None,
+    }  # fmt: skip
+    assert report["localise_s"] is not None
+    assert report["decision"] is None  # nothing failed: nothing to decide
+    assert not _shaped(report["node"])  # the drill gave the link its full rate back
+
+
+def _shaped(node: str) -> bool:
+    shown = subprocess.run(["tc", "qdisc", "show", "dev", link_of(node)], capture_output=True, text=True, check=True)  # noqa: S607
+    return "tbf" in shown.stdout

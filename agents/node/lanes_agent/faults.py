@@ -10,7 +10,9 @@ Each kind does what the fault does on a real node, so the evidence that follows 
   the rank's pid, then the drill workload's fault hook (SIGUSR2) fails its next step as the CUDA call after
   an ECC error fails. The one simulated part, since no GPU is here: the kernel line;
 - `exception`: the drill workload's fault hook (SIGUSR1) raises an exception at its next step;
-- `link-down`: the node's link (its veth on the bridge, `lanes up --netns`) down, and up after `duration_s`.
+- `link-down`: the node's link (its veth on the bridge, `lanes up --netns`) down, and up after `duration_s`;
+- `link-slow`: the node's link rate-limited both ways (`netns.shape_link`, a token bucket on each end of its
+  veth) for `duration_s`, then its full rate back: a degraded link that fails nothing.
 
 The drill runs on the rank's host (the simulated nodes of `lanes up` share one).
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,6 +112,8 @@ async def inject(
     match kind:
         case DrillKind.LINK_DOWN:
             return await _cut_link(node, duration_s)
+        case DrillKind.LINK_SLOW:
+            return await _degrade_link(node, duration_s or 10.0)
         case DrillKind.KILL:
             _signal(pid, signal.SIGKILL)
             return Injected("SIGKILL")
@@ -162,6 +167,24 @@ async def _cut_link(node: str, duration_s: float | None) -> Injected:
     await asyncio.sleep(duration_s)
     netns.set_link(node, up=True)
     return Injected(f"link {netns.link_of(node)} of {node} down for {duration_s:g} s")
+
+
+async def _degrade_link(node: str, duration_s: float) -> Injected:
+    if netns.link_is_up(node) is None:
+        msg = f"{node} has no link of its own here (run the nodes in network namespaces: lanes up --netns)"
+        raise FaultError(msg)
+    try:
+        netns.shape_link(node)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        netns.unshape_link(node)  # one end shaped, the other refused: leave neither
+        why = exc.stderr.strip() if isinstance(exc, subprocess.CalledProcessError) and exc.stderr else str(exc)
+        raise FaultError(f"cannot shape the link of {node}: {why}") from exc
+    try:
+        await asyncio.sleep(duration_s)
+    finally:
+        netns.unshape_link(node)  # a drill cancelled half-way still gives the link back
+    link = netns.link_of(node)
+    return Injected(f"link {link} of {node} limited to {netns.SLOW_RATE}/s both ways for {duration_s:g} s")
 
 
 async def _slow(pid: int, duration_s: float) -> Injected:

@@ -107,6 +107,8 @@ _KERNEL_BACKLOG = 10_000
 """Kernel records read but not yet published, at most. While the bus is away the follower keeps draining the
 kernel's ring buffer (which overwrites its oldest records) into memory; past this many, the ring keeps the rest."""
 _LINK_POLL_S = 0.2
+_THROTTLE_EVERY = 5
+"""Link polls per read of the links' throttle counters (one `tc` call for all of them: once a second)."""
 STOP_GRACE_S = 10.0
 """How long a stopped rank has between SIGTERM and SIGKILL."""
 HEARTBEAT_S = 10.0
@@ -862,10 +864,21 @@ class LocalLauncher:
         await self._publish_held(event.model_copy(update=update), TELEMETRY.name)
 
     async def _watch_links(self, stop: asyncio.Event) -> None:
-        """Report each node's link going down or up, as a node agent watching its NICs does (network lane)."""
+        """Report each node's link going down or up, as a node agent watching its NICs does (network lane).
+
+        And a link that holds packets back (its port's discard and throttle counters rise) as port errors, once
+        per episode: a degraded link fails nothing, and this is what names the node behind it, where the
+        collectives' timings say only that the job's network slowed (telemetry's slowdown reads both).
+        """
         assert self._networks is not None  # noqa: S101 - started only with networks
         was = dict.fromkeys(self._networks.links, True)
+        counters: dict[str, int] = {}
+        throttling: set[str] = set()
+        polls = 0
         while not stop.is_set():
+            if polls % _THROTTLE_EVERY == 0:
+                counters = await self._report_throttled(counters, throttling)
+            polls += 1
             for node in sorted(self._networks.links):
                 up = netns.link_is_up(node)
                 if up is None or up == was[node]:
@@ -880,6 +893,32 @@ class LocalLauncher:
                     evidence_event(found, source=f"agent/{node}", node=node, time=now), TELEMETRY.name
                 )
             await asyncio.sleep(_LINK_POLL_S)
+
+    async def _report_throttled(self, before: dict[str, int], throttling: set[str]) -> dict[str, int]:
+        """Read every node's link counters once; report a link whose count rose (and did not the read before).
+
+        Returns the counts, for the next read.
+        """
+        assert self._networks is not None  # noqa: S101 - started only with networks
+        links = {netns.link_of(node): node for node in self._networks.links}
+        now_counts = await asyncio.to_thread(netns.throttled_packets, sorted(links))
+        for link, count in sorted(now_counts.items()):
+            node = links[link]
+            rising = link in before and count > before[link]
+            if not rising:
+                throttling.discard(node)
+                continue
+            if node in throttling:
+                continue  # the same episode: said once
+            throttling.add(node)
+            what = f"link {link} of {node} held back or dropped {count - before[link]} packets in a second"
+            data = EvidenceData(
+                category=EvidenceCategory.PORT_ERRORS, summary=what, origin="agent: link counters", interface=link
+            )
+            at = utc_now()
+            found = Evidence(data=data, time=at, node=node)
+            await self._publish_held(evidence_event(found, source=f"agent/{node}", node=node, time=at), TELEMETRY.name)
+        return now_counts
 
     async def _beat(self, stop: asyncio.Event) -> None:
         """Say each node's agent is alive, every `heartbeat_s`, with what it runs and the node's inventory.

@@ -15,6 +15,7 @@ Needs root and iproute2; without them ranks share the host's network and the age
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -122,3 +123,59 @@ def link_is_up(node: str) -> bool | None:
 def set_link(node: str, *, up: bool) -> None:
     """Bring the node's link down or up, from the host's side (a drill's cable pull)."""
     _ip("link", "set", link_of(node), "up" if up else "down")
+
+
+# Shaping a node's link (`lanes drill --kind link-slow`). This kernel has no `sch_netem` (`tc qdisc add ... netem`
+# says "Specified qdisc kind is unknown") and no iptables, so neither added delay nor random drops can be had;
+# `tbf` and `htb` are built in. A token-bucket rate limit is what a degraded link does to a collective: each
+# packet leaves only once the bucket has its bytes, so a step's small all-reduces queue behind one another.
+# Measured on the drill workload (4 gloo ranks, 4 namespaces, one node shaped both ways, 1.6 kB burst): at
+# 256 kbit/s every rank's collective wait rose from ~0.03 s to ~0.14 s a step (step time +80%); at 64 kbit/s
+# to ~0.67 s; at 16 kbit/s to ~3.1 s. Each end of the veth is shaped, so both directions degrade: the host's
+# end limits what the node receives, the namespace's `eth0` what it sends.
+SLOW_RATE = "256kbit"
+"""The rate `link-slow` limits a node's link to: a step about 1.8 times as long, far from any timeout."""
+_BURST_BYTES = 1600
+"""The bucket: one full-size frame (MTU 1500 and its headers), so every packet passes, one at a time."""
+_QUEUE_LATENCY = "400ms"
+"""How long a packet may wait in the bucket's queue before it is dropped (TCP resends it)."""
+
+
+def _tbf(*prefix: str, device: str, rate: str) -> None:
+    subprocess.run(  # noqa: S603 - tc, fixed arguments
+        ["tc", *prefix, "qdisc", "replace", "dev", device, "root", "tbf", "rate", rate,  # noqa: S607
+         "burst", str(_BURST_BYTES), "latency", _QUEUE_LATENCY],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+
+
+def shape_link(node: str, rate: str = SLOW_RATE) -> None:
+    """Rate-limit the node's link both ways (a `tbf` on each end of its veth): a degraded link, still up."""
+    _tbf(device=link_of(node), rate=rate)
+    _tbf("-n", namespace_of(node), device=INTERFACE, rate=rate)
+
+
+def unshape_link(node: str) -> None:
+    """Give the node's link its full rate back (each end's default queue); an end already gone is skipped."""
+    for prefix, device in (((), link_of(node)), (("-n", namespace_of(node)), INTERFACE)):
+        subprocess.run(["tc", *prefix, "qdisc", "del", "dev", device, "root"], check=False, capture_output=True)  # noqa: S603, S607
+
+
+def throttled_packets(links: Sequence[str]) -> dict[str, int]:
+    """Per host-side link, the packets its queue held back or dropped (a port's discard and pause counters).
+
+    One `tc` call reads every link of the host's namespace; a link without a shaping queue counts 0.
+    """
+    try:
+        argv = ["tc", "-s", "-j", "qdisc", "show"]
+        shown = subprocess.run(argv, check=True, capture_output=True, text=True, timeout=5).stdout  # noqa: S603
+        rows = json.loads(shown or "[]")
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return {}
+    wanted = set(links)
+    counts = dict.fromkeys(links, 0)
+    for row in rows if isinstance(rows, list) else []:
+        device = row.get("dev") if isinstance(row, dict) else None
+        if device in wanted:
+            counts[device] += int(row.get("overlimits") or 0) + int(row.get("drops") or 0)
+    return counts

@@ -152,7 +152,7 @@ def drill(  # noqa: PLR0917 - typer maps each option to a parameter
     kind: Annotated[DrillKind | None, typer.Option(help="What to inject.")] = None,
     rank: Annotated[int, typer.Option(help="Into which rank of the running attempt.", min=0, max=MAX_RANKS - 1)] = 0,
     duration: Annotated[
-        float | None, typer.Option(help="Seconds a hang or slow-down lasts.", min=0.1, max=MAX_OPTION_SECONDS)
+        float | None, typer.Option(help="Seconds a hang, slow or link-slow lasts.", min=0.1, max=MAX_OPTION_SECONDS)
     ] = None,
     plan: Annotated[Path | None, typer.Option(help="A YAML file of drills (job, kind, rank, duration_s).")] = None,
     timeout: Annotated[
@@ -160,7 +160,7 @@ def drill(  # noqa: PLR0917 - typer maps each option to a parameter
     ] = 300.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Inject a real fault (kill, hang, slow, oom, xid, exception, link-down) into a rank; judge the answer."""
+    """Inject a real fault (kill, hang, slow, oom, xid, exception, link-down, link-slow); judge the answer."""
     settings = load_settings(quiet=True)
     url = require(settings.nats_url, "NATS_URL")
     if plan is not None:

@@ -25,12 +25,13 @@ EXPECTED_LANE: dict[DrillKind, Lane | None] = {
     DrillKind.EXCEPTION: Lane.ALGORITHM,
     DrillKind.SLOW: Lane.HOST,  # a straggler, not a failure: telemetry's `slowdown` must name it
     DrillKind.LINK_DOWN: Lane.NETWORK,
+    DrillKind.LINK_SLOW: Lane.NETWORK,  # a degraded link, not a failure: the slowdown must name its node
 }
 """The lane whose team owns each injected fault: the finding must name it."""
-NODE_FAULTS = frozenset({DrillKind.LINK_DOWN})
+NODE_FAULTS = frozenset({DrillKind.LINK_DOWN, DrillKind.LINK_SLOW})
 """Faults of a node rather than of one rank: the finding must name the node; any rank on it will do."""
 _EVIDENCE_KINDS = {"evidence", "rank_exited", "finding", "slowdown"}
-STRAGGLERS = frozenset({DrillKind.SLOW})
+STRAGGLERS = frozenset({DrillKind.SLOW, DrillKind.LINK_SLOW})
 """Faults that fail nothing: named by the attempt's `slowdown`, not by a settled finding, and nothing decides."""
 
 

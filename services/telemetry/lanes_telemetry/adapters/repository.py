@@ -10,7 +10,14 @@ from typing import Any
 
 import asyncpg
 
-from lanes_contract.events import EvidenceData, JobFindingData, JobSlowdownData, RankAssignment, StepTiming
+from lanes_contract.events import (
+    EvidenceCategory,
+    EvidenceData,
+    JobFindingData,
+    JobSlowdownData,
+    RankAssignment,
+    StepTiming,
+)
 from lanes_evidence.evidence import Evidence
 from lanes_runtime.store import Db
 from lanes_telemetry.domain.settlement import RankExit
@@ -477,6 +484,20 @@ class PostgresStepTimings:
             attempt,
             step,
         )
+
+    async def throttled_links(self, job_id: str, attempt: int) -> list[str]:
+        """The attempt's nodes whose agent reported its link holding packets back (port errors) while placed."""
+        rows = await self._conn.fetch(
+            """SELECT DISTINCT e.node FROM telemetry_evidence e
+               JOIN telemetry_placements p ON p.node = e.node AND p.job_id = $1 AND p.attempt = $2
+               WHERE ((e.job_id = $1 AND e.attempt = $2) OR e.job_id IS NULL) AND e.category = $3
+                 AND e.time >= p.placed_at AND (p.released_at IS NULL OR e.time <= p.released_at)
+               ORDER BY e.node""",
+            job_id,
+            attempt,
+            EvidenceCategory.PORT_ERRORS.value,
+        )
+        return [str(r["node"]) for r in rows]
 
     async def gpus(self, job_id: str, attempt: int) -> int:
         """GPUs the attempt holds, from telemetry's copy of its placement (0 when not known)."""

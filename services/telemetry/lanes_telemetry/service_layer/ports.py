@@ -245,6 +245,10 @@ class StepTimingStore(Protocol):
         """Remember how far the attempt's timings were read."""
         ...
 
+    async def throttled_links(self, job_id: str, attempt: int) -> list[str]:
+        """The attempt's nodes whose link was reported holding packets back (port errors) while it ran there."""
+        ...
+
     async def gpus(self, job_id: str, attempt: int) -> int:
         """GPUs the attempt holds (0 when its placement is not known)."""
         ...

@@ -5,22 +5,31 @@ keeps them and, once per attempt per batch (before the commit, as the election r
 complete steps through the straggler core (`domain/stragglers.py`). The first slowdown found is published
 as `slowdown` on the job's subject, once per attempt: an attempt that is slow stays slow, and a page a
 second would bury it.
+
+A degraded link is named from two signals. The timings say the job's collectives slowed, but not behind which
+link: in a ring every rank waits for the slow hop alike (measured on a real rate-limited link: no rank's wait
+and no rank's arrival stands out). The node's agent says which link holds packets back (its port counters,
+`port_errors` evidence). A degraded link found without that word waits for it up to `LINK_REPORT_WAIT` more
+steps, then is reported as the job's collective path.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from lanes_contract.errors import PoisonEventError, TransientError
 from lanes_contract.events import Event, Heartbeat, JobSlowdown, JobSlowdownData, derive
 from lanes_runtime.consumer import Caused, HandlerContext
 from lanes_telemetry.adapters.repository import PostgresStepTimings
-from lanes_telemetry.domain.stragglers import BLOCK, DEFAULT_WARMUP, RankStep, Slowdown, detect
+from lanes_telemetry.domain.stragglers import BLOCK, DEFAULT_WARMUP, RankStep, SlowClass, Slowdown, detect
 from lanes_telemetry.service_layer.ports import StepTimingFactory, StepTimingStore
 
 SOURCE = "lanes/telemetry"
 RECENT_STEPS = 1000
 """Steps read after the baseline: a slowdown older than this has been reported, or never will be."""
+LINK_REPORT_WAIT = 4 * BLOCK
+"""Steps a degraded link found in the timings waits for its node's agent to name the link (seconds at most)."""
 _PENDING = "telemetry.slowdown_reads"
 
 
@@ -97,6 +106,14 @@ async def _first_slowdown(store: StepTimingStore, job_id: str, attempt: int) -> 
     ends = [step for i, step in enumerate(ordered) if (i + 1) % BLOCK == 0 and step > done]
     for end in ends:
         slow = detect([s for s in steps if s.step <= end], nodes=nodes)
+        if slow is not None and slow.kind is SlowClass.DEGRADED_LINK and slow.node is None:
+            named = await store.throttled_links(job_id, attempt)
+            if len(named) == 1:
+                slow = dataclasses.replace(slow, node=named[0])
+            elif ordered[-1] - end < LINK_REPORT_WAIT:
+                # Not yet reported (the agent's word travels another way): read this block again next time.
+                await store.set_read_through(job_id, attempt, max(done, end - 1))
+                return None
         if slow is not None:
             await store.set_read_through(job_id, attempt, end)
             return slow
