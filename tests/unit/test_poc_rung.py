@@ -246,6 +246,9 @@ def test_a_rung_that_fails_after_one_that_passed_gets_the_diff_of_the_two() -> N
     assert diff["interfaces"] == {"n3": "veth3", "n4": "veth4"}
     assert diff["resource_states"] == {"n1": "ready", "n2": "cordoned", "n3": "ready", "n4": "ready"}
     assert {f["capability"] for f in diff["failed"]} >= {"recovery"}
+    later = cordoned | {"node": "n1", "time": "2026-12-07T11:00:00Z"}  # after the rung ended: not its state
+    (diff,) = diffs([small, big], [*registered, cordoned, later], interfaces)
+    assert diff["resource_states"]["n1"] == "ready"
     assert diffs([big, small], registered, interfaces) == []  # a fix at scale is not a scale-only failure
     assert diffs([small, small], registered, interfaces) == []
 

@@ -371,6 +371,7 @@ def judge(result: RungResult, criteria: Criteria) -> dict[str, Any]:
         "job_id": result.job_id,
         "placed": result.placed,
         "unplaced_reason": result.unplaced_reason or None,
+        "ended": max((str(r["time"]) for r in rows if r.get("time")), default=None, key=datetime.fromisoformat),
         "nodes_placed": result.nodes_used(1),
         "nodes_used": result.nodes_used(),
         "stages": stages,
@@ -407,6 +408,19 @@ def rung_passed(rung: dict[str, Any]) -> bool:
     return all(v["verdict"] != Verdict.PENDING_EVIDENCE.value for v in rung["verdicts"])
 
 
+def _node_states(node_rows: list[Row], until: str | None) -> dict[str, str]:
+    """Each node's state when the rung ended (a later rung's or the inference story's cordons are not its)."""
+    states: dict[str, str] = {}
+    for row in node_rows:
+        if until is not None and row.get("time") and _time(row) > datetime.fromisoformat(until):
+            continue
+        if row_kind(row) == "registered":
+            states.setdefault(str(row.get("node")), "ready")
+        elif row_kind(row) == "state_changed":
+            states[str(row.get("node"))] = str((row.get("data") or {}).get("state"))
+    return dict(sorted(states.items()))
+
+
 def diffs(rungs: list[dict[str, Any]], node_rows: list[Row], interfaces: dict[str, str]) -> list[dict[str, Any]]:
     """For each rung that failed after the one before it passed: what changed between the two.
 
@@ -414,14 +428,10 @@ def diffs(rungs: list[dict[str, Any]], node_rows: list[Row], interfaces: dict[st
     seed of a scale-only failure), their interfaces, and the state each node was left in.
     """
     domains: dict[str, dict[str, str]] = {}
-    states: dict[str, str] = {}
     for row in node_rows:
         node, data = str(row.get("node")), row.get("data") or {}
         if row_kind(row) == "registered":
             domains[node] = {level: data.get(level) or f"{node} (alone)" for level in _TOPOLOGY_LEVELS}
-            states.setdefault(node, "ready")
-        elif row_kind(row) == "state_changed":
-            states[node] = str(data.get("state"))
     found = []
     for before, after in itertools.pairwise(rungs):
         if not rung_passed(before) or rung_passed(after):
@@ -446,7 +456,7 @@ def diffs(rungs: list[dict[str, Any]], node_rows: list[Row], interfaces: dict[st
                 "unplaced_reason": after["unplaced_reason"],
                 "domains_crossed": crossed,
                 "interfaces": {node: interfaces.get(node, "") for node in added},
-                "resource_states": dict(sorted(states.items())),
+                "resource_states": _node_states(node_rows, after.get("ended")),
                 "failed": [{"capability": v["capability"], "missing": v["missing"]} for v in failing],
             }
         )
