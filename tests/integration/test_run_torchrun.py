@@ -113,3 +113,53 @@ async def test_torchrun_with_a_failing_rank_gets_the_finding_lanes_analyze_elect
     (attempt,) = view["attempts"]
     failing = attempt["ranks"][str(_FAILING_RANK)]
     assert (failing["exit_code"], failing["signal"]) == (exits[_FAILING_RANK].exit_code, exits[_FAILING_RANK].signal)
+
+
+# Plain torch.distributed training, unmodified: three SGD steps, each all-reducing its gradients.
+_STEPS = """\
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+optimiser = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(3):
+    optimiser.zero_grad()
+    model(torch.ones(2, 4) * (dist.get_rank() + step)).pow(2).mean().backward()
+    for parameter in model.parameters():
+        dist.all_reduce(parameter.grad)
+    optimiser.step()
+print(f"rank {dist.get_rank()} weights {model.weight.sum().item():.9f}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+async def _torchrun_steps(own_urls: ServerUrls, tmp_path: Path, job_id: str, *, timing: bool) -> str:
+    assert _TORCHRUN is not None
+    script = tmp_path / "steps.py"
+    script.write_text(_STEPS)
+    env = os.environ | {"NATS_URL": own_urls.nats_url, "OMP_NUM_THREADS": "1", "LANES_TORCH_TIMING": str(int(timing))}
+    proc = await asyncio.create_subprocess_exec(
+        LANES, "run", "--job", job_id, "--node", "n-test", "--outbox", str(tmp_path / f"{job_id}.ndjson"), "--",
+        _TORCHRUN, "--standalone", "--nproc-per-node", "2", str(script),
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = (stream.decode() for stream in await proc.communicate())
+    assert proc.returncode == 0, err
+    return out
+
+
+async def test_lanes_torch_timing_prints_each_workers_steps_and_changes_nothing_the_job_computes(
+    stack: Connections, own_urls: ServerUrls, unique: str, tmp_path: Path
+) -> None:
+    timed = await _torchrun_steps(own_urls, tmp_path, f"timed-{unique}", timing=True)
+    plain = await _torchrun_steps(own_urls, tmp_path, f"plain-{unique}", timing=False)
+    steps = [line for line in timed.splitlines() if line.startswith("lanes: step ")]
+    # Two workers, three optimizer steps each; each line has the step's compute and its wait in all-reduces.
+    assert sorted(line.split()[2] for line in steps) == ["1", "1", "2", "2", "3", "3"], timed
+    assert all(" compute_s=" in line and " wait_s=" in line for line in steps)
+    assert not [line for line in plain.splitlines() if line.startswith("lanes: step ")]
+    weights = sorted(line for line in timed.splitlines() if " weights " in line)
+    assert len(weights) == 2
+    assert weights == sorted(line for line in plain.splitlines() if " weights " in line)  # bit for bit the same

@@ -8,10 +8,29 @@ from typing import Annotated
 
 import typer
 
+import lanes_agent
 from lanes_cli.console import EXIT_BAD_INPUT, checked_job_id, err, fail, load_settings, run_async
 from lanes_cli.limits import MAX_ATTEMPT, MAX_RANKS
 from lanes_observe.outbox import Outbox
 from lanes_observe.wrap import CommandNotStartedError, default_outbox, identity_from, run_wrapped, slurm_placement
+
+TORCH_TIMING = "LANES_TORCH_TIMING"
+"""Set to 1 in `lanes run`'s environment: the torch job's workers print their step timings (`torch_timing`)."""
+TIMING_SITE = Path(lanes_agent.__file__).parent / "timing_site"
+
+
+def with_torch_timing(env: dict[str, str]) -> dict[str, str]:
+    """The command's environment: with LANES_TORCH_TIMING=1, the timing hook's directory first on PYTHONPATH.
+
+    Python runs the `sitecustomize` it finds there at every start-up; it installs the hook in torch.distributed
+    workers only (see `lanes_agent/timing_site`). Chosen over asking the job to import the hook because the
+    job stays unmodified, and over a `.pth` file because nothing is written into any environment: unset the
+    variable and the job runs exactly as before.
+    """
+    if env.get(TORCH_TIMING) != "1":
+        return env
+    path = [str(TIMING_SITE), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    return env | {"PYTHONPATH": os.pathsep.join(path)}
 
 
 def run(  # noqa: PLR0917 - typer maps each option to a parameter
@@ -41,6 +60,7 @@ def run(  # noqa: PLR0917 - typer maps each option to a parameter
     """
     settings = load_settings(quiet=True)
     env = dict(os.environ)
+    os.environ.update(with_torch_timing(env))  # the command inherits this process's environment
     if job is not None:
         checked_job_id(job)
     try:

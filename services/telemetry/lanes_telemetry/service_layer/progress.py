@@ -8,9 +8,10 @@ second would bury it.
 
 A degraded link is named from two signals. The timings say the job's collectives slowed, but not behind which
 link: in a ring every rank waits for the slow hop alike (measured on a real rate-limited link: no rank's wait
-and no rank's arrival stands out). The node's agent says which link holds packets back (its port counters,
-`port_errors` evidence). A degraded link found without that word waits for it up to `LINK_REPORT_WAIT` more
-steps, then is reported as the job's collective path.
+and no rank's arrival stands out; on a loaded host one node's waits can lean higher by chance). The node's
+agent says which link holds packets back (its port counters, `port_errors` evidence), and that names the node.
+A degraded link found without that word waits for it up to `LINK_REPORT_WAIT` more steps, then is reported
+with what the timings alone say (a node whose ranks' waits rose most, or the job's collective path).
 """
 
 from __future__ import annotations
@@ -106,9 +107,9 @@ async def _first_slowdown(store: StepTimingStore, job_id: str, attempt: int) -> 
     ends = [step for i, step in enumerate(ordered) if (i + 1) % BLOCK == 0 and step > done]
     for end in ends:
         slow = detect([s for s in steps if s.step <= end], nodes=nodes)
-        if slow is not None and slow.kind is SlowClass.DEGRADED_LINK and slow.node is None:
+        if slow is not None and slow.kind is SlowClass.DEGRADED_LINK:
             named = await store.throttled_links(job_id, attempt)
-            if len(named) == 1:
+            if len(named) == 1:  # the port's own counters outrank a node the waits merely lean towards
                 slow = dataclasses.replace(slow, node=named[0])
             elif ordered[-1] - end < LINK_REPORT_WAIT:
                 # Not yet reported (the agent's word travels another way): read this block again next time.
