@@ -335,3 +335,13 @@ def test_the_committed_corpus_replays_to_its_recorded_result() -> None:
 
     assert result.exit_code == 0, result.output
     assert json.loads(result.output) == json.loads((corpus / "openb-sample.expected.json").read_text())
+
+
+async def test_an_attempt_submitted_before_the_log_begins_is_counted_as_unexpressed() -> None:
+    events = [node("n1"), state("early", 5, JobState.RUNNING), state("early", 50, JobState.SUCCEEDED), submit("a", 10)]
+
+    result = (await replay_scheduler(events)).as_json()
+
+    assert result["unexpressed"] == 1
+    assert result["unexpressed_by_kind"] == {"attempts_queued_before_the_log": 1}
+    assert result["jobs"] == 1

@@ -231,7 +231,12 @@ class _Replay:
                 self._plan_attempt(event, seq)
             elif isinstance(event, JobStateChanged) and event.data.to_state in TERMINAL:
                 rec = self.recorded.get((event.job_key, event.attempt or 1))
-                if rec is not None and rec.end is event and rec.holding_since is None:
+                if rec is None or rec.end is not event:
+                    continue  # a second end of the same attempt: the first one released it
+                if rec.queued is None:
+                    # Submitted before the log begins: the replay never queued it, so it has nothing to end.
+                    self.unexpressed["attempts_queued_before_the_log"] += 1
+                elif rec.holding_since is None:
                     self._push(event.time, seq, event)  # ended before it was ever placed: the owner's act
                 # an end after holding GPUs is put on the clock when the replay places the attempt
 
