@@ -4,7 +4,8 @@ One run of a three-rung plan on a three-node cluster: a one-node baseline and a 
 kill drill that recovery resumes from a checkpoint, then a four-node rung the cluster cannot hold. It checks
 what the run read back from the timeline (every stage, the drill named right, the allocation released), the
 unplaceable rung's verdict (the scheduler's own reason, no hang), the diff of the failing rung against the
-one that passed, and that the `--out` bundle imported into a fresh server gives the same rung figures.
+one that passed, the inference steps through the router (two toy replicas, one replica's node fails), and
+that the `--out` bundle imported into a fresh server gives the same rung figures.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ rungs:
   - {nodes: 1, gpus: 4, drills: [{kind: kill, rank: 0}]}
   - {nodes: 2, gpus: 4, drills: [{kind: kill, rank: 1}]}
   - {nodes: 4, gpus: 4, drills: [{kind: kill, rank: 2}]}
+inference: {}
 rung_timeout_s: 180
 """
 VERDICTS = {"passed", "pending evidence", "not applicable"}
@@ -120,6 +122,21 @@ def test_the_rung_that_failed_after_one_passed_gets_the_diff(run: tuple[dict[str
     assert {failed["capability"] for failed in diff["failed"]} >= {"orchestration", "recovery"}
 
 
+def test_the_inference_steps_are_judged_from_the_replicas_and_the_requests(run: tuple[dict[str, Any], Path]) -> None:
+    result, _ = run
+    steps = {step["step"]: step for step in result["inference"]["steps"]}
+    assert list(steps) == ["start", "health", "traffic", "upgrade", "rollback", "scale_down", "node_fault"]
+    assert steps["start"]["verdict"] == "passed"  # the story waits for both replicas in rotation
+    assert steps["health"]["verdict"] == "passed"
+    assert steps["traffic"]["requests"] > 0
+    for name in ("upgrade", "rollback", "scale_down"):  # not driven: pending, never passed
+        assert steps[name]["verdict"] == "pending evidence"
+        assert "does not drive" in steps[name]["missing"]
+    (cell,) = [c for c in result["verdicts"] if c["rung"] == "inference"]
+    assert cell["capability"] == "inference protection"
+    assert cell["verdict"] == "pending evidence"
+
+
 def test_every_verdict_is_one_of_three_and_a_pending_one_names_what_is_missing(
     run: tuple[dict[str, Any], Path],
 ) -> None:
@@ -176,8 +193,8 @@ def test_the_report_opens_offline_in_chromium_with_its_table_and_charts(
     assert "<link" not in text
     dom = _chromium("--virtual-time-budget=10000", "--dump-dom", page.as_uri(), profile=tmp_path / "dom")
     cells = re.findall(r'<td class="[^"]*" title="[^"]*" data-verdict="([^"]+)"', dom)
-    assert len(cells) == 8 * 3  # capabilities x rungs
-    assert set(cells) <= VERDICTS
+    assert len(cells) == 8 * 4  # capabilities x (three rungs and the inference column)
+    assert set(cells) <= VERDICTS | {"-"}  # the inference column judges inference protection alone
     # plotly drew both charts: each div holds the SVG plotly renders into, with a trace per stage / drill time.
     assert dom.count('class="main-svg"') >= 2
     assert "Stage times against scale" in dom
