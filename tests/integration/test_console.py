@@ -34,6 +34,7 @@ from lanes_contract.events import (
     EvidenceCategory,
     EvidenceData,
     FindingCause,
+    HostEvidence,
     JobEvidence,
     JobEvidenceData,
     JobFinding,
@@ -41,6 +42,10 @@ from lanes_contract.events import (
     JobSubmitted,
     JobSubmittedData,
     Lane,
+    NodeRegistered,
+    NodeRegisteredData,
+    NodeStateChanged,
+    NodeStateChangedData,
     RankExited,
     RankExitedData,
     RankStarted,
@@ -48,6 +53,7 @@ from lanes_contract.events import (
 )
 from lanes_contract.jobs import JobSpec
 from lanes_contract.streams import JOBS
+from lanes_contract.topology import NodeState
 from lanes_runtime.reader import READER_PREFIX
 from lanes_sandbox.embedded import EmbeddedNats
 
@@ -504,3 +510,71 @@ async def test_lanes_up_starts_the_console_and_prints_its_url(own_tmp: Path) -> 
         proc.send_signal(signal.SIGINT)
         await asyncio.wait_for(proc.wait(), 60)
     assert proc.returncode == 0
+
+
+def node_state(node: str, state: NodeState, reason: str) -> NodeStateChanged:
+    return NodeStateChanged(
+        source="lanes/tests", node=node, lane=Lane.HOST, data=NodeStateChangedData(state=state, reason=reason)
+    )
+
+
+def node_evidence(node: str, summary: str) -> HostEvidence:
+    return HostEvidence(
+        source=f"agent/{node}",
+        node=node,
+        data=EvidenceData(category=EvidenceCategory.GPU_XID, summary=summary, lines=(summary,)),
+    )
+
+
+async def test_a_node_feed_merges_its_state_and_its_evidence_live_and_resumes_each_stream(
+    console: Console, unique: str
+) -> None:
+    node = f"node-{unique}"
+    registered = NodeRegistered(
+        source="lanes/tests", node=node, data=NodeRegisteredData(gpu_model="H100", gpus=8, gpu_memory_gib=80)
+    )
+    stored = await publish(console, registered, node_evidence(node, "Xid 79: fallen off the bus"))
+    async with aiohttp.ClientSession() as session:
+        page = await session.get(f"{console.url}nodes/{node}")
+        assert page.status == 200
+        assert f'data-node="{node}"' in await page.text()
+        feed = await open_feed(session, f"{console.url}api/nodes/{node}/events")
+        replayed = [e for e in await feed.until("caught_up") if e.event == "row"]
+        assert sorted((e.data["stream"], e.data["seq"]) for e in replayed) == sorted(
+            [("LANES_NODES", stored[0]), ("LANES_TELEMETRY", stored[1])]
+        )
+        assert next(e.data for e in replayed if e.data["stream"] == "LANES_TELEMETRY")["summary"] == (
+            "gpu_xid: Xid 79: fallen off the bus"
+        )
+        last_id = replayed[-1].id
+        assert last_id == f"{stored[0]}.{stored[1]}"  # the last sequence sent of each stream
+
+        (cordoned,) = await publish(console, node_state(node, NodeState.UNHEALTHY, "Xid 79"))
+        live = await feed.next_named("row")
+        assert (live.data["seq"], live.data["summary"], live.data["failure"]) == (cordoned, "unhealthy (Xid 79)", True)
+        assert live.id == f"{cordoned}.{stored[1]}"
+
+        resumed = await open_feed(session, f"{console.url}api/nodes/{node}/events", **{"Last-Event-ID": last_id})
+        assert [e.data["seq"] for e in await resumed.until("caught_up") if e.event == "row"] == [cordoned]
+
+        for url, headers, status in [
+            (f"{console.url}api/nodes/{node}/events", {"Last-Event-ID": "7"}, 400),
+            (f"{console.url}nodes/nothing-{unique}", {}, 404),
+            (f"{console.url}nodes/node.%3E", {}, 400),
+        ]:
+            assert (await session.get(url, headers=headers)).status == status, url
+
+
+async def test_in_chromium_the_first_error_links_to_its_node_history(
+    console: Console, browser: Browser, unique: str
+) -> None:
+    job, node = f"linked-{unique}", "node-1"
+    await publish(console, submitted(job), exited(job, 0, 9), node_state(node, NodeState.CORDONED, "repeat offender"))
+    page = await open_page(browser, f"{console.url}jobs/{job}")
+    link = page.locator("#first-error a", has_text=node)
+    assert await link.get_attribute("href") == f"/nodes/{node}"
+    await link.click()
+    await page.wait_for_selector("body[data-caught-up='true']")
+    assert page.url == f"{console.url}nodes/{node}"
+    assert "cordoned (repeat offender)" in (await page.text_content("#events") or "")
+    assert "State: cordoned" in (await page.text_content("#state") or "")

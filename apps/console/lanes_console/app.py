@@ -27,6 +27,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
 
 from lanes_console.rows import (
     JOBS_LIST_KINDS,
@@ -39,7 +40,7 @@ from lanes_console.rows import (
 )
 from lanes_console.tail import Mark, follow
 from lanes_contract.ids import is_valid_token
-from lanes_contract.streams import JOBS
+from lanes_contract.streams import JOBS, NODES, TELEMETRY
 from lanes_runtime.reader import Selection, count
 
 log = structlog.get_logger(__name__)
@@ -64,6 +65,8 @@ def create_app(nc: NatsClient) -> web.Application:
     app.router.add_get("/jobs/{job_id}", job_page)
     app.router.add_get("/api/jobs", jobs_feed)
     app.router.add_get("/api/jobs/{job_id}/events", job_feed)
+    app.router.add_get("/nodes/{node}", node_page)
+    app.router.add_get("/api/nodes/{node}/events", node_feed)
     app.router.add_static("/static/", STATIC, follow_symlinks=False)
     return app
 
@@ -99,16 +102,34 @@ async def job_page(request: web.Request) -> web.Response:
     return _page("job.html", JOB_ID=job_id)
 
 
-async def _known_job(request: web.Request) -> str:
-    job_id = request.match_info["job_id"]
-    if not is_valid_token(job_id):
+def _token(request: web.Request, key: str, what: str) -> str:
+    value = request.match_info[key]
+    if not is_valid_token(value):
         raise web.HTTPBadRequest(
-            text=f"{job_id[:60]!r} is not a job id: 1-128 characters from A-Z a-z 0-9 _ -, starting with a letter"
+            text=f"{value[:60]!r} is not a {what}: 1-128 characters from A-Z a-z 0-9 _ -, starting with a letter"
             " or digit"
         )
+    return value
+
+
+async def _known_job(request: web.Request) -> str:
+    job_id = _token(request, "job_id", "job id")
     if await count(request.app[NATS_KEY].jetstream(), Selection(JOBS.name, f"lanes.job.{job_id}.>")) == 0:
         raise web.HTTPNotFound(text=f"unknown job {job_id!r}: no events on lanes.job.{job_id}.>")
     return job_id
+
+
+def _node_streams(node: str) -> tuple[tuple[str, str], ...]:
+    """Where a node's history is: its inventory and state changes, and the evidence its agent sent."""
+    return ((NODES.name, f"lanes.node.{node}.>"), (TELEMETRY.name, f"lanes.tel.{node}.>"))
+
+
+async def _known_node(request: web.Request) -> str:
+    node = _token(request, "node", "node id")
+    js = request.app[NATS_KEY].jetstream()
+    if not [1 for stream, subject in _node_streams(node) if await count(js, Selection(stream, subject))]:
+        raise web.HTTPNotFound(text=f"unknown node {node!r}: no events on lanes.node.{node}.> or lanes.tel.{node}.>")
+    return node
 
 
 def _filters(request: web.Request) -> Filters:
@@ -152,7 +173,7 @@ class _Feed:
         await response.write(b"retry: 1000\n\n")
         return cls(response)
 
-    async def send(self, event: str, data: Any, event_id: int | None = None) -> None:
+    async def send(self, event: str, data: Any, event_id: int | str | None = None) -> None:
         # json.dumps escapes every control character, so one event is one `data:` line whatever it says.
         lines = f"event: {event}\n" + (f"id: {event_id}\n" if event_id is not None else "")
         lines += f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
@@ -196,6 +217,63 @@ async def job_feed(request: web.Request) -> web.StreamResponse:
                 if row["seq"] > after and filters.keeps(row):
                     await feed.send("row", row, row["seq"])
     return web.Response()  # not sent: the stream was prepared; only reached when the browser went away
+
+
+async def node_page(request: web.Request) -> web.Response:
+    """A node's history (its events come over /api/nodes/<node>/events)."""
+    return _page("node.html", NODE=await _known_node(request))
+
+
+def _positions(request: web.Request, streams: tuple[str, ...]) -> dict[str, int]:
+    """The last sequence the browser has of each stream: `Last-Event-ID` is `<seq>.<seq>` in `streams` order."""
+    raw = request.headers.get("Last-Event-ID", "").strip()
+    if not raw:
+        return dict.fromkeys(streams, 0)
+    parts = raw.split(".")
+    if len(parts) != len(streams) or not all(p.isdigit() and int(p) <= MAX_EVENT_ID for p in parts):
+        raise web.HTTPBadRequest(text=f"Last-Event-ID must be {len(streams)} stream sequences joined by '.'")
+    return {stream: int(part) for stream, part in zip(streams, parts, strict=True)}
+
+
+async def node_feed(request: web.Request) -> web.StreamResponse:
+    """A node's events from both of its streams (`row`, each with `stream`), in the order they reach the console.
+
+    Each event's id holds the last sequence sent of both streams, so a browser that reconnects resumes each
+    stream where it was.
+    """
+    node = await _known_node(request)
+    streams = _node_streams(node)
+    positions = _positions(request, tuple(stream for stream, _ in streams))
+    feed = await _Feed.open(request)
+    arrived: asyncio.Queue[tuple[str, Msg | Mark]] = asyncio.Queue(maxsize=1024)
+
+    async def pump(stream: str, subject: str) -> None:
+        nc = request.app[NATS_KEY]
+        async with contextlib.aclosing(follow(nc, stream, (subject,), positions[stream] + 1)) as messages:
+            async for msg in messages:
+                await arrived.put((stream, msg))
+
+    pumps = [asyncio.create_task(pump(stream, subject)) for stream, subject in streams]
+    caught_up: set[str] = set()
+    try:
+        with contextlib.suppress(ConnectionResetError):
+            while True:
+                stream, msg = await arrived.get()
+                if msg is Mark.IDLE:
+                    await feed.idle(1.0 / len(streams))
+                elif msg is Mark.CAUGHT_UP:
+                    caught_up.add(stream)
+                    if len(caught_up) == len(streams):
+                        await feed.send("caught_up", positions)
+                else:
+                    positions[stream] = msg.metadata.sequence.stream
+                    row = row_of(positions[stream], msg.subject, msg.headers, msg.data) | {"stream": stream}
+                    await feed.send("row", row, ".".join(str(positions[s]) for s, _ in streams))
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+    return web.Response()
 
 
 async def jobs_feed(request: web.Request) -> web.StreamResponse:

@@ -83,7 +83,7 @@ def is_failure(row: Mapping[str, Any]) -> bool:
     if kind == "rank_exited":
         return data.get("exit_code") not in (0, None) or bool(data.get("signal"))
     if kind == "state_changed":
-        return data.get("to_state") in {"failed", "partially_failed"}
+        return data.get("to_state") in {"failed", "partially_failed"} or data.get("state") == "unhealthy"
     return kind in {"evidence", "finding", "rejected", "escalated"} or row.get("type") is None
 
 
@@ -94,7 +94,9 @@ def _text(value: Any) -> str:
 def summary_of(kind: str, data: Mapping[str, Any]) -> str:
     """One line saying what an event means, from its data (the page shows it as text, never as markup)."""
     said: str
-    if kind == "state_changed":
+    if kind == "state_changed" and "state" in data:  # a node's
+        said = f"{_text(data.get('state'))} ({_text(data.get('reason'))})"
+    elif kind == "state_changed":
         said = f"{_text(data.get('from_state')) or '-'} -> {_text(data.get('to_state'))} ({_text(data.get('reason'))})"
     elif kind == "rank_exited":
         said = f"signal {data['signal']}" if data.get("signal") else f"exit {_text(data.get('exit_code'))}"
@@ -102,6 +104,8 @@ def summary_of(kind: str, data: Mapping[str, Any]) -> str:
         evidence = data.get("evidence") or {}
         lines = evidence.get("lines") or [""]
         said = f"{_text(evidence.get('category'))}: {_text(evidence.get('summary') or lines[0])}"
+    elif "category" in data and "lines" in data:  # what an agent reported of its node, before any job has it
+        said = f"{_text(data.get('category'))}: {_text(data.get('summary') or next(iter(data['lines']), ''))}"
     elif kind == "finding":
         cause = data.get("first_error") or {}
         said = f"first error: {_text(cause.get('category'))}: {_text(cause.get('summary'))} (owner {data.get('owner')})"

@@ -49,13 +49,22 @@
 
   function text(value) { return value === null || value === undefined ? "-" : String(value); }
 
+  // A node named on the timeline links to its history: its state changes and all its agent reported.
+  function nodeLink(node) {
+    const link = document.createElement("a");
+    link.href = "/nodes/" + encodeURIComponent(node); link.textContent = node;
+    link.addEventListener("click", e => e.stopPropagation());
+    return link;
+  }
+
   function add(row) {
     const tr = document.createElement("tr");
     tr.className = "event" + (row.failure ? " failure" : "");
     tr.id = "seq-" + row.seq; tr.dataset.seq = row.seq; tr.dataset.lane = row.lane || "";
     [row.seq, row.time, row.lane, row.attempt, row.node, row.rank, row.kind || row.subject, row.summary]
       .forEach((value, i) => {
-        const td = document.createElement("td"); td.textContent = text(value);
+        const td = document.createElement("td");
+        if (i === 4 && row.node) td.appendChild(nodeLink(row.node)); else td.textContent = text(value);
         if (i === 7) td.className = "summary";
         tr.appendChild(td);
       });
@@ -123,8 +132,11 @@
       box.appendChild(div); markFirst(); return;
     }
     div.className = "callout first-error";
-    div.textContent = "First error: " + text(first.detail) + " (" + text(first.lane) + " lane, node " +
-      text(first.node) + ", rank " + text(first.rank) + (first.owner ? ", owner " + first.owner : "") + ") ";
+    div.appendChild(document.createTextNode("First error: " + text(first.detail) + " (" + text(first.lane) +
+      " lane, node "));
+    div.appendChild(first.node ? nodeLink(first.node) : document.createTextNode("-"));
+    div.appendChild(document.createTextNode(", rank " + text(first.rank) +
+      (first.owner ? ", owner " + first.owner : "") + ") "));
     const jump = document.createElement("a");
     jump.id = "jump-first-error"; jump.href = "#seq=" + first.seq; jump.textContent = "jump to first error";
     div.appendChild(jump);
