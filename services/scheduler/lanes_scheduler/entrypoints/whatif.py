@@ -10,8 +10,8 @@ Run twice, the replay gives the old and the new schedule: first with the log's o
 priorities, then with the changes (`Changes`: another node list, other pools and quotas, other priorities).
 
 Time moves with the placements. An attempt the log shows holding GPUs (placed, or running, before it ended)
-keeps the time it held them: it ends that long after the replay places it, so a job that now waits longer
-also finishes later. An attempt that ended without ever being placed (cancelled while it waited) ends at its
+keeps the time it held them, counted from the input that let it be placed (the replay places at that input's
+time): it ends that long after the replay places it, so a job that now waits longer also finishes later. An attempt that ended without ever being placed (cancelled while it waited) ends at its
 recorded time. A retry (attempt n+1) is requested as long after attempt n ended as it was in the log. With
 no change every end falls at its recorded time, so the replay of the log's own cluster is the recorded past.
 
@@ -147,8 +147,9 @@ def _assignments(placed: JobPlaced) -> tuple[tuple[str, tuple[int, ...]], ...]:
 
 
 def _read_log(events: Sequence[Event]) -> dict[Ref, _Recorded]:
-    """Per attempt: its queuing event, when it first held GPUs, its first end, and the scheduler's decisions."""
+    """Per attempt: its queuing event, since when it held GPUs, its first end, and the scheduler's decisions."""
     found: dict[Ref, dict[str, Any]] = {}
+    times = {event.id: event.time for event in events}
     for seq, event in enumerate(events, start=1):
         if event.jobid is None:
             continue
@@ -157,7 +158,10 @@ def _read_log(events: Sequence[Event]) -> dict[Ref, _Recorded]:
             rec.setdefault("queued", event)
         elif isinstance(event, JobPlaced) and event.source == SOURCE and "placement" not in rec:
             rec["placement"] = _assignments(event)
-            rec.setdefault("holding_since", event.time)
+            # Held from the moment of the input that let it be placed, not from when the placement was
+            # published: the replay places at that input's time, so the recorded processing delay would
+            # otherwise shorten every holding and end each attempt early.
+            rec.setdefault("holding_since", times.get(event.causationid or "", event.time))
         elif isinstance(event, JobWaiting) and event.source == SOURCE and "placement" not in rec:
             rec["reasons"].append(event.data.reason)
         elif isinstance(event, JobRejected) and event.source == SOURCE:
