@@ -5,6 +5,9 @@ step 60 rank 2 computes 40% longer and the other three wait for it. Telemetry pu
 job's subject naming rank 2 and its node, in the host lane, with the onset and the GPU-hours lost; the
 batches that keep coming change nothing (one report per attempt), and a clean job gets none, even when
 another node's agent sends slow timings in the name of one of its ranks (dead-lettered: not its node).
+
+A degraded link: every rank's collective wait rises together, which the timings cannot pin on a link. The
+node is the one whose agent reported its port holding packets back, even when the waits lean elsewhere.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from support.waiting import eventually
 
 from lanes_contract.client import LanesClient
 from lanes_contract.events import (
+    EvidenceCategory,
+    EvidenceData,
     Heartbeat,
     HeartbeatData,
     JobPlaced,
@@ -24,8 +29,10 @@ from lanes_contract.events import (
     Lane,
     RankAssignment,
     StepTiming,
+    utc_now,
 )
 from lanes_contract.streams import DEAD, JOBS
+from lanes_evidence.evidence import Evidence, evidence_event
 from lanes_runtime.settings import ServerUrls
 
 NODES = ("sr-node-0", "sr-node-1", "sr-node-2", "sr-node-3")
@@ -107,3 +114,53 @@ async def test_a_rank_that_computes_longer_is_named_once_with_its_node_lane_onse
         await eventually(all_read, what="the clean job's timings stored and the forged ones dead-lettered")
         assert await events_of(client, clean, JobSlowdown) == []
         assert len(await events_of(client, slow, JobSlowdown)) == 1
+
+
+def _link_timing(rank: int, step: int, leaning: int) -> StepTiming:
+    # Nobody computes longer; from step 60 every rank waits 0.4 s more, rank `leaning` 0.65 s (a loaded host).
+    compute = 1.0 + 0.01 * (((step * 7 + rank * 3) % 5) - 2) / 2
+    extra = 0.0 if step < 60 else 0.65 if rank == leaning else 0.4
+    return StepTiming(step=step, compute_s=compute, wait_s=1.02 - compute + 0.25 + extra)
+
+
+async def _run_link(client: LanesClient, job_id: str, steps: int) -> None:
+    for first in range(0, steps, BATCH):
+        for rank, node in enumerate(NODES):
+            timings = tuple(_link_timing(rank, step, leaning=3) for step in range(first, first + BATCH))
+            data = HeartbeatData(step=first + BATCH - 1, timings=timings)
+            await client.publish(
+                Heartbeat(source=f"agent/{node}", jobid=job_id, attempt=1, rank=rank, node=node, data=data)
+            )
+
+
+async def test_a_degraded_link_is_named_by_the_node_whose_port_held_packets_back(
+    own_urls: ServerUrls, unique: str
+) -> None:
+    reported, unreported = f"link-{unique}", f"quiet-{unique}"
+    async with local_stack(own_urls, ["telemetry"], nodes=False, agent=False) as conns:
+        client = LanesClient(conns.nc, "tests")
+        await _placed(client, reported)
+        await _placed(client, unreported)
+        data = EvidenceData(category=EvidenceCategory.PORT_ERRORS, summary="link held back 40 packets", interface="lv1")
+        now = utc_now()
+        port = evidence_event(
+            Evidence(data=data, time=now, node=NODES[1]), source=f"agent/{NODES[1]}", node=NODES[1], time=now
+        )
+        await client.publish(port.model_copy(update={"jobid": reported, "attempt": 1}))
+
+        async def stored_port_errors() -> bool:
+            found = await conns.pool.fetchval(
+                "SELECT count(*) FROM telemetry_evidence WHERE category = 'port_errors' AND job_id = $1", reported
+            )
+            return bool(found)
+
+        await eventually(stored_port_errors, what="the port errors stored")  # another consumer reads heartbeats
+        await _run_link(client, reported, 200)
+        await _run_link(client, unreported, 200)
+        (named,) = await wait_for(client, reported, JobSlowdown)
+        assert (named.data.kind, named.lane, named.rank, named.node) == ("degraded_link", Lane.NETWORK, None, NODES[1])
+        assert abs(named.data.onset_step - 60) <= 8
+        assert named.data.summary.startswith(f"{NODES[1]}: step time +")
+        # No agent said which link: after waiting for one, the finding says what the waits alone lean towards.
+        (leaning,) = await wait_for(client, unreported, JobSlowdown)
+        assert (leaning.data.kind, leaning.lane, leaning.node) == ("degraded_link", Lane.NETWORK, NODES[3])
