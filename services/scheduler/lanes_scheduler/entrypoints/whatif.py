@@ -11,9 +11,10 @@ priorities, then with the changes (`Changes`: another node list, other pools and
 
 Time moves with the placements. An attempt the log shows holding GPUs (placed, or running, before it ended)
 keeps the time it held them, counted from the input that let it be placed (the replay places at that input's
-time): it ends that long after the replay places it, so a job that now waits longer also finishes later. An attempt that ended without ever being placed (cancelled while it waited) ends at its
-recorded time. A retry (attempt n+1) is requested as long after attempt n ended as it was in the log. With
-no change every end falls at its recorded time, so the replay of the log's own cluster is the recorded past.
+time): it ends that long after the replay places it, so a job that now waits longer also finishes later.
+An attempt that ended without ever being placed (cancelled while it waited) ends at its recorded time. A
+retry (attempt n+1) is requested as long after attempt n ended as it was in the log. With no change every
+end falls at its recorded time, so the replay of the log's own cluster is the recorded past.
 
 The replay check: where the log holds the scheduler's own decisions (`job_placed`, `job_waiting`,
 `job_rejected`), the old replay must reproduce each of them (the same GPUs, the same wait reasons in the same
