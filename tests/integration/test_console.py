@@ -15,6 +15,7 @@ import signal
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,10 @@ from lanes_contract.events import (
     RankExitedData,
     RankStarted,
     RankStartedData,
+    ReplicaListening,
+    ReplicaListeningData,
+    RequestServed,
+    RequestServedData,
 )
 from lanes_contract.jobs import JobSpec
 from lanes_contract.streams import JOBS
@@ -537,7 +542,7 @@ async def test_a_node_feed_merges_its_state_and_its_evidence_live_and_resumes_ea
     async with aiohttp.ClientSession() as session:
         page = await session.get(f"{console.url}nodes/{node}")
         assert page.status == 200
-        assert f'data-node="{node}"' in await page.text()
+        assert f'data-feed="/api/nodes/{node}/events"' in await page.text()
         feed = await open_feed(session, f"{console.url}api/nodes/{node}/events")
         replayed = [e for e in await feed.until("caught_up") if e.event == "row"]
         assert sorted((e.data["stream"], e.data["seq"]) for e in replayed) == sorted(
@@ -578,3 +583,60 @@ async def test_in_chromium_the_first_error_links_to_its_node_history(
     assert page.url == f"{console.url}nodes/{node}"
     assert "cordoned (repeat offender)" in (await page.text_content("#events") or "")
     assert "State: cordoned" in (await page.text_content("#state") or "")
+
+
+def served(replica: str, request_id: str, *, failed: bool = False) -> RequestServed:
+    data = RequestServedData(
+        request_id=request_id,
+        model="llama",
+        replica=replica,
+        route="/v1/chat/completions",
+        status="failed" if failed else "ok",
+        http_status=502 if failed else 200,
+        received_at=datetime.now(UTC),
+        latency_ms=12.5,
+    )
+    return RequestServed(source="lanes/router", jobid=replica, attempt=1, node="node-1", data=data)
+
+
+async def test_a_replicas_requests_stream_live_and_resume(console: Console, unique: str) -> None:
+    replica = f"replica-{unique}"
+    stored = await publish(console, served(replica, "r-1"), served(replica, "r-2"), served(f"other-{unique}", "r-3"))
+    async with aiohttp.ClientSession() as session:
+        page = await session.get(f"{console.url}replicas/{replica}/requests")
+        assert page.status == 200
+        assert f'data-feed="/api/replicas/{replica}/requests"' in await page.text()
+        feed = await open_feed(session, f"{console.url}api/replicas/{replica}/requests")
+        rows = rows_of(await feed.until("caught_up"))
+        assert [(row["seq"], row["data"]["request_id"]) for row in rows] == [(stored[0], "r-1"), (stored[1], "r-2")]
+
+        (failed,) = await publish(console, served(replica, "r-4", failed=True))
+        live = await feed.next_named("row")
+        assert (live.id, live.data["data"]["status"]) == (str(failed), "failed")
+
+        resumed = await open_feed(
+            session, f"{console.url}api/replicas/{replica}/requests", **{"Last-Event-ID": str(stored[1])}
+        )
+        assert [row["seq"] for row in rows_of(await resumed.until("caught_up"))] == [failed]
+        assert (await session.get(f"{console.url}replicas/none-{unique}/requests")).status == 404
+
+
+async def test_in_chromium_an_inference_job_links_to_the_requests_its_replica_served(
+    console: Console, browser: Browser, unique: str
+) -> None:
+    replica = f"serve-{unique}"
+    listening = ReplicaListening(
+        source="lanes/tests",
+        jobid=replica,
+        attempt=1,
+        node="node-1",
+        rank=0,
+        data=ReplicaListeningData(endpoint="http://10.0.0.7:8000"),
+    )
+    await publish(console, submitted(replica), listening, served(replica, "req-one"))
+    page = await open_page(browser, f"{console.url}jobs/{replica}")
+    link = page.locator("#replica-requests")
+    assert await link.get_attribute("href") == f"/replicas/{replica}/requests"
+    await link.click()
+    await page.wait_for_selector("body[data-caught-up='true']")
+    assert "req-one" in (await page.text_content("#events") or "")

@@ -40,7 +40,7 @@ from lanes_console.rows import (
 )
 from lanes_console.tail import Mark, follow
 from lanes_contract.ids import is_valid_token
-from lanes_contract.streams import JOBS, NODES, TELEMETRY
+from lanes_contract.streams import JOBS, NODES, REQUESTS, TELEMETRY
 from lanes_runtime.reader import Selection, count
 
 log = structlog.get_logger(__name__)
@@ -67,6 +67,8 @@ def create_app(nc: NatsClient) -> web.Application:
     app.router.add_get("/api/jobs/{job_id}/events", job_feed)
     app.router.add_get("/nodes/{node}", node_page)
     app.router.add_get("/api/nodes/{node}/events", node_feed)
+    app.router.add_get("/replicas/{replica}/requests", requests_page)
+    app.router.add_get("/api/replicas/{replica}/requests", requests_feed)
     app.router.add_static("/static/", STATIC, follow_symlinks=False)
     return app
 
@@ -187,10 +189,37 @@ class _Feed:
             await self._response.write(b": still here\n\n")
 
 
+RowSink = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+async def _relay(
+    request: web.Request,
+    feed: _Feed,
+    *,
+    stream: str,
+    subjects: tuple[str, ...],
+    from_seq: int | None,
+    on_row: RowSink,
+    on_caught_up: Callable[[], Awaitable[None]],
+) -> web.StreamResponse:
+    """Follow one stream into an SSE feed until the browser goes: each message as a row, the catch-up once."""
+    with contextlib.suppress(ConnectionResetError):
+        async with contextlib.aclosing(follow(request.app[NATS_KEY], stream, subjects, from_seq)) as messages:
+            async for msg in messages:
+                if msg is Mark.IDLE:
+                    await feed.idle(1.0)
+                elif msg is Mark.CAUGHT_UP:
+                    await on_caught_up()
+                else:
+                    await on_row(row_of(msg.metadata.sequence.stream, msg.subject, msg.headers, msg.data))
+    return web.Response()  # not sent: the stream was prepared; only reached when the browser went away
+
+
 async def job_feed(request: web.Request) -> web.StreamResponse:
     """A job's rows, stored then live (`row`), its first error whenever the election changes (`first_error`).
 
-    The election sees every row, also those the filters hide or the browser already has.
+    The election sees every row, also those the filters hide or the browser already has: the read always
+    starts at the job's first event.
     """
     job_id = await _known_job(request)
     filters = _filters(request)
@@ -198,30 +227,30 @@ async def job_feed(request: web.Request) -> web.StreamResponse:
     feed = await _Feed.open(request)
     election = FirstError()
     elected_sent = False
+
+    async def on_row(row: dict[str, Any]) -> None:
+        if election.add(row) and elected_sent:
+            await feed.send("first_error", election.current)
+        if row["seq"] > after and filters.keeps(row):
+            await feed.send("row", row, row["seq"])
+
+    async def on_caught_up() -> None:
+        nonlocal elected_sent
+        if not elected_sent:
+            await feed.send("first_error", election.current)
+            elected_sent = True
+        await feed.send("caught_up", {"after": after})
+
     subjects = (f"lanes.job.{job_id}.>",)
-    with contextlib.suppress(ConnectionResetError):
-        async with contextlib.aclosing(follow(request.app[NATS_KEY], JOBS.name, subjects)) as messages:
-            async for msg in messages:
-                if msg is Mark.IDLE:
-                    await feed.idle(1.0)
-                    continue
-                if msg is Mark.CAUGHT_UP:
-                    if not elected_sent:
-                        await feed.send("first_error", election.current)
-                        elected_sent = True
-                    await feed.send("caught_up", {"after": after})
-                    continue
-                row = row_of(msg.metadata.sequence.stream, msg.subject, msg.headers, msg.data)
-                if election.add(row) and elected_sent:
-                    await feed.send("first_error", election.current)
-                if row["seq"] > after and filters.keeps(row):
-                    await feed.send("row", row, row["seq"])
-    return web.Response()  # not sent: the stream was prepared; only reached when the browser went away
+    return await _relay(
+        request, feed, stream=JOBS.name, subjects=subjects, from_seq=None, on_row=on_row, on_caught_up=on_caught_up
+    )
 
 
 async def node_page(request: web.Request) -> web.Response:
     """A node's history (its events come over /api/nodes/<node>/events)."""
-    return _page("node.html", NODE=await _known_node(request))
+    node = await _known_node(request)
+    return _page("list.html", TITLE=f"node {node}", FEED=f"/api/nodes/{node}/events")
 
 
 def _positions(request: web.Request, streams: tuple[str, ...]) -> dict[str, int]:
@@ -276,23 +305,66 @@ async def node_feed(request: web.Request) -> web.StreamResponse:
     return web.Response()
 
 
+async def _known_replica(request: web.Request) -> str:
+    replica = _token(request, "replica", "replica id")
+    if await count(request.app[NATS_KEY].jetstream(), Selection(REQUESTS.name, f"lanes.req.*.{replica}")) == 0:
+        raise web.HTTPNotFound(text=f"no request served by replica {replica!r}: nothing on lanes.req.*.{replica}")
+    return replica
+
+
+async def requests_page(request: web.Request) -> web.Response:
+    """The requests a replica (an inference job) served, with their provenance: what its fault touched."""
+    replica = await _known_replica(request)
+    return _page("list.html", TITLE=f"requests served by {replica}", FEED=f"/api/replicas/{replica}/requests")
+
+
+async def requests_feed(request: web.Request) -> web.StreamResponse:
+    """A replica's requests (`row`, each with `stream`), stored then live; `Last-Event-ID` resumes."""
+    replica = await _known_replica(request)
+    after = _last_event_id(request)
+    feed = await _Feed.open(request)
+
+    async def on_row(row: dict[str, Any]) -> None:
+        await feed.send("row", row | {"stream": REQUESTS.name}, row["seq"])
+
+    subjects = (f"lanes.req.*.{replica}",)
+    return await _relay(
+        request,
+        feed,
+        stream=REQUESTS.name,
+        subjects=subjects,
+        from_seq=after + 1,
+        on_row=on_row,
+        on_caught_up=_caught_up(feed, after),
+    )
+
+
 async def jobs_feed(request: web.Request) -> web.StreamResponse:
     """Every job's name, state and first-error lane, as the events that set them are stored (`job`)."""
     after = _last_event_id(request)
     feed = await _Feed.open(request)
+
+    async def on_row(row: dict[str, Any]) -> None:
+        if row.get("job_id"):
+            await feed.send("job", job_update(row), row["seq"])
+
     subjects = tuple(f"lanes.job.*.{kind}" for kind in JOBS_LIST_KINDS)
-    with contextlib.suppress(ConnectionResetError):
-        async with contextlib.aclosing(follow(request.app[NATS_KEY], JOBS.name, subjects, after + 1)) as messages:
-            async for msg in messages:
-                if msg is Mark.IDLE:
-                    await feed.idle(1.0)
-                elif msg is Mark.CAUGHT_UP:
-                    await feed.send("caught_up", {"after": after})
-                else:
-                    row = row_of(msg.metadata.sequence.stream, msg.subject, msg.headers, msg.data)
-                    if row.get("job_id"):
-                        await feed.send("job", job_update(row), row["seq"])
-    return web.Response()
+    return await _relay(
+        request,
+        feed,
+        stream=JOBS.name,
+        subjects=subjects,
+        from_seq=after + 1,
+        on_row=on_row,
+        on_caught_up=_caught_up(feed, after),
+    )
+
+
+def _caught_up(feed: _Feed, after: int) -> Callable[[], Awaitable[None]]:
+    async def send() -> None:
+        await feed.send("caught_up", {"after": after})
+
+    return send
 
 
 async def serve(nc: NatsClient, host: str, port: int) -> tuple[web.AppRunner, str]:

@@ -78,6 +78,7 @@
         " rank=" + text(row.rank) + ": " + text(row.summary);
       row.mark.addEventListener("click", () => { location.hash = "seq=" + row.seq; });
     }
+    if (row.kind === "replica_listening" || row.kind === "replica_state") showReplica(row);
     rows.push(row);
     while (rows.length > MAX_ROWS) {
       const old = rows.shift(); dropped += 1;
@@ -85,6 +86,18 @@
     }
     markFirst();
     queueDraw();
+  }
+
+  // An inference job is a replica: its requests, with their provenance, are what a fault of it touched.
+  function showReplica(row) {
+    const replica = (row.data && row.data.replica) || row.job_id;
+    const box = document.getElementById("replica");
+    if (!replica || box.childNodes.length) return;
+    const link = document.createElement("a");
+    link.id = "replica-requests"; link.href = "/replicas/" + encodeURIComponent(replica) + "/requests";
+    link.textContent = "the requests this replica served";
+    box.className = "sub"; box.appendChild(document.createTextNode("Inference replica " + replica + ": "));
+    box.appendChild(link);
   }
 
   function queueDraw() {

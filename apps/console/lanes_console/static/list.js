@@ -1,10 +1,10 @@
-// The node page: the node's inventory and state changes and the evidence its agent sent, live (EventSource).
-// Everything an event says is put in the page with textContent, never as markup.
+// A list of events, live (EventSource on the page's data-feed): a node's history (its state changes and the
+// evidence its agent sent), or the requests a replica served. Everything an event says is put in the page with
+// textContent, never as markup.
 (function () {
   "use strict";
   const MAX_ROWS = 2000; // the page keeps this many events in the DOM; older ones leave it as new ones come
   const body = document.body;
-  const node = body.dataset.node;
   const tbody = document.querySelector("#events tbody");
   let count = 0;
 
@@ -41,7 +41,7 @@
   }
 
   const status = document.getElementById("status");
-  const source = new EventSource("/api/nodes/" + encodeURIComponent(node) + "/events");
+  const source = new EventSource(body.dataset.feed);
   source.addEventListener("open", () => { status.textContent = "live"; status.className = "status live"; });
   source.addEventListener("error", () => { status.textContent = "reconnecting"; status.className = "status lost"; });
   source.addEventListener("row", e => { add(JSON.parse(e.data)); });
