@@ -108,7 +108,8 @@ def summary_of(kind: str, data: Mapping[str, Any]) -> str:
         said = f"{_text(data.get('category'))}: {_text(data.get('summary') or next(iter(data['lines']), ''))}"
     elif kind == "finding":
         cause = data.get("first_error") or {}
-        said = f"first error: {_text(cause.get('category'))}: {_text(cause.get('summary'))} (owner {data.get('owner')})"
+        owner = f" (owner {data['owner']})" if data.get("owner") else ""
+        said = f"first error: {_text(cause.get('category'))}: {_text(cause.get('summary'))}{owner}"
     elif kind == "waiting":
         said = f"{_text(data.get('reason'))}: {_text(data.get('detail'))}"
     elif kind == "submitted":

@@ -48,7 +48,7 @@
       link.href = "/jobs/" + encodeURIComponent(job.job_id); link.textContent = job.job_id;
       const first = document.createElement("td"); first.appendChild(link); tr.appendChild(first);
       [job.name, job.state, job.error_lane, job.owner, job.time].forEach(value => {
-        const td = document.createElement("td"); td.textContent = value === undefined || value === null ? "-" : value;
+        const td = document.createElement("td"); td.textContent = value === undefined || value === null || value === "" ? "-" : value;
         tr.appendChild(td);
       });
       return tr;
