@@ -24,6 +24,7 @@ from lanes_contract.codec import MSG_ID_HEADER, decode_structured, encode
 from lanes_contract.events import (
     Heartbeat,
     HeartbeatData,
+    JobEvidence,
     JobFinding,
     JobSubmitted,
     RankExited,
@@ -51,8 +52,8 @@ async def stack(own_urls: ServerUrls) -> AsyncIterator[Connections]:
         yield conns
 
 
-async def _lanes_run(nats_url: str, *args: str) -> tuple[int, str, str]:
-    env = os.environ | {"NATS_URL": nats_url, "LANES_LOG_FORMAT": "json"}
+async def _lanes_run(nats_url: str, *args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    env = os.environ | {"NATS_URL": nats_url, "LANES_LOG_FORMAT": "json"} | (env or {})
     proc = await asyncio.create_subprocess_exec(
         LANES, "run", *args, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )
@@ -211,3 +212,52 @@ async def test_live_run_reports_ranks_and_its_finding_is_the_one_lanes_analyze_e
     assert view is not None
     assert view["state"] == "released"
     assert len(view["attempts"]) == 1
+
+
+_DUMPS = Path(__file__).resolve().parent.parent / "data" / "flight_recorder" / "hang_rank2"
+# A rank that dumps its Flight Recorder buffer where `lanes run` says (a real dump: rank 2 of a gloo job, hung
+# before collective 4), then fails.
+_DUMPING = (
+    "import os, shutil, sys\n"
+    f"shutil.copy({str(_DUMPS / 'rank_2.json')!r}, os.environ['TORCH_FR_DUMP_TEMP_FILE'] + '2')\n"
+    "print('recorder entries', os.environ['TORCH_FR_BUFFER_SIZE'], flush=True)\n"
+    "sys.exit(1)\n"
+)
+
+
+@pytest.mark.parametrize("own_prefix", [False, True], ids=["scratch", "named"])
+async def test_a_dump_the_command_wrote_is_its_ranks_evidence(
+    stack: Connections, own_urls: ServerUrls, unique: str, tmp_path: Path, own_prefix: bool
+) -> None:
+    job_id = f"dump-{unique}"
+    named = tmp_path / "dumps" / "trace_"
+    env = {"TORCH_FR_DUMP_TEMP_FILE": str(named)} if own_prefix else {}
+    named.parent.mkdir()
+    code, out, _ = await _lanes_run(
+        own_urls.nats_url,
+        "--job", job_id, "--node", "n-test", "--ranks", "2", "--outbox", str(tmp_path / "outbox.ndjson"),
+        "--", sys.executable, "-c", _DUMPING,
+        env=env,
+    )  # fmt: skip
+    assert code == 1
+    assert "recorder entries 2000" in out  # the recorder was on in the command's environment
+
+    await eventually(lambda: in_state(own_urls, job_id, "released"), what="the job released", timeout_s=60)
+
+    async def dumped() -> list[JobEvidence]:
+        return [
+            e
+            for e in await timeline_events(stack, job_id)
+            if isinstance(e, JobEvidence) and e.data.evidence.summary.startswith("Flight Recorder: ")
+        ]
+
+    async def have_dump() -> bool:
+        return bool(await dumped())
+
+    await eventually(have_dump, what="the dump's evidence on the timeline", timeout_s=60)
+    (evidence,) = await dumped()
+    assert (evidence.rank, evidence.data.evidence.last_enqueued) == (2, 3)  # it never entered collective 4
+    (exited,) = [e for e in await timeline_events(stack, job_id) if isinstance(e, RankExited)]
+    assert exited.data.evidence == 1  # the exit counts the dump: telemetry waits for it before it settles
+    # The caller's own dumps stay where it asked for them; the run's scratch ones go with the run.
+    assert (named.parent / "trace_2").exists() is own_prefix

@@ -83,14 +83,9 @@ from lanes_contract.ids import derived_event_id
 from lanes_contract.jobs import JobSpec, JobState
 from lanes_contract.signing import Keyring, SignatureError, verified_signer
 from lanes_contract.streams import BEATS, JOBS, TELEMETRY
+from lanes_evidence.dump_files import take_rank_dump
 from lanes_evidence.evidence import Evidence, evidence_event
-from lanes_evidence.flight_recorder import (
-    MAX_DUMP_BYTES,
-    FlightRecorderError,
-    analyze_dumps,
-    flight_recorder_evidence,
-    parse_dump,
-)
+from lanes_evidence.flight_recorder import DUMP_PREFIX, RECORDING
 from lanes_evidence.parsers import LogParser, SourceContext
 from lanes_runtime import decision
 from lanes_runtime.consumer import ConsumerSpec
@@ -127,9 +122,6 @@ _STEP = re.compile(
 TIMINGS_EVERY_S = 1.0
 """A rank's step timings travel in one heartbeat at most this often (a step a millisecond is not an event a
 millisecond); what is left is sent when its output ends."""
-FLIGHT_RECORDER_ENTRIES = "2000"
-"""Collectives each rank's Flight Recorder keeps (`TORCH_FR_BUFFER_SIZE`) unless the agent's own environment sets
-it: PyTorch's default size, a few hundred KiB per rank. Ranks that never dump cost only the ring buffer."""
 _CHECKPOINT = re.compile(r"^lanes: checkpoint saved (?P<fields>(?:\w+=\S+\s*)+)$")
 _CHECKPOINT_FIELDS = frozenset({"step", "path", "digest", "model_version", "data_version", "config_version", "image"})
 # What a rank runs when the spec names no command: ready at once, a little real CPU work, a clean exit.
@@ -561,7 +553,7 @@ class LocalLauncher:
             _flight_recorder_environment(dumps)
             | env
             | _spec_environment(spec, self._resume_steps.get((placed.job_key, placed.attempt or 1)))
-            | {"TORCH_FR_DUMP_TEMP_FILE": str(dumps)}  # always the agent's: it reads the dumps there
+            | {DUMP_PREFIX: str(dumps)}  # always the agent's: it reads the dumps there
         )
         keys = {"source": f"agent/{assignment.node}", "node": assignment.node, "rank": assignment.rank}
         group = self._rank_cgroup(placed, assignment, spec.host_memory_gib)
@@ -1020,27 +1012,15 @@ def _rank_evidence(placed: JobPlaced, assignment: RankAssignment, found: Evidenc
 def _flight_recorder_environment(prefix: Path) -> dict[str, str]:
     """What turns a rank's Flight Recorder on, unless the agent's own environment says otherwise."""
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    return {"TORCH_FR_BUFFER_SIZE": FLIGHT_RECORDER_ENTRIES, "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    return dict(RECORDING)
 
 
 def collect_dump(path: Path, context: SourceContext) -> list[Evidence]:
-    """A rank's Flight Recorder dump, taken (read, then removed), as its evidence: the last collective it entered.
-
-    No dump, no evidence: a rank killed or stopped before it could dump is the one the election then names as
-    missing its dump. A dump that cannot be read is said in the agent's log and is, for the election, missing.
-    """
-    assert context.rank is not None  # noqa: S101 - a rank's own context
-    try:
-        with path.open("rb") as file:
-            data = file.read(MAX_DUMP_BYTES + 1)  # parse_dump refuses what is larger
-        path.unlink()
-        dump = parse_dump(data, rank=context.rank, origin=str(path))
-    except FileNotFoundError:
-        return []
-    except (OSError, FlightRecorderError) as exc:
-        log.warning("a rank's Flight Recorder dump cannot be read", path=str(path), error=str(exc))
-        return []
-    return flight_recorder_evidence(analyze_dumps({context.rank: dump}, world_size=1), context)
+    """A rank's Flight Recorder dump, taken, as its evidence; an unreadable one is said in the agent's log."""
+    found, problem = take_rank_dump(path, context, remove=True)
+    if problem is not None:
+        log.warning("a rank's Flight Recorder dump cannot be read", problem=problem)
+    return found
 
 
 async def _holding(msg: Msg, run: asyncio.Task[RankRecord]) -> RankRecord:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +27,9 @@ from typing import BinaryIO
 
 from lanes_contract.events import Event, EvidenceCategory, RankAssignment, RankExitedData, utc_now
 from lanes_contract.ids import derived_event_id, new_event_id
+from lanes_evidence.dump_files import take_rank_dump
 from lanes_evidence.evidence import Evidence, evidence_event
+from lanes_evidence.flight_recorder import DUMP_PREFIX, RECORDING
 from lanes_evidence.parsers import LogParser, SourceContext
 from lanes_observe import observed
 from lanes_observe.outbox import Outbox, Sender
@@ -221,7 +225,7 @@ class RunReport:
             origin=f"{identity.job_id}/{identity.node}", node=identity.node, rank=single, year=utc_now().year, tz=UTC
         )
         self._parsers = {"stdout": LogParser(context), "stderr": LogParser(context)}
-        self._lines = {"stdout": 0, "stderr": 0}
+        self._lines = {"stdout": 0, "stderr": 0, "dumps": 0}
         self.exits: dict[int, RankExitedData] = {}
         # Evidence published per rank: each exit carries its rank's count, so telemetry settles no finding
         # before that rank's lines (on another stream, perhaps later) have arrived.
@@ -236,6 +240,23 @@ class RunReport:
     def finish(self) -> list[Event]:
         """Evidence still held in open multi-line blocks (a traceback at the very end)."""
         return [event for stream, parser in self._parsers.items() for event in self._evidence(stream, parser.finish())]
+
+    def dumps(self, prefix: str, *, remove: bool) -> list[Event]:
+        """Each rank's Flight Recorder dump (`<prefix><rank>`), if it wrote one, as that rank's evidence.
+
+        Call it before `rank_exits`: each exit counts its rank's dump too. A dump that cannot be read is said on
+        stderr; for the election it is then a missing one.
+        """
+        found: list[Evidence] = []
+        for rank in self.identity.ranks:
+            context = SourceContext(
+                origin=f"{self.identity.job_id}/rank{rank}", node=self.identity.node, rank=rank, year=None, tz=UTC
+            )
+            evidence, problem = take_rank_dump(Path(f"{prefix}{rank}"), context, remove=remove)
+            if problem is not None:
+                print(f"lanes run: {problem}", file=sys.stderr)  # noqa: T201 - the command's stderr is the user's
+            found += evidence
+        return self._evidence("dumps", found)
 
     def _srun_exit(self, line: str) -> None:
         if self.identity.kind != "srun" or (found := _SRUN_TASK.search(line)) is None:
@@ -362,11 +383,41 @@ async def run_wrapped(
     placement: Sequence[RankAssignment] | None = None,
     final_flush_s: float = 10.0,
 ) -> RunResult:
-    """Run the command; report it; return its status once its events are published or safely buffered."""
+    """Run the command; report it; return its status once its events are published or safely buffered.
+
+    The ranks' Flight Recorder is on, and dumps where this run collects the dumps: the caller's own place if
+    `TORCH_FR_DUMP_TEMP_FILE` names one (the dumps are then left there), else a scratch directory that goes with
+    the run.
+    """
+    with tempfile.TemporaryDirectory(prefix="lanes-run-dumps-") as scratch:
+        named = os.environ.get(DUMP_PREFIX)
+        dumps = _Dumps(prefix=named or str(Path(scratch) / "rank_"), own=not named)
+        return await _run_wrapped(
+            command, identity, outbox, nats_url, placement=placement, final_flush_s=final_flush_s, dumps=dumps
+        )
+
+
+@dataclass(frozen=True)
+class _Dumps:
+    prefix: str
+    own: bool
+    """Whether the dumps are this run's to remove once read."""
+
+
+async def _run_wrapped(
+    command: Sequence[str],
+    identity: RunIdentity,
+    outbox: Outbox,
+    nats_url: str | None,
+    *,
+    placement: Sequence[RankAssignment] | None,
+    final_flush_s: float,
+    dumps: _Dumps,
+) -> RunResult:
     sender = Sender(outbox, nats_url, name=f"lanes-run-{identity.node}")
     wake = asyncio.Event()
     started = utc_now()
-    proc = await _start(command, identity, outbox, placement)
+    proc = await _start(command, identity, outbox, placement, env=RECORDING | os.environ | {DUMP_PREFIX: dumps.prefix})
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread: nothing to forward
@@ -411,6 +462,7 @@ async def run_wrapped(
         wake.set()  # a sender waiting for new events stops now, not at its next retry
         await sending
     outbox.append(report.finish())
+    outbox.append(report.dumps(dumps.prefix, remove=dumps.own))
     outbox.append(report.rank_exits(returncode))
     if identity.register and not identity.slurm:  # under Slurm, the allocation ends with the job: the adapter says so
         outbox.append([observed.released(identity.job_id, identity.attempt, [identity.node], source=identity.source)])
@@ -422,7 +474,12 @@ async def run_wrapped(
 
 
 async def _start(
-    command: Sequence[str], identity: RunIdentity, outbox: Outbox, placement: Sequence[RankAssignment] | None
+    command: Sequence[str],
+    identity: RunIdentity,
+    outbox: Outbox,
+    placement: Sequence[RankAssignment] | None,
+    *,
+    env: Mapping[str, str],
 ) -> asyncio.subprocess.Process:
     """The command started, its registration in the outbox first.
 
@@ -435,7 +492,7 @@ async def _start(
         outbox.append(registration(identity, chosen))
     try:
         return await asyncio.create_subprocess_exec(
-            *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+            *command, env=dict(env), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
         )
     except OSError as exc:
         outbox.take_back(mark)

@@ -47,6 +47,12 @@ bytes each, so the walk is bounded by what it visits, not by the bytes read."""
 MAX_RANKS = 1_000_000
 """Largest rank number or world size believed."""
 
+RECORDING = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+"""What a launcher sets (unless its own environment says otherwise) so each rank records its collectives and
+dumps them on a watchdog timeout: PyTorch's default buffer of 2,000 entries, a few hundred KiB per rank."""
+DUMP_PREFIX = "TORCH_FR_DUMP_TEMP_FILE"
+"""The variable naming where ranks dump: rank r writes `<prefix>r`."""
+
 SUMMARY_PREFIX = "Flight Recorder: "
 """How every piece of evidence read from a dump begins: what tells it apart from a log's line."""
 
@@ -379,6 +385,19 @@ def flight_recorder_evidence(analysis: FrAnalysis, context: SourceContext) -> li
         fields = {"category": C.COLLECTIVE_MISMATCH, "seq_num": odd.seq, "op_type": _op_type(entry.op if entry else "")}
         add(fields, line, odd.rank, analysis.dumps[odd.rank].origin, entry.time_created_ns if entry else 0)
     return found
+
+
+def rank_dump_evidence(data: bytes, context: SourceContext) -> list[Evidence]:
+    """One rank's dump, as a launcher collects it after the rank ends: the last collective it entered.
+
+    A dump alone cannot say who lags: the election reads every rank's together. FlightRecorderError when the
+    bytes are not a dump within the bounds.
+    """
+    if context.rank is None:
+        msg = f"{context.origin}: a rank's dump needs its rank"
+        raise FlightRecorderError(msg)
+    dump = parse_dump(data, rank=context.rank, origin=context.origin)
+    return flight_recorder_evidence(analyze_dumps({context.rank: dump}, world_size=1), context)
 
 
 def is_flight_recorder_evidence(evidence: Evidence) -> bool:
