@@ -210,7 +210,13 @@ def _straggler(job: _Job, min_shift: float) -> Slowdown | None:
         return None  # nobody stands out, or this rank always did (imbalance, read below)
     mine = job.ranks[rank]
     base = [mine[s].compute_s for s in job.baseline if s in mine]
-    rise = _median([mine[s].compute_s for s in recent if s in mine]) / _median(base) - 1 if base else 0.0
+    now = _median([mine[s].compute_s for s in recent if s in mine])
+    rise = now / _median(base) - 1 if base else 0.0
+    # Its compute against its peers' over the same steps, too: a baseline taken while the host was busier (a
+    # shared machine, the job's own start-up) hides a rise against itself, never one against the others.
+    peers = _median([_median([c[s].compute_s for s in recent if s in c]) for r, c in job.ranks.items() if r != rank])
+    over_peers = now / peers - 1 if peers > 0 else 0.0
+    rise = max(rise, over_peers)
     if rise < _shift_worth(base, min_shift, len(recent)):
         return None
     onset = _onset(job, rank)
