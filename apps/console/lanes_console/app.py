@@ -195,21 +195,29 @@ RowSink = Callable[[dict[str, Any]], Awaitable[None]]
 async def _relay(
     request: web.Request,
     feed: _Feed,
-    *,
     stream: str,
     subjects: tuple[str, ...],
-    from_seq: int | None,
+    *,
+    after: int,
     on_row: RowSink,
-    on_caught_up: Callable[[], Awaitable[None]],
+    on_caught_up: Callable[[], Awaitable[None]] | None = None,
 ) -> web.StreamResponse:
-    """Follow one stream into an SSE feed until the browser goes: each message as a row, the catch-up once."""
+    """Follow one stream into an SSE feed until the browser goes: each message as a row, the catch-up once.
+
+    The read starts after sequence `after` (0: at the start); `on_caught_up` defaults to a `caught_up` event.
+    """
+
+    async def caught_up() -> None:
+        await feed.send("caught_up", {"after": after})
+
+    from_seq = after + 1 if after else None
     with contextlib.suppress(ConnectionResetError):
         async with contextlib.aclosing(follow(request.app[NATS_KEY], stream, subjects, from_seq)) as messages:
             async for msg in messages:
                 if msg is Mark.IDLE:
                     await feed.idle(1.0)
                 elif msg is Mark.CAUGHT_UP:
-                    await on_caught_up()
+                    await (on_caught_up or caught_up)()
                 else:
                     await on_row(row_of(msg.metadata.sequence.stream, msg.subject, msg.headers, msg.data))
     return web.Response()  # not sent: the stream was prepared; only reached when the browser went away
@@ -241,9 +249,9 @@ async def job_feed(request: web.Request) -> web.StreamResponse:
             elected_sent = True
         await feed.send("caught_up", {"after": after})
 
-    subjects = (f"lanes.job.{job_id}.>",)
+    # From the job's first event whatever the browser has: the election needs them all.
     return await _relay(
-        request, feed, stream=JOBS.name, subjects=subjects, from_seq=None, on_row=on_row, on_caught_up=on_caught_up
+        request, feed, JOBS.name, (f"lanes.job.{job_id}.>",), after=0, on_row=on_row, on_caught_up=on_caught_up
     )
 
 
@@ -327,16 +335,7 @@ async def requests_feed(request: web.Request) -> web.StreamResponse:
     async def on_row(row: dict[str, Any]) -> None:
         await feed.send("row", row | {"stream": REQUESTS.name}, row["seq"])
 
-    subjects = (f"lanes.req.*.{replica}",)
-    return await _relay(
-        request,
-        feed,
-        stream=REQUESTS.name,
-        subjects=subjects,
-        from_seq=after + 1,
-        on_row=on_row,
-        on_caught_up=_caught_up(feed, after),
-    )
+    return await _relay(request, feed, REQUESTS.name, (f"lanes.req.*.{replica}",), after=after, on_row=on_row)
 
 
 async def jobs_feed(request: web.Request) -> web.StreamResponse:
@@ -349,22 +348,7 @@ async def jobs_feed(request: web.Request) -> web.StreamResponse:
             await feed.send("job", job_update(row), row["seq"])
 
     subjects = tuple(f"lanes.job.*.{kind}" for kind in JOBS_LIST_KINDS)
-    return await _relay(
-        request,
-        feed,
-        stream=JOBS.name,
-        subjects=subjects,
-        from_seq=after + 1,
-        on_row=on_row,
-        on_caught_up=_caught_up(feed, after),
-    )
-
-
-def _caught_up(feed: _Feed, after: int) -> Callable[[], Awaitable[None]]:
-    async def send() -> None:
-        await feed.send("caught_up", {"after": after})
-
-    return send
+    return await _relay(request, feed, JOBS.name, subjects, after=after, on_row=on_row)
 
 
 async def serve(nc: NatsClient, host: str, port: int) -> tuple[web.AppRunner, str]:
