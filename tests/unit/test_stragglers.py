@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lanes_contract.events import Lane
-from lanes_telemetry.domain.stragglers import RankStep, SlowClass, detect, last_to_arrive, step_times
+from lanes_telemetry.domain.stragglers import DEFAULT_WARMUP, RankStep, SlowClass, detect, last_to_arrive, step_times
 
 NODES = {0: "node-a", 1: "node-a", 2: "node-b", 3: "node-b"}
 
@@ -123,3 +123,16 @@ def test_a_rank_a_quarter_slower_or_more_is_named_within_twenty_four_steps(facto
     found = detect(steps, nodes=NODES)
     assert found is not None
     assert (found.kind, found.rank) == (SlowClass.COMPUTE_STRAGGLER, rank)
+
+
+def test_a_straggler_is_named_against_its_peers_when_the_baseline_was_taken_on_a_busier_host() -> None:
+    # Every rank computes 40% longer during the baseline (a busy host), then rank 2 alone from step 60: against
+    # its own baseline it did not slow, against its peers it computes 40% longer and they wait for it.
+    steps = []
+    for s in _job(200, slow_rank=2, compute_from=60, factor=1.4):
+        busy = 1.4 if s.step < DEFAULT_WARMUP else 1.0
+        steps.append(RankStep(s.rank, s.step, s.compute_s * busy, s.wait_s * busy))
+    found = detect(steps, nodes=NODES)
+    assert found is not None
+    assert (found.kind, found.lane, found.rank, found.node) == (SlowClass.COMPUTE_STRAGGLER, Lane.HOST, 2, "node-b")
+    assert 0.35 < found.slowdown < 0.45
