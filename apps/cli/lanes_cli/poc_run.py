@@ -20,8 +20,10 @@ from typing import Any, TypeVar
 
 from nats.js import JetStreamContext
 
+from lanes_agent import netns
 from lanes_agent.faults import KMSG, FaultError
 from lanes_agent.launcher import LocalLauncher
+from lanes_agent.netns import NodeNetworks
 from lanes_cli.bootstrap import SERVICES, prepare_services
 from lanes_cli.demo import FaultPaths, _guarded, wait_for_nodes
 from lanes_cli.drill_cli import DrillStep, run_drill
@@ -160,7 +162,14 @@ def _stopped_early(rows: list[Row]) -> bool:
 
 class _Runner:
     def __init__(
-        self, conns: Connections, plan: Plan, work_dir: Path, workers: list[asyncio.Task[None]], progress: Progress
+        self,
+        conns: Connections,
+        plan: Plan,
+        work_dir: Path,
+        workers: list[asyncio.Task[None]],
+        progress: Progress,
+        *,
+        networks: NodeNetworks | None = None,
     ) -> None:
         self.conns = conns
         self.client = LanesClient(conns.nc, SOURCE)
@@ -169,6 +178,7 @@ class _Runner:
         self.work_dir = work_dir
         self.workers = workers
         self.progress = progress
+        self.networks = networks
 
     async def guarded(self, work: Coroutine[Any, Any, _T], timeout_s: float) -> _T:
         return await _guarded(work, self.workers, timeout_s)
@@ -202,6 +212,9 @@ class _Runner:
             return await self.unplaced(index, rung, job_id, rows, keyring)
         if rows is None:
             notes.append(f"no running attempt with a checkpoint within {timeout:g} s: no drill injected")
+            # Stopped rather than waited on a second time: the next rung needs the cluster back.
+            cancel = CommandData(reason=f"rung {index + 1} ran out of time", requested_by=SOURCE)
+            await self.client.publish(CancelRequested(source=SOURCE, jobid=job_id, data=cancel))
         elif _drillable(rows):
             for drill in rung.drills:
                 step = DrillStep(job=job_id, kind=drill.kind, rank=drill.rank, duration_s=drill.duration_s)
@@ -236,7 +249,15 @@ class _Runner:
         return RungResult(index, rung, job_id, rows, placed=False, unplaced_reason=reason)
 
     async def make_nodes_ready(self) -> None:
-        """Undo the cordons recovery made, so the next rung starts on the same cluster (an operator's step)."""
+        """Undo the cordons recovery made, so the next rung starts on the same cluster (an operator's step).
+
+        And bring back up any node link a drill left down (a link-down with no duration is never restored).
+        """
+        if self.networks is not None:
+            for node in self.networks.links:
+                if netns.link_is_up(node) is False:
+                    self.progress(f"bringing {node}'s link {netns.link_of(node)} back up for the next rung")
+                    netns.set_link(node, up=True)
         node_rows = [e.as_json() for e in await read_stream(self.js, Selection(NODES.name, "lanes.node.>"))]
         states: dict[str, str] = {}
         for row in node_rows:
@@ -307,7 +328,7 @@ async def run_plan(
             asyncio.create_task(run_consumers(consumers, stop), name="services"),
             asyncio.create_task(launcher.run(stop), name="launcher"),
         ]
-        runner = _Runner(conns, plan, work_dir, workers, progress)
+        runner = _Runner(conns, plan, work_dir, workers, progress, networks=paths.networks)
         try:
             await register_cluster(runner.client, plan)
             await runner.guarded(wait_for_nodes(conns, len(nodes), 60.0), 60.0)
