@@ -199,6 +199,8 @@ def test_the_report_opens_offline_in_chromium_with_its_table_and_charts(
     assert dom.count('class="main-svg"') >= 2
     assert "Stage times against scale" in dom
     assert "Detect, localise, decide, recover per drill against scale" in dom
+    assert len(re.findall(r"<tr><th>\dx4</th>", dom)) == 3  # stage times and completeness, a row per rung
+    assert "node_fault: " in dom  # the inference steps, each with its verdict
     shot = tmp_path / "report.png"
     _chromium("--window-size=1200,1400", f"--screenshot={shot}", page.as_uri(), profile=tmp_path / "shot")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -15,7 +15,7 @@ from plotly.io import to_html
 from rich.console import Console
 from rich.table import Table
 
-from lanes_cli.poc_rung import CAPABILITIES, STAGES
+from lanes_cli.poc_rung import CAPABILITIES, LANES, STAGES
 
 _STYLE = {"passed": "green", "pending evidence": "yellow", "not applicable": "dim"}
 _DRILL_TIMES = ("detect_s", "localise_s", "decide_s", "recover_s")
@@ -72,6 +72,7 @@ def print_table(console: Console, result: dict[str, Any]) -> None:
             "-" if ettr is None else f"{ettr:.2f}",
         )
     console.print(stages)
+    console.print(_completeness_table(result))
     for rung in result["rungs"]:
         for d in rung["drills"]:
             times = ", ".join(f"{t.removesuffix('_s')} {_seconds(d[t])} s" for t in _DRILL_TIMES)
@@ -95,6 +96,46 @@ def print_table(console: Console, result: dict[str, Any]) -> None:
             + (f"; never placed: {diff['unplaced_reason']}" if not diff["placed"] else ""),
             highlight=False,
         )
+
+
+def _completeness_table(result: dict[str, Any]) -> Table:
+    """Each lane's share of joinable evidence, side by side per rung: does the evidence hold up as scale grows?"""
+    table = Table(title="evidence completeness per lane (share of events that join by job, attempt, node, time)")
+    table.add_column("rung")
+    for lane in LANES:
+        table.add_column(lane, justify="right")
+    for rung in result["rungs"]:
+        table.add_row(f"{rung['nodes']}x{rung['gpus']}", *(f"{rung['completeness'][lane]:.2f}" for lane in LANES))
+    return table
+
+
+def _html_rows(result: dict[str, Any]) -> str:
+    """The stage times, completeness and drills per rung, and the inference steps, as plain HTML tables."""
+    head = "".join(f"<th>{html.escape(name)}</th>" for name in (*STAGES, *LANES))
+    rows = "".join(
+        f"<tr><th>{rung['nodes']}x{rung['gpus']}</th>"
+        + "".join(f"<td>{_seconds(rung['stages'][name])}</td>" for name in STAGES)
+        + "".join(f"<td>{rung['completeness'][lane]:.2f}</td>" for lane in LANES)
+        + "</tr>"
+        for rung in result["rungs"]
+    )
+    drills = "".join(
+        f"<li>{rung['nodes']}x{rung['gpus']}: {html.escape(d['kind'])} of rank {d['rank']}, named rank "
+        f"{d['named_rank']} on {html.escape(str(d['named_node']))} ({html.escape(str(d['named_lane']))} lane): "
+        f"{html.escape(d['verdict'])}</li>"
+        for rung in result["rungs"]
+        for d in rung["drills"]
+    )
+    steps = "".join(
+        f"<li>{html.escape(step['step'])}: {html.escape(step['verdict'])}"
+        + (f" ({html.escape(step['missing'])})" if step.get("missing") else "")
+        + "</li>"
+        for step in result["inference"]["steps"]
+    )
+    return (
+        f'<h2>Stage times (s) and completeness per lane</h2><table id="stages"><tr><th>rung</th>{head}</tr>{rows}'
+        f'</table><h2>Drills</h2><ul id="drills">{drills}</ul><h2>Inference</h2><ul id="inference">{steps}</ul>'
+    )
 
 
 def _stage_chart(result: dict[str, Any]) -> go.Figure:
@@ -165,6 +206,7 @@ td.not-applicable {{ color: #888; }}
 {_verdict_table(result)}
 {stage}
 {drills}
+{_html_rows(result)}
 <h2>Pending evidence</h2><ul id="pending">{pending}</ul>
 <script type="application/json" id="poc-data">{data}</script>
 </body></html>
