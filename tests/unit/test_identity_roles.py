@@ -47,12 +47,16 @@ CATALOGUE = {
 }
 NOT_BUILDERS = {"isinstance", "issubclass", "_type_of", "type_name"}
 """Calls that name an event class without producing one."""
+REPLAY_ONLY = frozenset({"whatif.py"})
+"""Modules that build events only to replay them in memory (`lanes whatif`): they publish nothing."""
 
 
 def produced_by(service: str) -> set[type[Event]]:
     """The catalogue events that a service's code constructs, or passes first to a builder (`derive`)."""
     produced: set[type[Event]] = set()
     for path in (SERVICES_ROOT / service).rglob("*.py"):
+        if path.name in REPLAY_ONLY:
+            continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if not isinstance(node, ast.Call):
                 continue
