@@ -146,6 +146,7 @@ class CapacityView:
         # Worker slots per domain for a given GPUs-per-worker, built on first use and kept up to date.
         self._slot_tables: dict[tuple[str, Level, int], dict[str, int]] = {}
         self._holders_in: dict[str, tuple[str, ...]] = {}
+        """Each pool's holders, sorted: made again only when a job starts or stops holding there."""
         for node in self.nodes.values():
             self.node_kinds.setdefault(node.pool, set()).add((node.gpu_model, node.gpu_memory_gib, node.gpus))
             if node.status.state is not NodeState.READY:
@@ -180,11 +181,12 @@ class CapacityView:
         holders[holding.holder] = holders.get(holding.holder, 0) + len(taken)
         key = (holding.tenant, holding.pool)
         self.usage[key] = self.usage.get(key, 0) + len(taken)
+        if holding.holder not in self._held:
+            self._holders_in.pop(holding.pool, None)
         self._held.setdefault(holding.holder, []).append(holding)
         self._adjust(node, -len(taken))
 
     def _adjust(self, node: Node, delta: int) -> None:
-        self._holders_in.pop(node.pool, None)
         if node.status.state is not NodeState.READY:
             return
         after = len(self.free[node.node_id])
@@ -272,7 +274,10 @@ class CapacityView:
     def release(self, holder: str) -> int:
         """Free everything `holder` holds; return how many GPUs that was (0 if it held nothing)."""
         freed = 0
-        for holding in self._held.pop(holder, []):
+        held = self._held.pop(holder, [])
+        if held:
+            self._holders_in.pop(held[0].pool, None)
+        for holding in held:
             node = self.nodes[holding.node]
             self.free[holding.node] = sorted([*self.free[holding.node], *holding.gpus])
             self.holders[holding.node].pop(holding.holder, None)
@@ -780,10 +785,8 @@ def schedule(view: CapacityView, gangs: Iterable[Gang]) -> list[Decision]:
             gang.topology,
             gang.avoid_nodes,
         )
-        known = failed.get(shape)
-        if known is not None:
-            why: Waiting | Rejected = replace(known, gang=gang)
-        else:
+        why: Waiting | Rejected | None = failed.get(shape)
+        if why is None:
             placed = place_gang(view, gang, excluded)
             if placed is not None:
                 view.hold(gang, placed.assignments)
@@ -794,12 +797,15 @@ def schedule(view: CapacityView, gangs: Iterable[Gang]) -> list[Decision]:
             failed[shape] = why
         if isinstance(why, Waiting):
             position += 1
+            # Built once, for this gang at its place in the queue (a known shape's reason is reused as it is).
             why = Waiting(
-                why.gang, why.reason, why.detail, why.owner_lane, why.blocking, why.figures, queue_position=position
+                gang, why.reason, why.detail, why.owner_lane, why.blocking, why.figures, queue_position=position
             )
             if not reserved_for and why.reason in {WaitReason.CAPACITY_SHORT, WaitReason.TOPOLOGY_UNSATISFIABLE}:
                 excluded = reservation(view, gang)
                 reserved_for = gang.job_id
                 failed.clear()
+        elif why.gang is not gang:
+            why = replace(why, gang=gang)
         decisions.append(why)
     return decisions
