@@ -22,6 +22,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support.cli import local_stack, run_lanes_async
@@ -31,9 +32,10 @@ from support.waiting import eventually
 
 from lanes_agent.launcher import LocalLauncher
 from lanes_agent.netns import NodeNetworks, link_of
+from lanes_cli.drills import STRAGGLER_DURATION_S, STRAGGLER_READY_STEP
 from lanes_cli.timeline import job_timeline
 from lanes_contract.client import LanesClient
-from lanes_contract.events import CheckpointSaved, JobSubmitted, JobSubmittedData
+from lanes_contract.events import CheckpointSaved, DrillKind, JobSubmitted, JobSubmittedData
 from lanes_runtime.service import Connections
 from lanes_runtime.settings import ServerUrls
 
@@ -142,56 +144,52 @@ async def _checkpointed_at(conns: Connections, job_id: str, step: int) -> bool:
     return any(isinstance(entry.event, CheckpointSaved) and entry.event.data.step >= step for entry in timeline)
 
 
-async def test_a_slow_rank_that_fails_nothing_is_named_by_its_slowdown(
-    stack: Connections, own_urls: ServerUrls, tmp_path: Path
-) -> None:
-    job_id = "drill-slow"
-    command = (sys.executable, "-m", "lanes_agent.drill_workload", "--step-s", "0.05", "--timeout-s", "15")
-    job = spec("drill", workers=4, command=command, checkpoint_location=str(tmp_path / "checkpoints"))
-    await LanesClient(stack.nc, "tests").publish(
-        JobSubmitted(source="tests", jobid=job_id, attempt=1, data=JobSubmittedData(spec=job))
-    )
-    # Past the steps telemetry reads as the attempt's baseline (its first 30), so the slowdown is a change.
-    await eventually(lambda: _checkpointed_at(stack, job_id, 60), timeout_s=180, what="the drill job past step 60")
-    ran = await run_lanes_async(
-        own_urls, "drill", job_id, "--kind", "slow", "--rank", str(DRILLED_RANK), "--duration", "20",
-        "--timeout", "120", "--json",
-    )  # fmt: skip
-    assert ran.returncode == 0, ran.stdout + ran.stderr
-    (report,) = json.loads(ran.stdout)["drills"]
-    assert report["named_right"], report
-    assert report["named"] == {
-        "lane": "host", "category": "compute_straggler", "node": report["node"], "rank": DRILLED_RANK,
-    }  # fmt: skip
-    assert report["localise_s"] is not None
-    assert report["decision"] is None  # nothing failed: nothing to decide
-
-
-@pytest.mark.skipif(_NO_NETNS is not None, reason=_NO_NETNS or "")
-async def test_a_slowed_link_that_fails_nothing_is_named_a_degraded_link_on_its_node(
-    stack: Connections, own_urls: ServerUrls, tmp_path: Path
-) -> None:
-    job_id = "drill-link-slow"
+async def _drill_past_the_baseline(
+    stack: Connections, own_urls: ServerUrls, tmp_path: Path, kind: DrillKind
+) -> dict[str, Any]:
+    """Run the drill workload past the steps telemetry reads as its baseline, then drill rank 2 as a plan would."""
+    job_id = f"drill-{kind.value}"
+    # A collective timeout well past a slowed link's longest step: the drill slows the job, it must fail nothing.
     command = (sys.executable, "-m", "lanes_agent.drill_workload", "--step-s", "0.05", "--timeout-s", "30")
     job = spec("drill", workers=4, command=command, checkpoint_location=str(tmp_path / "checkpoints"))
     await LanesClient(stack.nc, "tests").publish(
         JobSubmitted(source="tests", jobid=job_id, attempt=1, data=JobSubmittedData(spec=job))
     )
     # Past the steps telemetry reads as the attempt's baseline (its first 30), so the slowdown is a change.
-    await eventually(lambda: _checkpointed_at(stack, job_id, 60), timeout_s=180, what="the drill job past step 60")
+    await eventually(
+        lambda: _checkpointed_at(stack, job_id, STRAGGLER_READY_STEP), timeout_s=180, what="the drill job past step 60"
+    )
+    duration = str(STRAGGLER_DURATION_S[kind])
     ran = await run_lanes_async(
-        own_urls, "drill", job_id, "--kind", "link-slow", "--rank", str(DRILLED_RANK), "--duration", "30",
+        own_urls, "drill", job_id, "--kind", kind.value, "--rank", str(DRILLED_RANK), "--duration", duration,
         "--timeout", "150", "--json",
     )  # fmt: skip
     assert ran.returncode == 0, ran.stdout + ran.stderr
     (report,) = json.loads(ran.stdout)["drills"]
     assert report["named_right"], report
+    assert report["localise_s"] is not None
+    assert report["decision"] is None  # nothing failed: nothing to decide
+    return dict(report)
+
+
+async def test_a_slow_rank_that_fails_nothing_is_named_by_its_slowdown(
+    stack: Connections, own_urls: ServerUrls, tmp_path: Path
+) -> None:
+    report = await _drill_past_the_baseline(stack, own_urls, tmp_path, DrillKind.SLOW)
+    assert report["named"] == {
+        "lane": "host", "category": "compute_straggler", "node": report["node"], "rank": DRILLED_RANK,
+    }  # fmt: skip
+
+
+@pytest.mark.skipif(_NO_NETNS is not None, reason=_NO_NETNS or "")
+async def test_a_slowed_link_that_fails_nothing_is_named_a_degraded_link_on_its_node(
+    stack: Connections, own_urls: ServerUrls, tmp_path: Path
+) -> None:
+    report = await _drill_past_the_baseline(stack, own_urls, tmp_path, DrillKind.LINK_SLOW)
     # The link's node, in the network lane; no rank is the one the others wait for (in a ring they all wait).
     assert report["named"] == {
         "lane": "network", "category": "degraded_link", "node": report["node"], "rank": None,
     }  # fmt: skip
-    assert report["localise_s"] is not None
-    assert report["decision"] is None  # nothing failed: nothing to decide
     assert not _shaped(report["node"])  # the drill gave the link its full rate back
 
 

@@ -33,6 +33,12 @@ NODE_FAULTS = frozenset({DrillKind.LINK_DOWN, DrillKind.LINK_SLOW})
 _EVIDENCE_KINDS = {"evidence", "rank_exited", "finding", "slowdown"}
 STRAGGLERS = frozenset({DrillKind.SLOW, DrillKind.LINK_SLOW})
 """Faults that fail nothing: named by the attempt's `slowdown`, not by a settled finding, and nothing decides."""
+STRAGGLER_READY_STEP = 60
+"""A straggler drill is injected once the job is past this step (a plan waits for a checkpoint at or after
+it): telemetry reads an attempt's first 30 steps as its baseline, and a slowdown inside them is no change."""
+STRAGGLER_DURATION_S = {DrillKind.SLOW: 20.0, DrillKind.LINK_SLOW: 30.0}
+"""How long a plan slows a rank or a link when it names no duration: long enough for two blocks of 8 slowed
+steps and the agent's word on the link (the drill tests' durations)."""
 
 
 @dataclass(frozen=True)
