@@ -21,7 +21,14 @@ from support.waiting import eventually
 
 from lanes_cli.timeline import job_timeline
 from lanes_contract.client import LanesClient
-from lanes_contract.events import CheckpointSaved, JobEvidence, JobFinding, JobSubmitted, JobSubmittedData
+from lanes_contract.events import (
+    CheckpointSaved,
+    DrillInjected,
+    JobEvidence,
+    JobFinding,
+    JobSubmitted,
+    JobSubmittedData,
+)
 from lanes_runtime.service import Connections
 from lanes_runtime.settings import ServerUrls
 
@@ -66,12 +73,16 @@ async def test_the_hung_ranks_dump_is_named_missing_beside_its_peers_dumps(own_u
     finding = max(findings, key=lambda f: f.data.version)
 
     # Every peer dumped: its last collective is on the timeline as its evidence.
-    dumped = {
-        e.event.rank: e.event.data.evidence.summary
+    dumps = [
+        e.event
         for e in timeline
         if isinstance(e.event, JobEvidence) and e.event.data.evidence.summary.startswith("Flight Recorder: ")
-    }
+    ]
+    dumped = {e.rank: e.data.evidence.summary for e in dumps}
     assert dumped, "no peer's dump was read"
+    # Each dump is evidence from when it was written, after the hang: never before the fault it reports.
+    (injected,) = [e.event for e in timeline if isinstance(e.event, DrillInjected)]
+    assert all(e.time > injected.time for e in dumps), [(e.rank, e.time, injected.time) for e in dumps]
     assert HUNG not in dumped
     assert all("last entered collective" in summary for summary in dumped.values()), dumped
     # The hung rank's dump never came, and the finding says what it would have settled. (A peer stopped by the

@@ -6,6 +6,9 @@ the rank's output ends; this is the one place that reads it (bounded) and turns 
 
 from __future__ import annotations
 
+import os
+from dataclasses import replace
+from datetime import UTC, datetime
 from pathlib import Path
 
 from lanes_evidence.evidence import Evidence
@@ -22,6 +25,7 @@ def take_rank_dump(path: Path, context: SourceContext, *, remove: bool) -> tuple
     """
     try:
         with path.open("rb") as file:
+            written = datetime.fromtimestamp(os.fstat(file.fileno()).st_mtime, UTC)
             data = file.read(MAX_DUMP_BYTES + 1)  # larger is refused as no dump
         found = rank_dump_evidence(data, context)
     except FileNotFoundError:
@@ -30,4 +34,6 @@ def take_rank_dump(path: Path, context: SourceContext, *, remove: bool) -> tuple
         return [], f"rank {context.rank}'s Flight Recorder dump {path} cannot be read: {exc}"
     if remove:
         path.unlink(missing_ok=True)
-    return found, None
+    # Stamped when the dump was written, which is when the rank knew something was wrong; the time it entered
+    # its last collective is earlier, often before the fault itself, and would read as evidence of it too soon.
+    return [replace(e, time=written) for e in found], None
