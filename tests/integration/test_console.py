@@ -362,7 +362,8 @@ async def browser() -> AsyncIterator[Browser]:
 
 
 async def open_page(browser: Browser, url: str) -> Page:
-    page = await browser.new_page(viewport={"width": 1200, "height": 900})
+    context = await browser.new_context(viewport={"width": 1200, "height": 900})  # a browser profile of its own
+    page = await context.new_page()
     refused: list[str] = []
     page.on("requestfailed", lambda request: refused.append(request.url))
     await page.goto(url)
@@ -440,6 +441,19 @@ async def test_in_chromium_the_jobs_list_shows_a_job_submitted_after_it_loaded(
     assert await filtered.locator(f"tr[data-job='{first}']").count() == 0
 
 
+async def read_exports(proc: asyncio.subprocess.Process) -> dict[str, str]:
+    """The `export NAME=value` lines `lanes up` prints first."""
+    assert proc.stdout is not None
+    exported: dict[str, str] = {}
+    while True:
+        line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
+        assert line, "lanes up ended before printing its exports"
+        if not line.startswith("export "):
+            return exported
+        name, _, value = line.removeprefix("export ").strip().partition("=")
+        exported[name] = value
+
+
 async def read_console_url(proc: asyncio.subprocess.Process) -> str:
     """The URL of the `console: <url>` line a `lanes` process prints (after any other lines)."""
     assert proc.stdout is not None
@@ -463,12 +477,16 @@ async def test_lanes_console_serves_the_log_until_interrupted(console: Console, 
         preexec_fn=interruptible,
     )
     try:
-        url = await read_console_url(proc)
-        assert re.fullmatch(r"http://127\.0\.0\.1:\d+/", url)
-        async with aiohttp.ClientSession() as session:
+        link = await read_console_url(proc)
+        match = re.fullmatch(r"(http://127\.0\.0\.1:\d+/)\?token=([\w-]+)", link)
+        assert match, link
+        url, token = match.groups()
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as session:
             assert (await session.get(f"{url}jobs/{job}")).status == 200
             rows = rows_of(await (await open_feed(session, f"{url}api/jobs/{job}/events")).until("caught_up"))
             assert [row["job_id"] for row in rows] == [job]
+        async with aiohttp.ClientSession() as stranger:
+            assert (await stranger.get(f"{url}api/jobs/{job}/events")).status == 401
     finally:
         proc.send_signal(signal.SIGINT)
         await asyncio.wait_for(proc.wait(), 30)
@@ -505,10 +523,14 @@ async def test_lanes_up_starts_the_console_and_prints_its_url(own_tmp: Path) -> 
         preexec_fn=interruptible,
     )
     try:
-        url = await read_console_url(proc)
-        async with aiohttp.ClientSession() as session:
-            page = await session.get(url)
+        exported = await read_exports(proc)
+        link = await read_console_url(proc)
+        url = link.split("?", 1)[0]
+        assert link == f"{url}?token={exported['LANES_CONSOLE_TOKEN']}"
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as session:  # 127.0.0.1's
+            page = await session.get(link)  # the printed link: its token becomes the browser's cookie
             assert page.status == 200
+            assert str(page.url) == url
             assert "/static/jobs.js" in await page.text()
             await (await open_feed(session, f"{url}api/jobs")).until("caught_up")
     finally:
@@ -640,3 +662,58 @@ async def test_in_chromium_an_inference_job_links_to_the_requests_its_replica_se
     await link.click()
     await page.wait_for_selector("body[data-caught-up='true']")
     assert "req-one" in (await page.text_content("#events") or "")
+
+
+async def test_a_viewer_needs_the_token_a_bearer_a_link_that_sets_its_cookie(console: Console, unique: str) -> None:
+    job = f"token-{unique}"
+    await publish(console, submitted(job))
+    token = f"viewer-{unique}"
+    runner, url = await serve(console.reader, "127.0.0.1", 0, token)
+    try:
+        async with aiohttp.ClientSession() as stranger:
+            for path in ("", f"jobs/{job}", f"api/jobs/{job}/events", "api/jobs", f"jobs/{job}?token=wrong-{unique}"):
+                refused = await stranger.get(f"{url}{path}")
+                assert refused.status == 401, path
+                assert "LANES_CONSOLE_TOKEN" in await refused.text()
+                assert refused.headers["WWW-Authenticate"] == "Bearer"
+            assert (await stranger.get(f"{url}static/job.js")).status == 200  # the package's code, the same for all
+
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as client:
+            feed = await open_feed(client, f"{url}api/jobs/{job}/events")
+            assert [row["job_id"] for row in rows_of(await feed.until("caught_up"))] == [job]
+
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as browser_like:
+            opened = await browser_like.get(f"{url}jobs/{job}?failures=1&token={token}")
+            assert opened.status == 200
+            assert str(opened.url) == f"{url}jobs/{job}?failures=1"  # the token left the address bar
+            assert opened.history[0].status == 303
+            cookie = opened.history[0].cookies["lanes_console_token"]
+            assert (cookie.value, cookie["httponly"], cookie["samesite"]) == (token, True, "Strict")
+            feed = await open_feed(browser_like, f"{url}api/jobs/{job}/events")  # the cookie is the credential now
+            await feed.until("caught_up")
+    finally:
+        await runner.cleanup()
+
+
+async def test_in_chromium_the_printed_link_opens_the_live_page_and_its_feed_carries_the_cookie(
+    console: Console, browser: Browser, unique: str
+) -> None:
+    job = f"link-{unique}"
+    await publish(console, submitted(job))
+    token = f"viewer-{unique}"
+    runner, url = await serve(console.reader, "127.0.0.1", 0, token)
+    try:
+        page = await open_page(browser, f"{url}jobs/{job}?token={token}")
+        assert page.url == f"{url}jobs/{job}"
+        (exit_seq,) = await publish(console, exited(job, 0, 1))
+        await page.wait_for_selector(f"tr[data-seq='{exit_seq}']", timeout=READ_BOUND_S * 1000)
+        again = await (await page.context.new_page()).goto(f"{url}jobs/{job}")  # the same browser: its cookie
+        assert again is not None
+        assert again.status == 200
+        other = await browser.new_context()  # another browser (profile): no cookie
+        refused = await (await other.new_page()).goto(f"{url}jobs/{job}")
+        assert refused is not None
+        assert refused.status == 401
+        await other.close()
+    finally:
+        await runner.cleanup()

@@ -202,11 +202,13 @@ def up(
             stop = stop_on_signals()
             fleet = local_nodes(nodes, gpus)
             await register_nodes(LanesClient(conns.nc, "lanes/up"), fleet)
+            console_token = console_cli.viewer_token()  # the console's viewers show it (curl: Bearer)
             for name, value in (
                 ("NATS_URL", urls.nats_url),
                 ("DATABASE_URL", urls.database_url),
                 ("REDIS_URL", urls.redis_url),
                 *signing_exports(),  # the commands typed after these sign as the operator
+                ("LANES_CONSOLE_TOKEN", console_token),
             ):
                 out.print(f"export {name}={value}", highlight=False, soft_wrap=True)
             out.print(f"[dim]{len(fleet)} local nodes x {gpus} GPUs; Ctrl-C to stop[/dim]")
@@ -232,7 +234,7 @@ def up(
                     run_consumers(consumers, stop),
                     launcher.run(stop),
                     announce_router(),
-                    console_cli.serve_beside(console_nc, stop),
+                    console_cli.serve_beside(console_nc, stop, console_token),
                 )
             finally:
                 await console_nc.close()

@@ -9,11 +9,12 @@ import typer
 from nats.aio.client import Client as NatsClient
 
 from lanes_cli.console import EXIT_FAILED, fail, load_settings, out, require, run_async
-from lanes_console.app import serve_until
+from lanes_console.app import serve_until, viewer_token
 from lanes_contract.client import connect_nats
 from lanes_runtime.service import stop_on_signals
 
 DEFAULT_PORT = 8090
+__all__ = ["DEFAULT_PORT", "announce", "console", "register", "serve_beside", "viewer_token"]  # `lanes up` uses these
 
 
 def register(app: typer.Typer) -> None:
@@ -32,6 +33,7 @@ def console(
     """Serve the live console: the jobs and each job's swimlanes in a browser, updated as events are stored.
 
     It only reads the log (give it the `console` identity's NATS_URL). Every view's URL opens the same view.
+    Viewers show LANES_CONSOLE_TOKEN (unset: a random one; the printed link carries it).
     """
     nats_url = require(load_settings(quiet=True).nats_url, "NATS_URL")
 
@@ -39,7 +41,7 @@ def console(
         nc = await connect_nats(nats_url, name="lanes-console")
         try:
             stop = stop_on_signals()
-            await serve_until(nc, host, port, stop, announce)
+            await serve_until(nc, host, port, stop=stop, on_ready=announce, token=viewer_token())
         finally:
             await nc.close()
 
@@ -51,14 +53,14 @@ def console(
         pass
 
 
-async def serve_beside(nc: NatsClient, stop: asyncio.Event) -> None:
+async def serve_beside(nc: NatsClient, stop: asyncio.Event, token: str) -> None:
     """The console of `lanes up`: on DEFAULT_PORT, or on any free port when that one is taken, until `stop`."""
     try:
-        await serve_until(nc, "127.0.0.1", DEFAULT_PORT, stop, announce)
+        await serve_until(nc, "127.0.0.1", DEFAULT_PORT, stop=stop, on_ready=announce, token=token)
     except OSError:  # another console (or anything) has the port: the printed URL names the one picked
-        await serve_until(nc, "127.0.0.1", 0, stop, announce)
+        await serve_until(nc, "127.0.0.1", 0, stop=stop, on_ready=announce, token=token)
 
 
 def announce(url: str) -> None:
-    """Print where the console answers (`lanes up` prints the same line)."""
+    """Print the link that opens the console, its viewer token in it (`lanes up` prints the same line)."""
     out.print(f"console: {url}", highlight=False, soft_wrap=True)

@@ -1,7 +1,8 @@
 """`lanes-console`: the console as its own process against NATS_URL (its `console` identity: it only reads).
 
 LANES_CONSOLE_HOST (default 127.0.0.1; 0.0.0.0 in a container) and LANES_CONSOLE_PORT (default 8090) say where
-it answers. SIGTERM or Ctrl-C stops it; each open page's feed is closed and its consumer deleted.
+it answers; every viewer must show LANES_CONSOLE_TOKEN (unset: a random one, logged once in the link to open).
+SIGTERM or Ctrl-C stops it; each open page's feed is closed and its consumer deleted.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 
 import structlog
 
-from lanes_console.app import serve_until
+from lanes_console.app import TOKEN_ENV, serve_until, viewer_token
 from lanes_contract.client import connect_nats
 from lanes_contract.errors import LanesError
 from lanes_runtime.log import configure_logging
@@ -30,7 +31,17 @@ async def run(nats_url: str, host: str, port: int) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await serve_until(nc, host, port, stop, lambda url: log.info("console answering", url=url))
+        token = viewer_token()
+        # A token of its own (LANES_CONSOLE_TOKEN unset) is only known from this line; a given one is not logged.
+        given = bool(os.environ.get(TOKEN_ENV))
+        await serve_until(
+            nc,
+            host,
+            port,
+            stop=stop,
+            on_ready=lambda url: log.info("console answering", url=url.split("?", 1)[0] if given else url),
+            token=token,
+        )
     finally:
         await nc.close()
 

@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import html
 import json
+import os
+import secrets
 from collections.abc import Awaitable, Callable
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import structlog
 from aiohttp import web
@@ -45,10 +49,15 @@ from lanes_runtime.reader import Selection, count
 
 log = structlog.get_logger(__name__)
 NATS_KEY: web.AppKey[NatsClient] = web.AppKey("nats", NatsClient)
+TOKEN_KEY: web.AppKey[str | None] = web.AppKey("token", str)
+TOKEN_ENV = "LANES_CONSOLE_TOKEN"  # noqa: S105 - the variable's name, not a token
+"""The viewer token the console asks of every browser and client (`lanes up` makes one and exports it)."""
+TOKEN_COOKIE = "lanes_console_token"  # noqa: S105 - the cookie's name, not a token
 STATIC = Path(str(files("lanes_console") / "static"))
 KEEPALIVE_S = 15.0
 """How often an idle feed sends an SSE comment: proxies keep the connection, a closed one is noticed."""
 MAX_EVENT_ID = 2**63 - 1
+SHUTDOWN_S = 1.0
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
     "base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
@@ -57,10 +66,14 @@ CSP = (
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def create_app(nc: NatsClient) -> web.Application:
-    """The console over a NATS connection that may read the log (the `console` identity)."""
-    app = web.Application(middlewares=[_guard])
+def create_app(nc: NatsClient, token: str | None = None) -> web.Application:
+    """The console over a NATS connection that may read the log (the `console` identity).
+
+    With a `token`, every page and feed asks for it (`_viewer`); without one, anyone who reaches the port reads.
+    """
+    app = web.Application(middlewares=[_guard, _viewer])
     app[NATS_KEY] = nc
+    app[TOKEN_KEY] = token
     app.router.add_get("/", jobs_page)
     app.router.add_get("/jobs/{job_id}", job_page)
     app.router.add_get("/api/jobs", jobs_feed)
@@ -83,6 +96,47 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     response.headers.setdefault("X-Content-Type-Options", "nosniff")
     response.headers.setdefault("Referrer-Policy", "no-referrer")
     return response
+
+
+def viewer_token() -> str:
+    """LANES_CONSOLE_TOKEN, or a fresh random token when it is not set."""
+    return os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)
+
+
+def link(url: str, token: str) -> str:
+    """The console's URL that a person can open: its `?token=` sets the cookie the pages then send."""
+    return f"{url}?{urlencode({'token': token})}"
+
+
+@web.middleware
+async def _viewer(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Let in a request that carries the viewer token: `Authorization: Bearer`, the cookie, or `?token=`.
+
+    A page opened with `?token=` sets the cookie (HttpOnly, same site only) and is sent again without it, so the
+    token stays out of the address bar and the history; the page's feeds then carry the cookie.
+    """
+    token = request.app[TOKEN_KEY]
+    if token is None or request.path.startswith("/static/"):  # the assets are the package's, the same for all
+        return await handler(request)
+    given = request.query.get("token")
+    bearer = request.headers.get("Authorization", "")
+    offered = [
+        bearer.removeprefix("Bearer ").strip() if bearer.startswith("Bearer ") else "",
+        request.cookies.get(TOKEN_COOKIE, ""),
+        given or "",
+    ]
+    if not any(hmac.compare_digest(candidate.encode(), token.encode()) for candidate in offered if candidate):
+        raise web.HTTPUnauthorized(
+            text=f"the console needs its viewer token ({TOKEN_ENV}): Authorization: Bearer <token>, or ?token=<token>"
+            " once in a browser",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    if given is not None and not request.path.startswith("/api/"):
+        rest = urlencode([(key, value) for key, value in request.query.items() if key != "token"])
+        seen = web.HTTPSeeOther(request.path + (f"?{rest}" if rest else ""))
+        seen.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="Strict", path="/")
+        raise seen
+    return await handler(request)
 
 
 def _page(name: str, **values: str) -> web.Response:
@@ -351,10 +405,13 @@ async def jobs_feed(request: web.Request) -> web.StreamResponse:
     return await _relay(request, feed, JOBS.name, subjects, after=after, on_row=on_row)
 
 
-async def serve(nc: NatsClient, host: str, port: int) -> tuple[web.AppRunner, str]:
+async def serve(nc: NatsClient, host: str, port: int, token: str | None = None) -> tuple[web.AppRunner, str]:
     """Start the console on host:port (0: a free port); the runner to clean up and the URL it answers on."""
-    # A browser that closes the page cancels its feed's handler at once, and with it the feed's consumer.
-    runner = web.AppRunner(create_app(nc), handler_cancellation=True, access_log=None)
+    # A browser that closes the page cancels its feed's handler at once, and with it the feed's consumer. A feed
+    # never ends by itself, so a stopping console cancels the open ones after SHUTDOWN_S instead of waiting.
+    runner = web.AppRunner(
+        create_app(nc, token), handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_S
+    )
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -364,12 +421,12 @@ async def serve(nc: NatsClient, host: str, port: int) -> tuple[web.AppRunner, st
 
 
 async def serve_until(
-    nc: NatsClient, host: str, port: int, stop: asyncio.Event, on_ready: Callable[[str], None]
+    nc: NatsClient, host: str, port: int, *, stop: asyncio.Event, on_ready: Callable[[str], None], token: str
 ) -> None:
-    """Serve the console until `stop` is set, telling `on_ready` the URL once it answers."""
-    runner, url = await serve(nc, host, port)
+    """Serve the console until `stop` is set, asking for `token`; `on_ready` gets the link to open, once it answers."""
+    runner, url = await serve(nc, host, port, token)
     try:
-        on_ready(url)
+        on_ready(link(url, token))
         await stop.wait()
     finally:
         await runner.cleanup()

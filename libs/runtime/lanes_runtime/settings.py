@@ -33,6 +33,7 @@ ENV_VARS = {
     "LANES_METRICS_HOST": "the address /metrics binds (default 127.0.0.1; 0.0.0.0 in a container, to be scraped)",
     "LANES_AUDIT_GAP_BOUND_S": "audit service: seconds a gap in the copy may wait to fill before it is not ready (60)",
     "LANES_CONSOLE_HOST": "console: the address its HTTP server binds (default 127.0.0.1; 0.0.0.0 in a container)",
+    "LANES_CONSOLE_TOKEN": "console: the viewer token every page and feed asks for (unset: a random one, logged once)",
     "LANES_CONSOLE_PORT": "console: the port of its HTTP server (default 8090; 0 picks a free port and logs the URL)",
     "LANES_LOG_LEVEL": "debug | info | warning | error (default info)",
     "LANES_LOG_FORMAT": "json | console (default: console on a terminal, json otherwise)",
