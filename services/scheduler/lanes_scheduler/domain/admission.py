@@ -117,11 +117,11 @@ def _avoided(view: CapacityView, gang: Gang) -> frozenset[str]:
 
 
 def _fits_spec(node: Node, gang: Gang) -> bool:
-    return (
-        (gang.gpu_model is None or node.gpu_model == gang.gpu_model)
-        and (gang.gpu_memory_gib is None or node.gpu_memory_gib >= gang.gpu_memory_gib)
-        and node.gpus >= gang.gpus_per_worker
-    )
+    return _fits(node, gang.gpu_model, gang.gpu_memory_gib) and node.gpus >= gang.gpus_per_worker
+
+
+def _fits(node: Node, model: str | None, memory: float | None) -> bool:
+    return (model is None or node.gpu_model == model) and (memory is None or node.gpu_memory_gib >= memory)
 
 
 class CapacityView:
@@ -144,7 +144,7 @@ class CapacityView:
         self.node_kinds: dict[str, set[tuple[str, int, int]]] = {}
         self._capacity_cache: dict[tuple[object, ...], tuple[str, int]] = {}
         # Worker slots per domain for a given GPUs-per-worker, built on first use and kept up to date.
-        self._slot_tables: dict[tuple[str, Level, int], dict[str, int]] = {}
+        self._slot_tables: dict[tuple[str, Level, int, str | None, float | None], dict[str, int]] = {}
         self._holders_in: dict[str, tuple[str, ...]] = {}
         """Each pool's holders, sorted: made again only when a job starts or stops holding there."""
         for node in self.nodes.values():
@@ -202,25 +202,32 @@ class CapacityView:
             if not left:
                 del buckets[before]  # keep only values that some domain has, so lookups stay short
             buckets.setdefault(before + delta, set()).add(domain)
-        for (pool, level, g), table in self._slot_tables.items():
-            if pool == node.pool:
+        for (pool, level, g, model, memory), table in self._slot_tables.items():
+            if pool == node.pool and _fits(node, model, memory):
                 table[node.domain(level)] += after // g - (after - delta) // g
 
-    def slot_table(self, pool: str, level: Level, g: int) -> dict[str, int]:
-        """Worker slots of `g` GPUs per domain of `level` on ready nodes (any model; see `uniform`)."""
-        key = (pool, level, g)
+    def slot_table(self, gang: Gang, level: Level) -> dict[str, int]:
+        """The gang's worker slots per domain of `level` on ready nodes that fit its GPU spec, kept up to date.
+
+        One table per spec (GPUs per worker, model, memory) and level, built on first use: with several GPU
+        models in a pool, each spec counts only its own nodes, so no decision scans the nodes one by one.
+        """
+        g, model, memory = gang.gpus_per_worker, gang.gpu_model, gang.gpu_memory_gib
+        key = (gang.pool, level, g, model, memory)
         table = self._slot_tables.get(key)
         if table is None:
             table = {}
-            for domain, members in self._members.get((pool, level), {}).items():
+            for domain, members in self._members.get((gang.pool, level), {}).items():
                 table[domain] = sum(
-                    len(self.free[n]) // g for n in members if self.nodes[n].status.state is NodeState.READY
+                    len(self.free[n]) // g
+                    for n in members
+                    if self.nodes[n].status.state is NodeState.READY and _fits(self.nodes[n], model, memory)
                 )
             self._slot_tables[key] = table
         return table
 
     def uniform(self, gang: Gang) -> bool:
-        """Whether every node of the gang's pool fits its GPU spec (slot tables are then exact)."""
+        """Whether every node of the gang's pool fits its GPU spec."""
         kinds = self.node_kinds.get(gang.pool, set())
         return all(
             (gang.gpu_model is None or m == gang.gpu_model)
@@ -406,15 +413,14 @@ def place_gang(view: CapacityView, gang: Gang, excluded: frozenset[str] = frozen
         if view.largest_domain(gang.pool, level) < need:
             continue  # no domain of this level could hold the gang even when idle
         members = view.members(gang.pool, level)
-        slots = view.slot_table(gang.pool, level, gang.gpus_per_worker) if view.uniform(gang) else None
+        slots = view.slot_table(gang, level)
         kept_back: dict[str, int] = {}
-        if slots is not None:
-            for n in excluded:
-                if view.nodes[n].pool == gang.pool:
-                    d = view.nodes[n].domain(level)
-                    kept_back[d] = kept_back.get(d, 0) + view.slots(n, gang, frozenset())
+        for n in excluded:
+            if view.nodes[n].pool == gang.pool:
+                d = view.nodes[n].domain(level)
+                kept_back[d] = kept_back.get(d, 0) + view.slots(n, gang, frozenset())
         for domain in view.best_fit_domains(gang.pool, level, need):
-            if slots is not None and slots[domain] - kept_back.get(domain, 0) < gang.workers:
+            if slots[domain] - kept_back.get(domain, 0) < gang.workers:
                 continue
             order = _try_domain(view, gang, level, members[domain], excluded)
             if order is not None:
@@ -438,27 +444,21 @@ def _largest(
         return cached
     if any_state and view.not_ready.get(gang.pool, 0):
         return _largest_scan(view, gang, level, excluded, any_state=True, empty=False)
+    table = view.slot_table(gang, level)
+    if excluded:
+        table = dict(table)
+        for n in excluded:
+            if view.nodes[n].pool == gang.pool:
+                table[view.nodes[n].domain(level)] -= view.slots(n, gang, frozenset())
+    if not table:
+        return ("", 0)
     if view.uniform(gang):
-        table = view.slot_table(gang.pool, level, gang.gpus_per_worker)
-        if excluded:
-            table = dict(table)
-            for n in excluded:
-                if view.nodes[n].pool == gang.pool:
-                    table[view.nodes[n].domain(level)] -= view.slots(n, gang, frozenset())
-        if not table:
-            return ("", 0)
         domain = min(table, key=lambda d: (-table[d], d))
-        return (domain, table[domain]) if table[domain] > 0 else ("", 0)
-    # Free GPUs per domain bound its slots from above: visit the freest first and stop when none can win.
-    best = ("", 0)
-    members = view.members(gang.pool, level)
-    for free, domain in view.most_free_domains(gang.pool, level):
-        if free // gang.gpus_per_worker <= best[1]:
-            break
-        slots = sum(view.slots(n, gang, excluded) for n in members[domain])
-        if slots > best[1]:
-            best = (domain, slots)
-    return best
+    else:
+        # Among domains with as many slots, the one with the most free GPUs of any model, then by id.
+        frees = view.domain_frees(gang.pool, level)
+        domain = min(table, key=lambda d: (-table[d], -frees.get(d, 0), d))
+    return (domain, table[domain]) if table[domain] > 0 else ("", 0)
 
 
 def _largest_scan(
@@ -479,12 +479,9 @@ def _largest_scan(
     return best
 
 
-def _free_slots(view: CapacityView, gang: Gang, excluded: frozenset[str], *, uniform: bool) -> int:
+def _free_slots(view: CapacityView, gang: Gang, excluded: frozenset[str]) -> int:
     """Workers of the gang that fit on ready, non-excluded nodes of its pool right now."""
-    if not uniform:
-        return sum(view.slots(n, gang, excluded) for n, node in view.nodes.items() if node.pool == gang.pool)
-    # Every node of the pool fits the spec: the cluster-level slot table holds the count.
-    total = view.slot_table(gang.pool, Level.CLUSTER, gang.gpus_per_worker).get(CLUSTER_DOMAIN, 0)
+    total = view.slot_table(gang, Level.CLUSTER).get(CLUSTER_DOMAIN, 0)
     return total - sum(view.slots(n, gang, frozenset()) for n in excluded if view.nodes[n].pool == gang.pool)
 
 
@@ -574,7 +571,7 @@ def explain(
         if isolated is not None:
             return isolated
     kept_out = excluded | avoided
-    free_slots = _free_slots(view, gang, kept_out, uniform=fitting_kinds == kinds)
+    free_slots = _free_slots(view, gang, kept_out)
     figures = {"needed_gpus": gang.gpus, "free_gpus": free_slots * g}
     ready_domain, ready_largest = _largest(view, gang, required, kept_out, any_state=False, empty=False)
     if ready_largest < gang.workers:
