@@ -6,7 +6,7 @@
 - `GET /api/jobs` and `GET /api/jobs/<id>/events` are `text/event-stream`: the stored events first, then new
   ones as they are stored, each with `id: <stream sequence>`. A browser that reconnects sends `Last-Event-ID`
   and gets what came after it, no gap and no duplicate. Each feed has a reader's consumer of its own
-  (`lanes_console.tail`), deleted when the browser goes away.
+  (`lanes_runtime.reader.follow`), deleted when the browser goes away.
 
 Everything a page shows is sent as JSON and put in the page as text, never as markup; the pages forbid every
 script, style and connection not from this server (Content-Security-Policy), so they load nothing from
@@ -42,10 +42,9 @@ from lanes_console.rows import (
     job_update,
     row_of,
 )
-from lanes_console.tail import Mark, follow
 from lanes_contract.ids import is_valid_token
 from lanes_contract.streams import JOBS, NODES, REQUESTS, TELEMETRY
-from lanes_runtime.reader import Selection, count
+from lanes_runtime.reader import Mark, Selection, count, follow
 
 log = structlog.get_logger(__name__)
 NATS_KEY: web.AppKey[NatsClient] = web.AppKey("nats", NatsClient)

@@ -3,8 +3,9 @@
 `iter_stream` is the one reader of a stored range: a consumer of its own, named `read-<random>`, with no
 acknowledgements, stored in memory on the server, pulled a batch at a time (`BatchPull`) and deleted when the
 read ends (or, if this process dies, once it has been idle for READER_IDLE_S). `lanes replay`, `lanes
-timeline`, the demo and the projection rebuilds all read through it; the router's registry feed follows the
-log live with the same kind of consumer.
+timeline`, the demo and the projection rebuilds all read through it. `follow` replays and then tails with the
+same kind of consumer, made again from the first message not yielded when the server loses it: the router's
+registry feed and the console follow the log live through it.
 
 Why named, and pulled: the server takes the name of a consumer created without one in the subject
 (`$JS.API.CONSUMER.CREATE.<stream>`) from the request's body, and a body naming a service's durable updates
@@ -20,18 +21,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime
+from enum import Enum
 
+import structlog
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from lanes_runtime.delivery import BatchPull, ConsumerGoneError
 
+log = structlog.get_logger(__name__)
 READER_PREFIX = "read-"
 """The names of readers' consumers start with it; no durable's name does (the identity table checks)."""
 READER_IDLE_S = 30.0
@@ -39,6 +44,9 @@ READER_IDLE_S = 30.0
 _BATCH = 256
 _QUIET_S = 2.0
 """How long a read waits for a first or next message before deciding there is none."""
+_FOLLOW_WAIT_S = 1.0
+"""How long one pull of a follower waits for a new event before it asks again (a new event ends the wait)."""
+_FOLLOW_RETRY_S = 1.0
 
 
 def reader_name() -> str:
@@ -170,3 +178,55 @@ class _Reading:
         if self._name is not None:
             with contextlib.suppress(Exception):
                 await self._js.delete_consumer(self._selection.stream, self._name)
+
+
+class Mark(Enum):
+    """What `follow` yields besides messages."""
+
+    CAUGHT_UP = "caught_up"
+    """Once, after the last message that was stored when the read began (at once if there was none)."""
+    IDLE = "idle"
+    """After a pull that found nothing new: the reader may say it is still there (an SSE comment)."""
+
+
+async def follow(
+    nc: NatsClient, stream: str, subjects: tuple[str, ...], from_seq: int | None = None
+) -> AsyncGenerator[Msg | Mark, None]:
+    """Yield the stream's messages on `subjects` in order, from `from_seq` (default: the start), forever.
+
+    Yields Mark.CAUGHT_UP once, after the last message stored when the read began, and Mark.IDLE after each
+    pull that found nothing. Close it (`contextlib.aclosing`) to delete its consumer at once.
+    """
+    js = nc.jetstream()
+    next_seq = from_seq
+    said_caught_up = False
+    while True:
+        name = reader_name()
+        config = reader_config(name, list(subjects))
+        if next_seq is not None:
+            config.deliver_policy, config.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, next_seq
+        pull: BatchPull | None = None
+        try:
+            await js.add_consumer(stream, config=config)
+            pull = await BatchPull.bind(nc, stream, name)
+            while True:
+                msgs = await pull.fetch(_BATCH, _FOLLOW_WAIT_S)
+                for msg in msgs:
+                    next_seq = msg.metadata.sequence.stream + 1
+                    yield msg
+                if not said_caught_up and (not msgs or msgs[-1].metadata.num_pending == 0):
+                    said_caught_up = True
+                    yield Mark.CAUGHT_UP
+                elif not msgs:
+                    yield Mark.IDLE
+        except (NatsError, OSError, TimeoutError) as exc:
+            # The stream is not there yet, the server restarted (a reader's consumer lives in its memory) or
+            # is away: make the consumer again, from the first message not yielded, once it answers.
+            log.warning("stream follower interrupted; following again", stream=stream, error=str(exc) or repr(exc))
+            await asyncio.sleep(_FOLLOW_RETRY_S)
+        finally:
+            if pull is not None:
+                with contextlib.suppress(Exception):
+                    await pull.unsubscribe()
+            with contextlib.suppress(Exception):
+                await asyncio.shield(js.delete_consumer(stream, name))

@@ -1,10 +1,10 @@
 """Feeds the replica registry from the log: a reader's pull consumers replaying LANES_JOBS and LANES_NODES.
 
 Each router rebuilds its registry from the start of the streams on every start (no durable state of its
-own), filtered to the event types the fold reads, and then follows them live. The consumers are a reader's
-(`lanes_runtime.reader`: named in their create subject, unacknowledged, in memory, gone once idle): the
-server delivers in order, and a consumer lost with a server restart is made again from the next sequence
-this router has not folded, so nothing is folded twice or skipped.
+own), filtered to the event types the fold reads, and then follows them live (`lanes_runtime.reader.follow`: a
+reader's consumer, named in its create subject, unacknowledged, in memory, gone once idle): the server
+delivers in order, and a consumer lost with a server restart is made again from the next sequence this
+router has not folded, so nothing is folded twice or skipped.
 """
 
 from __future__ import annotations
@@ -16,15 +16,12 @@ from collections.abc import Callable
 import structlog
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.errors import Error as NatsError
-from nats.js.api import DeliverPolicy
 
 from lanes_contract.codec import decode
 from lanes_contract.errors import DecodeError
 from lanes_contract.events import Event
 from lanes_contract.streams import JOBS, NODES
-from lanes_runtime.delivery import BatchPull
-from lanes_runtime.reader import reader_config, reader_name
+from lanes_runtime.reader import Mark, follow
 
 log = structlog.get_logger(__name__)
 JOB_SUBJECTS = tuple(
@@ -32,10 +29,6 @@ JOB_SUBJECTS = tuple(
     for name in ("submitted", "placed", "state_changed", "attempt_requested", "replica_listening", "replica_state")
 )
 NODE_SUBJECTS = ("lanes.node.*.state_changed",)
-_BATCH = 256
-_WAIT_S = 1.0
-"""How long one pull waits for a new event: also how soon a stopping router notices."""
-_RETRY_S = 1.0
 
 
 class RegistryFeed:
@@ -77,37 +70,15 @@ class RegistryFeed:
     async def _follow(
         self, stream: str, subjects: tuple[str, ...], replayed: asyncio.Event, stop: asyncio.Event
     ) -> None:
-        """Pull the stream's events in order until `stop`; set `replayed` once a pull finds nothing newer."""
-        next_seq: int | None = None
-        """The first sequence not folded yet (None: nothing folded, start at the start of the stream)."""
-        while not stop.is_set():
-            name = reader_name()
-            config = reader_config(name, list(subjects))
-            if next_seq is not None:
-                config.deliver_policy, config.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, next_seq
-            pull: BatchPull | None = None
-            try:
-                await self._js.add_consumer(stream, config=config)
-                pull = await BatchPull.bind(self._nc, stream, name)
-                while not stop.is_set():
-                    msgs = await pull.fetch(_BATCH, _WAIT_S)
-                    for msg in msgs:
-                        self._on_message(msg)
-                        next_seq = msg.metadata.sequence.stream + 1
-                    if not msgs or msgs[-1].metadata.num_pending == 0:
-                        replayed.set()
-            except (NatsError, OSError, TimeoutError) as exc:
-                # The server restarted (a reader's consumer lives in its memory) or is away: make it again,
-                # from the first event not folded, once the server answers.
-                log.warning("registry feed interrupted; following again", stream=stream, error=str(exc) or repr(exc))
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), timeout=_RETRY_S)
-            finally:
-                if pull is not None:
-                    with contextlib.suppress(Exception):
-                        await pull.unsubscribe()
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(self._js.delete_consumer(stream, name))
+        """Fold the stream's events in order until `stop`; set `replayed` once what was stored is folded."""
+        async with contextlib.aclosing(follow(self._nc, stream, subjects)) as messages:
+            async for item in messages:  # an idle pull yields every second: a stopping router notices
+                if stop.is_set():
+                    return
+                if item is Mark.CAUGHT_UP:
+                    replayed.set()
+                elif isinstance(item, Msg):
+                    self._on_message(item)
 
     def _on_message(self, msg: Msg) -> None:
         try:
