@@ -202,8 +202,8 @@ async def _run_job(conns: Connections, client: LanesClient, spec: JobSpec, timeo
     return job_id
 
 
-async def _guarded(work: Coroutine[Any, Any, _T], workers: list[asyncio.Task[None]], timeout_s: float) -> _T:
-    """Await `work`, but raise at once if a service or the launcher failed meanwhile."""
+async def guarded(work: Coroutine[Any, Any, _T], workers: list[asyncio.Task[None]], timeout_s: float) -> _T:
+    """Await `work`, but raise at once if a service or the launcher failed meanwhile (the demo and `lanes poc run`)."""
     task = asyncio.ensure_future(work)
     done, _ = await asyncio.wait([task, *workers], timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
     if task in done:
@@ -255,21 +255,21 @@ async def run_demo(
             await register_nodes(client, DEMO_NODES)
             # Submit once the scheduler knows the nodes, so the scenario does not depend on which of its two
             # consumers runs first (a job submitted earlier would wait with spec_mismatch, then be placed).
-            await _guarded(wait_for_nodes(conns, len(DEMO_NODES), timeout_s), workers, timeout_s)
+            await guarded(wait_for_nodes(conns, len(DEMO_NODES), timeout_s), workers, timeout_s)
             train = JobSpec(name="demo-train", workload_class=WorkloadClass.TRAINING, workers=2, gpus_per_worker=4)
-            trained = await _guarded(_run_job(conns, client, train, timeout_s), workers, timeout_s)
-            cancelled = await _guarded(cancelled_while_starting(conns, timeout_s=timeout_s), workers, timeout_s)
-            manual_job_id = await _guarded(one_rank_fails(conns, timeout_s=timeout_s), workers, timeout_s)
-            oom_job_id = await _guarded(
+            trained = await guarded(_run_job(conns, client, train, timeout_s), workers, timeout_s)
+            cancelled = await guarded(cancelled_while_starting(conns, timeout_s=timeout_s), workers, timeout_s)
+            manual_job_id = await guarded(one_rank_fails(conns, timeout_s=timeout_s), workers, timeout_s)
+            oom_job_id = await guarded(
                 oom_killed_rank(conns, timeout_s=timeout_s, kernel_delay_s=kernel_delay_s, through_kernel=kernel),
                 workers,
                 timeout_s,
             )
             job_ids = [trained, cancelled, manual_job_id, oom_job_id]
-            topology = await _guarded(topology_wait_then_placed(conns, timeout_s=timeout_s), workers, timeout_s)
+            topology = await guarded(topology_wait_then_placed(conns, timeout_s=timeout_s), workers, timeout_s)
             job_ids += [topology.blocker_job_id, topology.job_id]
-            router_url = await _guarded(router.url(), workers, timeout_s)
-            inference = await _guarded(
+            router_url = await guarded(router.url(), workers, timeout_s)
+            inference = await guarded(
                 replica_node_fails(conns, router_url, timeout_s=timeout_s, through_kernel=kernel), workers, timeout_s
             )
             job_ids += list(inference.replica_job_ids)

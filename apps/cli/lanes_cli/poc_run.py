@@ -25,7 +25,7 @@ from lanes_agent.faults import KMSG, FaultError
 from lanes_agent.launcher import LocalLauncher
 from lanes_agent.netns import NodeNetworks
 from lanes_cli.bootstrap import SERVICES, prepare_services
-from lanes_cli.demo import FaultPaths, _guarded, wait_for_nodes
+from lanes_cli.demo import FaultPaths, guarded, wait_for_nodes
 from lanes_cli.drill_cli import DrillStep, run_drill
 from lanes_cli.poc import Verdict
 from lanes_cli.poc_inference import inference_verdict, judge_inference
@@ -181,7 +181,7 @@ class _Runner:
         self.networks = networks
 
     async def guarded(self, work: Coroutine[Any, Any, _T], timeout_s: float) -> _T:
-        return await _guarded(work, self.workers, timeout_s)
+        return await guarded(work, self.workers, timeout_s)
 
     async def wait_rows(self, job_id: str, done: Callable[[list[Row]], bool], timeout_s: float) -> list[Row] | None:
         """The job's rows once `done` holds for them; None when `timeout_s` ran out first."""
