@@ -157,7 +157,8 @@ def test_the_readme_walkthrough_signs_and_verifies_clean(tmp_path: Path) -> None
                 exports[name] = value
             elif "Ctrl-C to stop" in line:
                 break
-        assert sorted(exports) == sorted(["NATS_URL", "DATABASE_URL", "REDIS_URL", SIGNING_KEY_ENV, KEYRING_ENV])
+        expected = ["NATS_URL", "DATABASE_URL", "REDIS_URL", SIGNING_KEY_ENV, KEYRING_ENV, "LANES_CONSOLE_TOKEN"]
+        assert sorted(exports) == sorted(expected)
         assert Path(exports[SIGNING_KEY_ENV]).name == "cli.key"  # the operator's key, not the platform's
         assert Path(exports[KEYRING_ENV]).name == KEYRING_FILE
         shell = env | exports
