@@ -228,6 +228,29 @@ def test_up_serves_submit_job_and_timeline_then_stops_cleanly_on_ctrl_c(tmp_path
 
 
 @pytest.mark.slow
+def test_up_stops_on_ctrl_c_right_after_it_starts(private_tmp: Path) -> None:
+    # A Ctrl-C before the router listened used to leave `lanes up` waiting for the router's address forever.
+    up = subprocess.Popen(
+        [LANES, "up"],
+        env=_env(TMPDIR=str(private_tmp)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        preexec_fn=interruptible,  # noqa: PLW1509 - only sets a signal disposition before exec
+    )
+    try:
+        assert up.stdout is not None
+        for line in up.stdout:
+            if "Ctrl-C to stop" in line:
+                break
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(timeout=60)
+    assert up.returncode == 0
+    _gone(private_tmp)
+
+
+@pytest.mark.slow
 def test_bad_input_gets_a_one_line_error_and_a_meaningful_exit_code(tmp_path: Path, servers: ServerUrls) -> None:
     env = _env(NATS_URL=servers.nats_url, DATABASE_URL=servers.database_url, REDIS_URL=servers.redis_url)
     missing = _lanes("submit", str(tmp_path / "nope.yaml"), env=env)

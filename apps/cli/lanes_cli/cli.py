@@ -223,7 +223,14 @@ def up(
             router = next(consumer for consumer in consumers if isinstance(consumer, RouterRunner))
 
             async def announce_router() -> None:
-                url = await router.url()
+                # A Ctrl-C before the router listens leaves nothing to announce, and must not be waited out.
+                bound, stopped = asyncio.ensure_future(router.url()), asyncio.ensure_future(stop.wait())
+                await asyncio.wait({bound, stopped}, return_when=asyncio.FIRST_COMPLETED)
+                stopped.cancel()
+                if not bound.done():
+                    bound.cancel()
+                    return
+                url = bound.result()
                 out.print(f"router (OpenAI-compatible): {url}/v1/chat/completions", highlight=False, soft_wrap=True)
 
             # The console reads as its own identity, which may only read: what it serves cannot write the log.

@@ -135,7 +135,8 @@ class RouterRunner:
             await self._listen(runner)
             url = self._url_of(runner)
             log.info("router listening", url=url, router=self.router_name, replicas=len(self.registry.all()))
-            self._bound_future().set_result(url)
+            if not (bound := self._bound_future()).done():  # a waiter that gave up (a Ctrl-C) cancelled it
+                bound.set_result(url)
             await stop.wait()
         finally:
             # Stop taking connections, let the requests in flight finish (bounded), then stop the helpers,
