@@ -176,9 +176,9 @@ async def test_demo_uses_the_servers_the_environment_names(servers: ServerUrls, 
     assert state == "released"
 
 
-@pytest.mark.slow
-def test_up_serves_submit_job_and_timeline_then_stops_cleanly_on_ctrl_c(tmp_path: Path, private_tmp: Path) -> None:
-    up = subprocess.Popen(
+def _up(private_tmp: Path) -> subprocess.Popen[str]:
+    """`lanes up` on embedded servers whose files go under `private_tmp`, its stdout read by the test."""
+    return subprocess.Popen(
         [LANES, "up"],
         env=_env(TMPDIR=str(private_tmp)),
         stdout=subprocess.PIPE,
@@ -186,6 +186,11 @@ def test_up_serves_submit_job_and_timeline_then_stops_cleanly_on_ctrl_c(tmp_path
         text=True,
         preexec_fn=interruptible,  # noqa: PLW1509 - only sets a signal disposition before exec
     )
+
+
+@pytest.mark.slow
+def test_up_serves_submit_job_and_timeline_then_stops_cleanly_on_ctrl_c(tmp_path: Path, private_tmp: Path) -> None:
+    up = _up(private_tmp)
     try:
         assert up.stdout is not None
         exports: dict[str, str] = {}
@@ -230,14 +235,7 @@ def test_up_serves_submit_job_and_timeline_then_stops_cleanly_on_ctrl_c(tmp_path
 @pytest.mark.slow
 def test_up_stops_on_ctrl_c_right_after_it_starts(private_tmp: Path) -> None:
     # A Ctrl-C before the router listened used to leave `lanes up` waiting for the router's address forever.
-    up = subprocess.Popen(
-        [LANES, "up"],
-        env=_env(TMPDIR=str(private_tmp)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        preexec_fn=interruptible,  # noqa: PLW1509 - only sets a signal disposition before exec
-    )
+    up = _up(private_tmp)
     try:
         assert up.stdout is not None
         for line in up.stdout:
