@@ -117,6 +117,8 @@ async def test_torchrun_with_a_failing_rank_gets_the_finding_lanes_analyze_elect
 
 # Plain torch.distributed training, unmodified: three SGD steps, each all-reducing its gradients.
 _STEPS = """\
+import sys
+
 import torch
 import torch.distributed as dist
 
@@ -130,7 +132,9 @@ for step in range(3):
     for parameter in model.parameters():
         dist.all_reduce(parameter.grad)
     optimiser.step()
-print(f"rank {dist.get_rank()} weights {model.weight.sum().item():.9f}", flush=True)
+# One write per line: the workers share torchrun's unbuffered stdout, where print writes the newline apart.
+sys.stdout.write(f"rank {dist.get_rank()} weights {model.weight.sum().item():.9f}\\n")
+sys.stdout.flush()
 dist.destroy_process_group()
 """
 

@@ -76,7 +76,10 @@ class StepClock:
 
 
 def _say(line: str) -> None:
-    print(line, file=sys.stdout, flush=True)  # noqa: T201 - its output is what the agent reads
+    # One write for the line and its newline: the workers of a torchrun share one pipe, and with unbuffered
+    # output `print` writes the two apart, so two workers' lines could run into one.
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def install(out: Callable[[str], None] = _say) -> StepClock:
