@@ -72,7 +72,7 @@ class ResumeRequested(Event):
 
 
 class DrillKind(StrEnum):
-    """The real faults `lanes drill` injects into a running rank."""
+    """The real faults `lanes drill` injects into a running rank, or into an inference replica (`replica-*`)."""
 
     KILL = "kill"
     """SIGKILL the rank."""
@@ -90,6 +90,12 @@ class DrillKind(StrEnum):
     """Bring the rank's node's link down (its veth, with `lanes up --netns`), and up after a duration if given."""
     LINK_SLOW = "link-slow"
     """Rate-limit the rank's node's link both ways (a `tbf` on each end of its veth) for a duration: it degrades."""
+    REPLICA_KILL = "replica-kill"
+    """SIGKILL an inference replica's server with streams in flight: the router must continue them elsewhere."""
+    REPLICA_PAUSE = "replica-pause"
+    """SIGSTOP an inference replica's server (a hang after the first token), and SIGCONT it after a duration."""
+    REPLICA_DRAIN = "replica-drain"
+    """Drain an inference replica with streams in flight (and put it back in rotation after a duration, if given)."""
 
 
 class DrillInjectedData(Data):
