@@ -78,6 +78,7 @@ def render(result: WhatIf) -> None:
     print_line(out, f"  {result.treatment[0]} ({result.digests_mismatched} refused for their digest in the log)")
     horizon = "no event" if result.horizon is None else result.horizon.isoformat()
     print_line(out, f"  {result.treatment[1]} ({horizon})")
+    print_line(out, f"  {result.treatment[2]}")
     if not result.diff:
         print_line(out, f"no decision changed ({len(result.new)} decisions replayed)")
     for change in result.diff:
@@ -97,6 +98,29 @@ def render(result: WhatIf) -> None:
         changed = [f"{what} {c['delta']:+d}" for what, c in counts.items() if c["delta"]]
         if changed:
             print_line(out, f"  {owner}: {', '.join(changed)}")
+    held = deltas["gpu_hours_held_waiting"]
+    print_line(out, f"GPU-hours held while waiting: {held['recorded']:.3f} -> {held['new']:.3f}")
+    for side in ("recorded", "new"):
+        times = deltas["time_to_recover"][side]
+        p50 = "-" if times["p50_s"] is None else f"{times['p50_s']:.1f} s"
+        longest = "-" if times["max_s"] is None else f"{times['max_s']:.1f} s"
+        borrowed = (
+            f", {times['placement_delay_borrowed']} with the log's median placement delay"
+            if times["placement_delay_borrowed"]
+            else ""
+        )
+        print_line(
+            out,
+            f"time to recover ({side}): {times['recovered']} recovered, p50 {p50}, max {longest}; "
+            f"{times['still_waiting_at_log_end']} still waiting when the log ends{borrowed}",
+        )
+    refused = deltas["resumes_refused_by_gate"]
+    fields = ", ".join(f"{name} {count}" for name, count in refused["fields"]["new"].items())
+    print_line(
+        out,
+        f"resumes the version gate refused: {refused['recorded']} -> {refused['new']}"
+        + (f" ({fields})" if fields else ""),
+    )
 
 
 def _document(path: Path, model: type[_Model], what: str) -> _Model:

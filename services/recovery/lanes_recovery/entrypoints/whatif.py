@@ -28,10 +28,19 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, cast
 
-from lanes_contract.events import Event, RecoveryAction, RecoveryDecided, RecoveryEscalated
+from lanes_contract.events import (
+    CancelRequested,
+    Event,
+    RecoveryAction,
+    RecoveryDecided,
+    RecoveryEscalated,
+    ResumeRequested,
+    RetryRequested,
+)
 from lanes_recovery.adapters.memory import MemoryRecoveryStore, RecordedDigests
 from lanes_recovery.domain.policy import Policy
 from lanes_recovery.entrypoints.service import RECOVERY_INPUTS
+from lanes_recovery.entrypoints.whatif_outcomes import OUTCOME_TREATMENT, Side, outcome_deltas, recorded_side
 from lanes_recovery.service_layer.handlers import Recovery
 from lanes_runtime.consumer import HandlerContext
 from lanes_runtime.store import Db
@@ -141,10 +150,15 @@ class WhatIf:
     horizon: datetime | None
     """The last recorded event's time: timers due later were not fired."""
     digests_mismatched: int
-    treatment: tuple[str, ...] = field(default=(DIGEST_TREATMENT, TIMER_TREATMENT))
+    outcomes: dict[str, Any] = field(default_factory=dict)
+    """GPU-hours held while waiting, time to recover, resumes the version gate refused (`whatif_outcomes`)."""
+    treatment: tuple[str, ...] = field(default=(DIGEST_TREATMENT, TIMER_TREATMENT, OUTCOME_TREATMENT))
 
     def deltas(self) -> dict[str, Any]:
-        """Retries, cordons and pages, recorded and new, in total and per owner (pages include escalations)."""
+        """Retries, cordons and pages per owner, and the outcomes (GPU-hours waiting, recovery time, gate refusals).
+
+        Pages include escalations; the outcomes are `whatif_outcomes.outcome_deltas`.
+        """
         per_owner: dict[str, dict[str, Tally]] = {}
         totals = {"recorded": Tally(), "new": Tally()}
         for side, decisions, escalated in (
@@ -166,6 +180,7 @@ class WhatIf:
         return {
             **compared(totals),
             "by_owner": {owner: compared(tallies) for owner, tallies in sorted(per_owner.items())},
+            **self.outcomes,
         }
 
     def as_json(self) -> dict[str, Any]:
@@ -184,6 +199,7 @@ class WhatIf:
                 "digests": DIGEST_TREATMENT,
                 "digests_mismatched": self.digests_mismatched,
                 "timers": TIMER_TREATMENT,
+                "outcomes": OUTCOME_TREATMENT,
             },
         }
 
@@ -196,7 +212,8 @@ class _Replay:
         self.digests = RecordedDigests(recorded)
         self.now: datetime | None = None
         self.recovery = Recovery(lambda: policy, digests=self.digests, clock=self._clock, store=self.store)
-        self.published: list[Event] = []
+        self.published: list[tuple[Event, datetime]] = []
+        """What the handler published, each at the replay clock's time (a retry's own `time` is the wall clock)."""
         self.fed = 0
         self._recorded_at = {decided.id: decided.time for decided in recorded}
 
@@ -244,7 +261,7 @@ class _Replay:
             self.store.begin()
             outputs = await call(self.now)
         self.store.commit()
-        self.published.extend(outputs)
+        self.published.extend((output, self.now) for output in outputs)
 
 
 def _diff(recorded: Iterable[RecoveryDecided], new: Iterable[RecoveryDecided]) -> tuple[DecisionChange, ...]:
@@ -276,8 +293,13 @@ async def replay_recovery(events: Sequence[Event], policy: Policy) -> WhatIf:
             await replay.feed(event)
     if horizon is not None:
         await replay.fire_timers(horizon)
-    new = tuple(e for e in replay.published if isinstance(e, RecoveryDecided))
-    new_escalations = Counter(e.data.owner for e in replay.published if isinstance(e, RecoveryEscalated))
+    new = tuple(e for e, _at in replay.published if isinstance(e, RecoveryDecided))
+    new_escalations = Counter(e.data.owner for e, _at in replay.published if isinstance(e, RecoveryEscalated))
+    new_side = Side(
+        decisions=[(e, at) for e, at in replay.published if isinstance(e, RecoveryDecided)],
+        requests=[(e, at) for e, at in replay.published if isinstance(e, RetryRequested | ResumeRequested)],
+        abandons=[(e, at) for e, at in replay.published if isinstance(e, CancelRequested)],
+    )
     return WhatIf(
         policy=policy.name,
         policy_version=policy.version,
@@ -289,4 +311,5 @@ async def replay_recovery(events: Sequence[Event], policy: Policy) -> WhatIf:
         diff=_diff(recorded, new),
         horizon=horizon,
         digests_mismatched=replay.digests.mismatched,
+        outcomes=outcome_deltas(events, recorded_side(events), new_side),
     )
