@@ -32,14 +32,20 @@ from lanes_console.app import serve
 from lanes_contract.client import LanesClient, connect_nats
 from lanes_contract.errors import PermissionDeniedError
 from lanes_contract.events import (
+    AttemptRequested,
+    AttemptRequestedData,
     EvidenceCategory,
     EvidenceData,
     FindingCause,
+    Heartbeat,
+    HeartbeatData,
     HostEvidence,
     JobEvidence,
     JobEvidenceData,
     JobFinding,
     JobFindingData,
+    JobPlaced,
+    JobPlacedData,
     JobSubmitted,
     JobSubmittedData,
     Lane,
@@ -47,10 +53,14 @@ from lanes_contract.events import (
     NodeRegisteredData,
     NodeStateChanged,
     NodeStateChangedData,
+    RankAssignment,
     RankExited,
     RankExitedData,
     RankStarted,
     RankStartedData,
+    RecoveryAction,
+    RecoveryDecided,
+    RecoveryDecidedData,
     ReplicaListening,
     ReplicaListeningData,
     RequestServed,
@@ -717,3 +727,136 @@ async def test_in_chromium_the_printed_link_opens_the_live_page_and_its_feed_car
         await other.close()
     finally:
         await runner.cleanup()
+
+
+def placed(job_id: str, attempt: int, nodes: tuple[str, str]) -> JobPlaced:
+    assignments = tuple(RankAssignment(rank=rank, node=node, gpus=(0,)) for rank, node in enumerate(nodes))
+    return JobPlaced(
+        source="lanes/scheduler",
+        jobid=job_id,
+        attempt=attempt,
+        data=JobPlacedData(assignments=assignments, level="leaf", domain=f"leaf-{attempt}"),
+    )
+
+
+def heartbeat(job_id: str, attempt: int, rank: int, step: int) -> Heartbeat:
+    return Heartbeat(
+        source="lanes/tests", jobid=job_id, attempt=attempt, node="node-1", rank=rank, data=HeartbeatData(step=step)
+    )
+
+
+def resumed(job_id: str, attempt: int, step: int) -> AttemptRequested:
+    data = AttemptRequestedData(reason="resume after host/oom_kill", resume_step=step, avoid_nodes=("node-2",))
+    return AttemptRequested(source="lanes/lifecycle", jobid=job_id, attempt=attempt, data=data)
+
+
+def decided(job_id: str, attempt: int, step: int) -> RecoveryDecided:
+    data = RecoveryDecidedData(
+        finding_id="f-1",
+        first_error="host/oom_kill",
+        policy="training-default",
+        policy_version=1,
+        workload_class="training",
+        action=RecoveryAction.RESUME,
+        reason="host-lane first error: cordon node-2 and resume",
+        owner="host on-call",
+        owner_lane=Lane.HOST,
+        rollback="lanes topology state node-2 ready",
+        expects="io.lanes.job.attempt_requested.v1",
+        cordon=("node-2",),
+        resume_step=step,
+    )
+    return RecoveryDecided(source="lanes/recovery", jobid=job_id, attempt=attempt, data=data)
+
+
+def two_attempts(job: str) -> list[Any]:
+    """Attempt 1 on node-1/node-2 dies of rank 1's OOM at step 120; attempt 2 resumes at step 100 on node-1/node-3."""
+    return [
+        submitted(job),
+        placed(job, 1, ("node-1", "node-2")),
+        started(job, 0),
+        started(job, 1),
+        heartbeat(job, 1, 0, 120),
+        heartbeat(job, 1, 1, 118),
+        exited(job, 1, 137),
+        finding(job, 1),
+        decided(job, 1, 100),
+        resumed(job, 2, 100),
+        placed(job, 2, ("node-1", "node-3")),
+        heartbeat(job, 2, 0, 104),
+        heartbeat(job, 2, 1, 103),
+    ]
+
+
+async def test_the_attempts_feed_compares_placement_ranks_first_error_and_decision(
+    console: Console, unique: str
+) -> None:
+    job = f"attempts-{unique}"
+    seqs = await publish(console, *two_attempts(job))
+    async with aiohttp.ClientSession() as session:
+        feed = await open_feed(session, f"{console.url}api/jobs/{job}/attempts?attempt=1&attempt=2")
+        view = (await feed.next_named("attempts")).data
+        one, two = view["shown"]
+        assert (view["attempts"], one["attempt"], two["attempt"]) == ([1, 2], 1, 2)
+        assert one["placement"] == {"0": "node-1", "1": "node-2"}
+        assert two["placement"] == {"0": "node-1", "1": "node-3"}
+        assert one["first_error"]["seq"] == seqs[7]  # the finding, not the exit before it
+        assert one["first_error"]["category"] == "oom_kill"
+        assert two["first_error"] is None
+        assert [(d["action"], d["resume_step"], d["cordon"]) for d in one["decisions"]] == [("resume", 100, ["node-2"])]
+        assert (two["reason"], two["resume_step"]) == ("resume after host/oom_kill", 100)
+        ranks = {line["rank"]: line["by_attempt"] for line in view["ranks"]}
+        assert [(r["node"], r["last_step"], r["failed"]) for r in ranks[1]] == [
+            ("node-2", 118, True),
+            ("node-3", 103, False),
+        ]
+        assert view["steps"] == {"low": 100, "high": 120}
+        await feed.next_named("caught_up")
+
+        # Live: a later heartbeat moves attempt 2's rank along the step axis.
+        await publish(console, heartbeat(job, 2, 1, 130))
+        later = (await feed.next_named("attempts")).data
+        assert later["ranks"][1]["by_attempt"][1]["last_step"] == 130
+        assert later["steps"]["high"] == 130
+
+    async with aiohttp.ClientSession() as session:
+        for query, said in (("attempt=x", "attempt must be a whole number"), ("attempt=0", "from 1")):
+            async with session.get(f"{console.url}api/jobs/{job}/attempts?{query}") as refused:
+                assert refused.status == 400
+                assert said in await refused.text()
+        async with session.get(f"{console.url}jobs/no-such-{unique}/attempts") as missing:
+            assert missing.status == 404
+
+
+async def test_in_chromium_the_attempts_comparison_shows_both_attempts_at_its_url(
+    console: Console, browser: Browser, unique: str
+) -> None:
+    job = f"side-{unique}"
+    seqs = await publish(console, *two_attempts(job))
+    job_page = await open_page(browser, f"{console.url}jobs/{job}")
+    assert await job_page.get_attribute("#attempts-link", "href") == f"/jobs/{job}/attempts"
+
+    page = await open_page(browser, f"{console.url}jobs/{job}/attempts?attempt=1&attempt=2")
+    await page.wait_for_selector("body[data-shown='1,2']", timeout=READ_BOUND_S * 1000)
+    headers = await page.locator("#attempts thead th").all_text_contents()
+    assert headers == ["", "attempt 1", "attempt 2"]
+    placement = await page.locator("#attempts tr[data-field='placement'] td").all_text_contents()
+    assert placement == ["r0@node-1 r1@node-2 (leaf-1)", "r0@node-1 r1@node-3 (leaf-2)"]
+    first_error = await page.locator("#attempts tr[data-field='first error'] td").all_text_contents()
+    assert first_error[0].startswith("rank 1 OOM-killed (host lane, node node-2, rank 1)")
+    assert first_error[1] == "-"
+    assert await page.get_attribute("#attempts td[data-attempt='1'] a", "href") == f"/jobs/{job}#seq={seqs[7]}"
+    decision = await page.locator("#attempts tr[data-field='recovery decision'] td").all_text_contents()
+    assert decision[0].startswith("resume: host-lane first error: cordon node-2 and resume (owner host on-call)")
+    rank_one = await page.locator("#ranks tr[data-rank='1'] td[data-attempt]").all_text_contents()
+    assert [cell.split(" \u00b7 ")[:2] for cell in rank_one] == [["node-2", "step 118"], ["node-3", "step 103"]]
+    assert await page.locator("#ranks tr[data-rank='1'] td[data-attempt='1'] rect.steps.failed").count() == 1
+
+    await publish(console, heartbeat(job, 2, 1, 140))
+    await page.wait_for_selector("#ranks tr[data-rank='1'] td[data-attempt='2']:has-text('step 140')")
+
+    # The chooser is the URL: only attempt 2 checked opens the view of attempt 2 alone.
+    await page.uncheck("input[name=attempt][value='1']")
+    await page.click("#choose button[type=submit]")
+    await page.wait_for_selector("body[data-shown='2']", timeout=READ_BOUND_S * 1000)
+    assert page.url.endswith(f"/jobs/{job}/attempts?attempt=2")

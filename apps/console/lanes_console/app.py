@@ -33,6 +33,7 @@ from aiohttp import web
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
+from lanes_console.attempts import Attempts, chosen_attempts
 from lanes_console.rows import (
     JOBS_LIST_KINDS,
     MAX_QUERY_CHARS,
@@ -57,6 +58,8 @@ KEEPALIVE_S = 15.0
 """How often an idle feed sends an SSE comment: proxies keep the connection, a closed one is noticed."""
 MAX_EVENT_ID = 2**63 - 1
 SHUTDOWN_S = 1.0
+ATTEMPTS_EVERY_S = 0.2
+"""The attempts comparison is sent again at most this often while events change it (a storm is one update)."""
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
     "base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
@@ -77,6 +80,8 @@ def create_app(nc: NatsClient, token: str | None = None) -> web.Application:
     app.router.add_get("/jobs/{job_id}", job_page)
     app.router.add_get("/api/jobs", jobs_feed)
     app.router.add_get("/api/jobs/{job_id}/events", job_feed)
+    app.router.add_get("/jobs/{job_id}/attempts", attempts_page)
+    app.router.add_get("/api/jobs/{job_id}/attempts", attempts_feed)
     app.router.add_get("/nodes/{node}", node_page)
     app.router.add_get("/api/nodes/{node}/events", node_feed)
     app.router.add_get("/replicas/{replica}/requests", requests_page)
@@ -254,6 +259,7 @@ async def _relay(
     after: int,
     on_row: RowSink,
     on_caught_up: Callable[[], Awaitable[None]] | None = None,
+    on_idle: Callable[[], Awaitable[None]] | None = None,
 ) -> web.StreamResponse:
     """Follow one stream into an SSE feed until the browser goes: each message as a row, the catch-up once.
 
@@ -268,6 +274,8 @@ async def _relay(
         async with contextlib.aclosing(follow(request.app[NATS_KEY], stream, subjects, from_seq)) as messages:
             async for msg in messages:
                 if msg is Mark.IDLE:
+                    if on_idle is not None:
+                        await on_idle()
                     await feed.idle(1.0)
                 elif msg is Mark.CAUGHT_UP:
                     await (on_caught_up or caught_up)()
@@ -305,6 +313,61 @@ async def job_feed(request: web.Request) -> web.StreamResponse:
     # From the job's first event whatever the browser has: the election needs them all.
     return await _relay(
         request, feed, JOBS.name, (f"lanes.job.{job_id}.>",), after=0, on_row=on_row, on_caught_up=on_caught_up
+    )
+
+
+def _chosen_attempts(request: web.Request) -> list[int]:
+    try:
+        return chosen_attempts(request.query.getall("attempt", []))
+    except ValueError as exc:
+        raise web.HTTPBadRequest(text=str(exc)) from exc
+
+
+async def attempts_page(request: web.Request) -> web.Response:
+    """A job's attempts side by side (`?attempt=<n>&attempt=<m>`, default the last two): the URL is the view."""
+    job_id = await _known_job(request)
+    _chosen_attempts(request)
+    return _page("attempts.html", JOB_ID=job_id)
+
+
+async def attempts_feed(request: web.Request) -> web.StreamResponse:
+    """The comparison of the chosen attempts (`attempts`), once caught up and again as new events change it.
+
+    A storm changes it with every row: it is sent at most every ATTEMPTS_EVERY_S, the last change always
+    (at the next row, or when the feed idles). Each comparison is whole, so it carries no id to resume from.
+    """
+    job_id = await _known_job(request)
+    chosen = _chosen_attempts(request)
+    feed = await _Feed.open(request)
+    attempts = Attempts()
+    loop = asyncio.get_running_loop()
+    state = {"caught_up": False, "pending": False, "sent_at": 0.0}
+
+    async def flush() -> None:
+        if state["pending"]:
+            state["pending"], state["sent_at"] = False, loop.time()
+            await feed.send("attempts", attempts.view(chosen))
+
+    async def on_row(row: dict[str, Any]) -> None:
+        if attempts.add(row):
+            state["pending"] = True
+        if state["caught_up"] and loop.time() - state["sent_at"] >= ATTEMPTS_EVERY_S:
+            await flush()
+
+    async def on_caught_up() -> None:
+        state["caught_up"], state["pending"] = True, True
+        await flush()
+        await feed.send("caught_up", {"after": 0})
+
+    return await _relay(
+        request,
+        feed,
+        JOBS.name,
+        (f"lanes.job.{job_id}.>",),
+        after=0,
+        on_row=on_row,
+        on_caught_up=on_caught_up,
+        on_idle=flush,
     )
 
 
