@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 import os
 import re
 import signal
@@ -30,7 +31,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ from lanes_agent import kmsg, netns
 from lanes_agent.cgroups import MemoryCgroups
 from lanes_agent.inventory import node_inventory
 from lanes_agent.ledger import RankLedger, RankRecord, process_start, reclaim
+from lanes_agent.ras_poll import RasPolling, StallWatch, ask_ras
 from lanes_contract.client import publish_encoded
 from lanes_contract.codec import decode, encode
 from lanes_contract.errors import DecodeError, PoisonEventError
@@ -246,8 +248,14 @@ class LocalLauncher:
         heartbeat_s: float = HEARTBEAT_S,
         nvidia_smi: str | None = None,
         keyring: Keyring | None = None,
+        ras: RasPolling | None = None,
     ) -> None:
         self._nc = nc
+        self._ras = ras
+        """Ask NCCL's RAS when a rank's collective stalls (None: never)."""
+        self._ras_asked: set[tuple[str, int]] = set()
+        """The attempts RAS has been asked about: once per attempt, however many of its ranks stall here."""
+        self._ras_polls: set[asyncio.Task[None]] = set()
         self._keyring = keyring or configured_keyring()
         """Placements and stops are acted on only if signed by an identity that may say them (None: unchecked)."""
         self._heartbeat_s = heartbeat_s
@@ -302,7 +310,12 @@ class LocalLauncher:
             self._dumps = directory / "flight-recorder"
             settled = await asyncio.to_thread(self._settle_earlier_runs, self._ledger)
             await self._report_settled(settled)
-            await self._consume(stop, directory)
+            try:
+                await self._consume(stop, directory)
+            finally:
+                for poll in self._ras_polls:
+                    poll.cancel()
+                await asyncio.gather(*self._ras_polls, return_exceptions=True)
 
     def _settle_earlier_runs(self, ledger: RankLedger) -> list[RankRecord]:
         """Kill what an earlier run of this agent left running, and record those ranks as lost (at most once)."""
@@ -703,6 +716,8 @@ class LocalLauncher:
                 lines += 1
                 if evidence.category is EvidenceCategory.RAW:
                     continue  # plain output is not evidence; keep the telemetry stream for what is
+                if evidence.category is EvidenceCategory.COLLECTIVE_TIMEOUT:
+                    self._ask_ras(placed, assignment, "its collective timed out")
                 # The rank's own output names its own process unless the line names another.
                 pid = evidence.data.pid or proc.pid
                 said = dataclasses.replace(evidence, data=evidence.data.model_copy(update={"pid": pid}))
@@ -717,7 +732,7 @@ class LocalLauncher:
         reported = False  # readiness is said once, on whichever stream says it first
         timings = TimingBatch(time.monotonic())
 
-        async def follow(stream: asyncio.StreamReader, *, hooks: bool) -> None:
+        async def follow(stream: asyncio.StreamReader, stall: StallWatch, *, hooks: bool) -> None:
             nonlocal reported
             async for raw in stream:
                 line = raw.decode(errors="replace")
@@ -735,12 +750,9 @@ class LocalLauncher:
                     reported = True
                     if backend == "" or endpoint:
                         continue  # Lanes' own marker (and the listening line) is no evidence
-                try:
-                    progress = progress_report(line) if hooks else None
-                except ValueError as exc:  # a malformed hook line is the rank's bug: say so, keep tailing
-                    log.warning("rank printed a malformed progress line", job_id=placed.jobid, error=str(exc))
-                    progress = None
+                progress = _progress_line(line, placed) if hooks else None
                 if isinstance(progress, HeartbeatData):
+                    stall.stepped(time.monotonic())
                     if beat := timings.add(progress, time.monotonic()):
                         await publish(Heartbeat, beat, f"step:{beat.step}")
                 elif isinstance(progress, CheckpointSavedData):
@@ -748,7 +760,8 @@ class LocalLauncher:
                 else:
                     await report(parser.feed(line))
 
-        await asyncio.gather(follow(proc.stdout, hooks=True), follow(proc.stderr, hooks=False))
+        async with self._stall_watch(placed, assignment) as stall:
+            await asyncio.gather(follow(proc.stdout, stall, hooks=True), follow(proc.stderr, stall, hooks=False))
         if beat := timings.rest():
             await publish(Heartbeat, beat, f"step:{beat.step}")
         await report(parser.finish())
@@ -758,6 +771,46 @@ class LocalLauncher:
             await asyncio.to_thread(collect_dump, Path(f"{self._dump_prefix(placed)}{assignment.rank}"), context)
         )
         return published
+
+    @contextlib.asynccontextmanager
+    async def _stall_watch(self, placed: JobPlaced, assignment: RankAssignment) -> AsyncIterator[StallWatch]:
+        """While the rank runs, ask RAS once its steps stop for the stall time (if the agent asks RAS at all)."""
+        if self._ras is None:
+            yield StallWatch(math.inf)
+            return
+        watch = StallWatch(self._ras.stall_s)
+
+        async def check(every_s: float) -> None:
+            while True:
+                await asyncio.sleep(every_s)
+                if (silent := watch.stalled(time.monotonic())) is not None:
+                    self._ask_ras(placed, assignment, f"it made no step for {silent:.0f} s")
+
+        checking = asyncio.create_task(check(min(1.0, watch.stall_s / 4)))
+        try:
+            yield watch
+        finally:
+            checking.cancel()
+
+    def _ask_ras(self, placed: JobPlaced, assignment: RankAssignment, why: str) -> None:
+        """Ask NCCL's RAS about the attempt now, in the background, unless it was asked already."""
+        attempt_key = (str(placed.jobid), placed.attempt or 1)
+        if self._ras is None or attempt_key in self._ras_asked:
+            return
+        self._ras_asked.add(attempt_key)
+        log.info("asking NCCL RAS", job_id=placed.jobid, rank=assignment.rank, because=why)
+        poll = asyncio.create_task(self._poll_ras(placed, assignment.node, self._ras))
+        self._ras_polls.add(poll)
+        poll.add_done_callback(self._ras_polls.discard)
+
+    async def _poll_ras(self, placed: JobPlaced, node: str, polling: RasPolling) -> None:
+        """RAS's report on the attempt, published as this node's evidence of it (the ranks as RAS names them)."""
+        context = SourceContext(origin=f"{placed.jobid}/ncclras@{node}", node=node, year=utc_now().year, tz=UTC)
+        for number, found in enumerate(await ask_ras(polling, context)):
+            event = evidence_event(found, source=f"agent/{node}", node=node, time=utc_now())
+            derived = derived_event_id(placed.id, event.type, f"ras:{number}")
+            event = event.model_copy(update={"id": derived, "jobid": placed.jobid, "attempt": placed.attempt or 1})
+            await self._publish_held(event, TELEMETRY.name)
 
     def _dump_prefix(self, placed: JobPlaced) -> Path:
         """The attempt's Flight Recorder dump prefix (`TORCH_FR_DUMP_TEMP_FILE`); rank r writes `<prefix>r`."""
@@ -994,6 +1047,15 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _progress_line(line: str, placed: JobPlaced) -> HeartbeatData | CheckpointSavedData | None:
+    """The line's progress report, if it is one; a malformed one is the rank's bug: logged, and tailing goes on."""
+    try:
+        return progress_report(line)
+    except ValueError as exc:
+        log.warning("rank printed a malformed progress line", job_id=placed.jobid, error=str(exc))
+        return None
 
 
 def _rank_evidence(placed: JobPlaced, assignment: RankAssignment, found: Evidence, key: str) -> Event:

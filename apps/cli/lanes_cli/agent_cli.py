@@ -17,6 +17,7 @@ import typer
 
 from lanes_agent.launcher import HEARTBEAT_S, STOP_GRACE_S, LocalLauncher
 from lanes_agent.netns import NodeNetworks
+from lanes_agent.ras_poll import DEFAULT_RAS_COMMAND, RAS_STALL_S, RasPolling
 from lanes_cli.console import EXIT_BAD_INPUT, EXIT_FAILED, err, fail, load_settings, require, run_async
 from lanes_cli.limits import MAX_OPTION_SECONDS, excerpt
 from lanes_contract.client import connect_nats
@@ -88,6 +89,25 @@ def agent(  # noqa: PLR0917 - typer maps each parameter to an option
             max=MAX_OPTION_SECONDS,
         ),
     ] = HEARTBEAT_S,
+    ras: Annotated[
+        bool,
+        typer.Option(
+            "--ras",
+            help="When a rank's collective times out or its steps stop for --ras-stall seconds, ask NCCL's RAS "
+            "(once per attempt) and publish its report as this node's evidence of the job.",
+        ),
+    ] = False,
+    ras_command: Annotated[
+        str, typer.Option(help="The RAS client and its flags, split as a shell would (with --ras).")
+    ] = DEFAULT_RAS_COMMAND,
+    ras_stall: Annotated[
+        float,
+        typer.Option(
+            help="Seconds without a step after which a rank counts as stalled (with --ras).",
+            min=1.0,
+            max=MAX_OPTION_SECONDS,
+        ),
+    ] = RAS_STALL_S,
 ) -> None:
     """Run the ranks placed on these nodes until SIGTERM or Ctrl-C (needs NATS_URL only)."""
     settings = load_settings()
@@ -98,6 +118,10 @@ def agent(  # noqa: PLR0917 - typer maps each parameter to an option
     durable = durable_name(node)
     directory = state_dir or DEFAULT_STATE_DIR / durable
 
+    try:
+        polling = RasPolling.from_command_line(ras_command, stall_s=ras_stall) if ras else None
+    except ValueError as exc:
+        fail(f"--ras-command: {exc}", EXIT_BAD_INPUT)
     networks = node_networks(node) if netns else None
 
     async def serve() -> None:
@@ -113,6 +137,7 @@ def agent(  # noqa: PLR0917 - typer maps each parameter to an option
                 state_dir=directory / "ranks",
                 networks=networks,
                 heartbeat_s=heartbeat,
+                ras=polling,
             )
             err.print(f"agent for {', '.join(sorted(node))}: consumer {durable}, ledger {directory}")
             await launcher.run(stop_on_signals())
