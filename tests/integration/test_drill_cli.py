@@ -67,6 +67,19 @@ async def test_a_drill_of_a_job_that_is_not_running_or_has_no_such_rank_injects_
     assert "drill_injected" not in str(await run_lanes_async(urls, "timeline", job_id, "--json"))
 
 
+async def test_a_replica_drill_needs_an_inference_replica(urls: ServerUrls, lanes: LanesClient, unique: str) -> None:
+    ran = await run_lanes_async(urls, "drill", f"nothing-{unique}", "--kind", "replica-kill")
+    assert ran.returncode == 3
+    assert f"unknown replica 'nothing-{unique}'" in ran.stderr
+    job_id = f"train-{unique}"
+    spec = JobSpec(name="t", workers=1, command=(sys.executable, "-c", "pass"))
+    await lanes.publish(JobSubmitted(source="tests", jobid=job_id, attempt=1, data=JobSubmittedData(spec=spec)))
+    ran = await run_lanes_async(urls, "drill", job_id, "--kind", "replica-drain")
+    assert ran.returncode == 1
+    assert f"job {job_id} is not an inference replica (no serving spec)" in ran.stderr
+    assert "drill_injected" not in str(await run_lanes_async(urls, "timeline", job_id, "--json"))
+
+
 async def test_an_agent_refuses_a_node_name_that_is_not_a_token(own_urls: ServerUrls) -> None:
     ran = await run_lanes_async(own_urls, "agent", "--node", "node.*")
     assert ran.returncode == 2

@@ -9,7 +9,7 @@ Pure functions of `lanes timeline --json` rows, like `lanes poc`: the same rows 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from lanes_cli.timeline import row_kind
@@ -183,11 +183,18 @@ def _named_by(row: Row, kind: DrillKind) -> dict[str, Any] | None:
 
 
 def drill_reports(rows: list[Row]) -> list[DrillReport]:
-    """A report per drill among the rows (of any set of jobs), in the order they were injected."""
+    """A report per drill of a rank among the rows (of any set of jobs), in the order they were injected.
+
+    A drill on an inference replica is judged from request provenance instead (`replica_drill_report`).
+    """
     by_job: dict[str, list[Row]] = {}
     for row in rows:
         by_job.setdefault(str(row.get("job_id")), []).append(row)
-    return [drill_report(row, by_job[str(row.get("job_id"))]) for row in rows if row_kind(row) == "drill_injected"]
+    return [
+        drill_report(row, by_job[str(row.get("job_id"))])
+        for row in rows
+        if row_kind(row) == "drill_injected" and (row.get("data") or {}).get("kind") not in REPLICA_DRILLS
+    ]
 
 
 def complete(report: DrillReport) -> bool:
@@ -199,3 +206,126 @@ def complete(report: DrillReport) -> bool:
     if report.named is None or report.decision is None:
         return False
     return report.decision == "manual" or report.recover_s is not None
+
+
+REPLICA_DRILLS = frozenset({DrillKind.REPLICA_KILL, DrillKind.REPLICA_PAUSE, DrillKind.REPLICA_DRAIN})
+"""Drills on an inference replica: judged by what its streams' clients saw (request provenance), not by a finding."""
+
+
+@dataclass(frozen=True)
+class ReplicaDrillReport:
+    """One drill on an inference replica: the streams it had in flight, and what became of each."""
+
+    drill_id: str
+    replica: str
+    kind: DrillKind
+    node: str
+    in_flight: tuple[str, ...]
+    """The requests that had a try on the replica and were being answered when the drill began."""
+    continued: tuple[str, ...]
+    """Of those, the ones that moved to another replica after their first token and completed."""
+    finished_in_place: tuple[str, ...]
+    """Of those, the ones the replica itself completed (a drain lets them, a short pause may)."""
+    errored: tuple[str, ...]
+    """Of those, the ones whose client got an error: a lost stream."""
+    moved_at: tuple[int, ...]
+    """The token index at which each continued stream moved."""
+    took_over: tuple[str, ...]
+    """The replicas that continued the moved streams."""
+    first_move_s: float | None
+    """Drill to the first stream leaving the replica mid-stream."""
+    routed_after: int
+    """Requests received after a drain began whose first try still went to the drained replica."""
+
+    @property
+    def lost(self) -> bool:
+        """Whether any stream in flight at the drill ended in an error for its client."""
+        return bool(self.errored)
+
+    @property
+    def where(self) -> str:
+        """`replica-kill of replica chat-a on node-1`."""
+        return f"{self.kind.value} of replica {self.replica} on {self.node}"
+
+    def as_json(self) -> dict[str, Any]:
+        """The row of `lanes drill --json` for a replica."""
+        return {
+            "drill_id": self.drill_id,
+            "replica": self.replica,
+            "kind": self.kind.value,
+            "node": self.node,
+            "in_flight": list(self.in_flight),
+            "continued": list(self.continued),
+            "finished_in_place": list(self.finished_in_place),
+            "errored": list(self.errored),
+            "moved_at": list(self.moved_at),
+            "took_over": list(self.took_over),
+            "first_move_s": self.first_move_s,
+            "routed_after": self.routed_after,
+            "lost": self.lost,
+        }
+
+
+def _received(request: Row) -> datetime:
+    return datetime.fromisoformat(str((request.get("data") or {}).get("received_at")))
+
+
+def _ended(request: Row) -> datetime:
+    return _received(request) + timedelta(milliseconds=float((request.get("data") or {}).get("latency_ms") or 0))
+
+
+def replica_drill_report(drill: Row, requests: list[Row]) -> ReplicaDrillReport:
+    """The report of one replica drill's `drill_injected` row, from the request rows (`lanes.req.>`)."""
+    data = drill.get("data") or {}
+    replica = str(drill.get("job_id"))
+    start = _time(drill)
+
+    def tried_here(request: Row) -> bool:
+        return any(a.get("replica") == replica for a in (request.get("data") or {}).get("attempts") or [])
+
+    in_flight = [r for r in requests if tried_here(r) and _received(r) <= start <= _ended(r)]
+    continued, in_place, errored, moved_at, took_over, moves = [], [], [], [], [], []
+    for request in in_flight:
+        served = request.get("data") or {}
+        rid = str(served.get("request_id"))
+        attempts = served.get("attempts") or []
+        if served.get("status") != "ok":
+            errored.append(rid)
+            continue
+        mine = [i for i, a in enumerate(attempts) if a.get("replica") == replica]
+        left = next((i for i in mine if attempts[i].get("outcome") == "failed_mid_stream"), None)
+        if left is None or not served.get("continuations"):
+            in_place.append(rid)
+            continue
+        continued.append(rid)
+        after = attempts[left + 1] if left + 1 < len(attempts) else {}
+        moved_at.append(int(after.get("first_token") or 0))
+        took_over.append(str(after.get("replica")))
+        elapsed = sum(float(a.get("elapsed_ms") or 0) for a in attempts[: left + 1])
+        moves.append((_received(request) + timedelta(milliseconds=elapsed) - start).total_seconds())
+
+    def first_try_here(request: Row) -> bool:
+        attempts = (request.get("data") or {}).get("attempts") or []
+        return bool(attempts) and attempts[0].get("replica") == replica
+
+    draining = DrillKind(str(data.get("kind"))) is DrillKind.REPLICA_DRAIN
+    ends = start + timedelta(seconds=float(data.get("duration_s") or 0)) if data.get("duration_s") else None
+    routed_after = sum(
+        1
+        for r in requests
+        if draining and first_try_here(r) and _received(r) > start and (ends is None or _received(r) < ends)
+    )
+    return ReplicaDrillReport(
+        drill_id=str(drill.get("id")),
+        replica=replica,
+        kind=DrillKind(str(data.get("kind"))),
+        node=str(data.get("node")),
+        in_flight=tuple(str((r.get("data") or {}).get("request_id")) for r in in_flight),
+        continued=tuple(continued),
+        finished_in_place=tuple(in_place),
+        errored=tuple(errored),
+        moved_at=tuple(moved_at),
+        took_over=tuple(sorted(set(took_over))),
+        first_move_s=round(max(0.0, min(moves)), 3) if moves else None,
+        routed_after=routed_after,
+    )
