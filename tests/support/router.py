@@ -17,7 +17,7 @@ from typing import Any
 
 import aiohttp
 
-from lanes_agent.launcher import listening_endpoint
+from lanes_agent.rank_output import listening_endpoint
 from lanes_contract.client import LanesClient, connect_nats
 from lanes_contract.codec import decode
 from lanes_contract.events import (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lanes_agent.launcher import (
+from lanes_agent.rank_output import (
     READY_MARKER,
     TIMINGS_EVERY_S,
     TimingBatch,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from support.optional import TORCH, require
 
-from lanes_agent.launcher import progress_report
+from lanes_agent.rank_output import progress_report
 from lanes_agent.torch_timing import StepClock
 from lanes_contract.events import HeartbeatData, StepTiming
 

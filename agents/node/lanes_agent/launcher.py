@@ -22,7 +22,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -45,6 +44,14 @@ from lanes_agent import kmsg, netns
 from lanes_agent.cgroups import MemoryCgroups
 from lanes_agent.inventory import node_inventory
 from lanes_agent.ledger import RankLedger, RankRecord, process_start, reclaim
+from lanes_agent.rank_output import (
+    LOOPBACK,
+    READY_MARKER,
+    TimingBatch,
+    communicator_ready,
+    listening_endpoint,
+    progress_line,
+)
 from lanes_agent.ras_poll import RasPolling, StallWatch, ask_ras
 from lanes_contract.client import publish_encoded
 from lanes_contract.codec import decode, encode
@@ -76,11 +83,9 @@ from lanes_contract.events import (
     RendezvousDoneData,
     ReplicaListening,
     ReplicaListeningData,
-    StepTiming,
     derive,
     utc_now,
 )
-from lanes_contract.events.progress import MAX_TIMINGS
 from lanes_contract.ids import derived_event_id
 from lanes_contract.jobs import JobSpec, JobState
 from lanes_contract.signing import Keyring, SignatureError, verified_signer
@@ -112,20 +117,6 @@ HEARTBEAT_S = 10.0
 """How often an agent says it is alive (with what it runs and the node's inventory)."""
 _INVENTORY_EVERY = 6
 """Beats between re-reads of the inventory (nvidia-smi takes a while; ECC counts and repairs change)."""
-LOOPBACK = "127.0.0.1"
-"""The address of a simulated node that shares the host's network."""
-READY_MARKER = "lanes: communicator ready"
-"""A rank prints this line once its collective communicator is initialised; the launcher reports it."""
-_LISTENING = re.compile(r"Uvicorn running on (?P<scheme>https?)://(?P<host>[^\s:/]+):(?P<port>\d+)")
-"""The line an OpenAI-compatible server (vLLM, the toy replica) prints once it accepts requests."""
-_STEP = re.compile(
-    r"^lanes: step (?P<step>\d+)(?: compute_s=(?P<compute>\d+(?:\.\d+)?) wait_s=(?P<wait>\d+(?:\.\d+)?))?\s*$"
-)
-TIMINGS_EVERY_S = 1.0
-"""A rank's step timings travel in one heartbeat at most this often (a step a millisecond is not an event a
-millisecond); what is left is sent when its output ends."""
-_CHECKPOINT = re.compile(r"^lanes: checkpoint saved (?P<fields>(?:\w+=\S+\s*)+)$")
-_CHECKPOINT_FIELDS = frozenset({"step", "path", "digest", "model_version", "data_version", "config_version", "image"})
 # What a rank runs when the spec names no command: ready at once, a little real CPU work, a clean exit.
 DEFAULT_RANK_PROGRAM = (
     "import os, hashlib\n"
@@ -157,77 +148,6 @@ LAUNCHER_INPUTS = ConsumerSpec(
     max_deliver=3,
 )
 """What the node agent reads; a placement is held (in progress) for as long as its ranks run."""
-
-
-_NCCL_READY = re.compile(r"NCCL INFO comm 0x[0-9a-f]+ rank \d+ nranks \d+ .*- Init COMPLETE")
-"""NCCL's own line (NCCL_DEBUG=INFO) once a rank's communicator is initialised."""
-
-
-def communicator_ready(line: str) -> str | None:
-    """The backend whose communicator this line says is ready ("" for Lanes' own marker), or None.
-
-    An unmodified workload says so in its own words: NCCL's `Init COMPLETE` line under NCCL_DEBUG=INFO.
-    """
-    if line.strip() == READY_MARKER:
-        return ""
-    return "nccl" if _NCCL_READY.search(line) else None
-
-
-def listening_endpoint(line: str, node_address: str = LOOPBACK) -> str | None:
-    """The endpoint a server's "running on" line announces; a wildcard host becomes the node's address."""
-    found = _LISTENING.search(line)
-    if found is None:
-        return None
-    host = node_address if found["host"] in {"0.0.0.0", "::", "[::]"} else found["host"]  # noqa: S104 - parsed, not bound
-    return f"{found['scheme']}://{host}:{found['port']}"
-
-
-def progress_report(line: str) -> HeartbeatData | CheckpointSavedData | None:
-    """A rank's progress line: a step (`lanes: step N [compute_s=C wait_s=W]`) or a saved checkpoint.
-
-    A checkpoint reads `lanes: checkpoint saved step=N path=P digest=D [versions]`. These are the lines a
-    training script's Lanes hook prints. The versions it trained with travel with the checkpoint, so recovery
-    can refuse to resume a run from a checkpoint of another model, data or config; a step's timing (seconds
-    computing, seconds waiting in collectives) is what telemetry reads for slow ranks and degraded links.
-    """
-    if step := _STEP.match(line.strip()):
-        if step["compute"] is None:
-            return HeartbeatData(step=int(step["step"]))
-        timing = StepTiming(step=int(step["step"]), compute_s=float(step["compute"]), wait_s=float(step["wait"]))
-        return HeartbeatData(step=timing.step, timings=(timing,))
-    if saved := _CHECKPOINT.match(line.strip()):
-        fields = dict(pair.split("=", 1) for pair in saved["fields"].split())
-        unknown = set(fields) - _CHECKPOINT_FIELDS
-        if unknown:
-            msg = f"unknown checkpoint field(s) {sorted(unknown)} in {line.strip()!r}"
-            raise ValueError(msg)
-        return CheckpointSavedData.model_validate(fields)
-    return None
-
-
-class TimingBatch:
-    """A rank's step timings, gathered into one heartbeat at most every `TIMINGS_EVERY_S` seconds."""
-
-    def __init__(self, now: float) -> None:
-        self._timings: list[StepTiming] = []
-        self._sent_at = now
-
-    def add(self, progress: HeartbeatData, now: float) -> HeartbeatData | None:
-        """The heartbeat to send now, if any: a step without timings at once, timings once they are due."""
-        if not progress.timings:
-            return progress
-        self._timings.extend(progress.timings)
-        if now - self._sent_at < TIMINGS_EVERY_S and len(self._timings) < MAX_TIMINGS:
-            return None
-        self._sent_at = now
-        return self.rest()
-
-    def rest(self) -> HeartbeatData | None:
-        """What is gathered and not sent yet, as one heartbeat (the rank's output ended), or None."""
-        if not self._timings:
-            return None
-        sent, self._timings = self._timings[:MAX_TIMINGS], self._timings[MAX_TIMINGS:]
-        return HeartbeatData(step=sent[-1].step, timings=tuple(sent))
 
 
 class LocalLauncher:
@@ -750,7 +670,7 @@ class LocalLauncher:
                     reported = True
                     if backend == "" or endpoint:
                         continue  # Lanes' own marker (and the listening line) is no evidence
-                progress = _progress_line(line, placed) if hooks else None
+                progress = progress_line(line, str(placed.jobid)) if hooks else None
                 if isinstance(progress, HeartbeatData):
                     stall.stepped(time.monotonic())
                     if beat := timings.add(progress, time.monotonic()):
@@ -1047,15 +967,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def _progress_line(line: str, placed: JobPlaced) -> HeartbeatData | CheckpointSavedData | None:
-    """The line's progress report, if it is one; a malformed one is the rank's bug: logged, and tailing goes on."""
-    try:
-        return progress_report(line)
-    except ValueError as exc:
-        log.warning("rank printed a malformed progress line", job_id=placed.jobid, error=str(exc))
-        return None
 
 
 def _rank_evidence(placed: JobPlaced, assignment: RankAssignment, found: Evidence, key: str) -> Event:

@@ -21,7 +21,8 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
-from lanes_agent.launcher import READY_MARKER, LocalLauncher
+from lanes_agent.launcher import LocalLauncher
+from lanes_agent.rank_output import READY_MARKER
 from lanes_cli.scheduling import nodes_known, scheduling_view
 from lanes_contract.client import LanesClient
 from lanes_contract.codec import decode
