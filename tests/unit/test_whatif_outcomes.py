@@ -78,7 +78,7 @@ async def test_a_policy_that_pages_instead_of_retrying_holds_the_gpus_until_the_
     log = await _as_recorded(_oom_history(next_placed_at=40))
     log.append(finding(Lane.HOST, "unrelated", node="node-3", version=1).model_copy(update={"time": at(100)}))
     pages_on_oom = parse_policy(
-        SHIPPED.read_text().replace("name: default", "name: page-on-oom").replace("action: resume", "action: manual"),
+        SHIPPED.read_text().replace("action: resume", "action: manual"),
         origin="page-on-oom",
     )
     deltas = (await replay_recovery(log, pages_on_oom)).deltas()
