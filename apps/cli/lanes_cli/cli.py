@@ -36,6 +36,7 @@ from lanes_cli import (
     incident_cli,
     jobs_cli,
     poc_cli,
+    policy_cli,
     recover_cli,
     router_cli,
     run_cli,
@@ -101,6 +102,7 @@ drill_cli.register(app)
 recover_cli.register(app)
 router_cli.register(app)
 whatif_cli.register(app)
+policy_cli.register(app)
 console_cli.register(app)
 trace_cli.register(app)
 
