@@ -686,3 +686,12 @@ class _ServerBase:
             return
         msg = f"embedded {self._kind}: no free port after {_PORT_ATTEMPTS} attempts:\n{last}"
         raise EmbeddedServerError(msg)
+
+
+def dies_with_this_process() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the kernel SIGTERM the child when this process dies (Linux; else None).
+
+    For children started from a thread that lives as long as the process (its main thread): the signal fires
+    when the forking thread exits.
+    """
+    return _death_signal_preexec(signal.SIGTERM, os.getpid())

@@ -47,6 +47,7 @@ from lanes_sandbox._process import (
     EmbeddedServerError,
     _ReaperClient,
     _ServerBase,
+    dies_with_this_process,
 )
 from lanes_sandbox.nats_server import DEFAULT_AGENT_NODES, KEYRING_FILE, EmbeddedNats, EmbeddedNatsCluster
 from lanes_sandbox.postgres_server import EmbeddedPostgres
@@ -70,6 +71,7 @@ __all__ = [
     "EmbeddedServerError",
     "EmbeddedStack",
     "ServerUrls",
+    "dies_with_this_process",
 ]
 
 

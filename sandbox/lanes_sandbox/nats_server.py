@@ -9,6 +9,7 @@ import asyncio
 import http.client
 import json
 import logging
+import os
 import secrets
 import shutil
 import signal
@@ -117,8 +118,14 @@ class EmbeddedNats(_ServerBase):
         passwords: dict[str, str] | None = None,
         cluster: ClusterRoutes | None = None,
         monitor: bool = False,
+        sync_always: bool = False,
     ) -> None:
-        """Prepare (not start) a server; its fresh temp dir goes in ``base_dir``."""
+        """Prepare (not start) a server; its fresh temp dir goes in ``base_dir``.
+
+        ``sync_always``: JetStream fsyncs every write before acknowledging it (``sync_interval: always``), as
+        the timeline's production servers run (the Jepsen report on NATS 2.12 lost acknowledged writes to the
+        default two-minute fsync interval when nodes died together).
+        """
         super().__init__(base_dir, log_to, startup_timeout=startup_timeout)
         self._binary: _NatsBinary | None = None
         self._monitor = monitor
@@ -130,6 +137,9 @@ class EmbeddedNats(_ServerBase):
         self._passwords = passwords or {name: secrets.token_urlsafe(24) for name in [ADMIN, *self._identities]}
         self._provision = provision
         self._cluster = cluster
+        self._sync_always = sync_always
+        self._argv: list[str] | None = None
+        """How the running server was started: a restart (`restart`) starts it the same way, on the same port."""
         # One Ed25519 key per identity signs its events; the keyring (public halves) is what audit trusts.
         self._signers = {name: EventSigner.generate(name) for name in self._passwords}
 
@@ -166,7 +176,9 @@ class EmbeddedNats(_ServerBase):
         config = directory / "nats.conf"
         # nats-server reads JSON as its config syntax; the file holds secrets, so only we may read it.
         config.touch(mode=0o600)
-        settings = {"max_payload": MAX_PAYLOAD_BYTES, "authorization": {"users": users}}
+        settings: dict[str, object] = {"max_payload": MAX_PAYLOAD_BYTES, "authorization": {"users": users}}
+        if self._sync_always:
+            settings["jetstream"] = {"sync_interval": "always"}
         config.write_text(json.dumps(settings, indent=2))
         return config
 
@@ -249,30 +261,55 @@ class EmbeddedNats(_ServerBase):
         def attempt(port: int) -> subprocess.Popen[bytes]:
             monitor = _free_port() if self._monitor else None
             offset = _file_size(self.log_path)
-            proc = self._spawn(
-                [
-                    binary,
-                    "-c", str(config),
-                    "-a", _HOST, "-p", str(port),
-                    *(["-m", str(monitor)] if monitor is not None else []),
-                    "-js", "-sd", str(store),
-                    "-n", self._name,
-                    *self._cluster_args(),
-                ],
-                cwd=directory,
-            )  # fmt: skip
+            argv: list[str | os.PathLike[str]] = [
+                binary,
+                "-c", str(config),
+                "-a", _HOST, "-p", str(port),
+                *(["-m", str(monitor)] if monitor is not None else []),
+                "-js", "-sd", str(store),
+                "-n", self._name,
+                *self._cluster_args(),
+            ]  # fmt: skip
+            proc = self._spawn(argv, cwd=directory)
             try:
                 self._wait_ready(proc, lambda: self._probe(port, monitor), offset)
             except BaseException:
                 self._finish(proc)
                 raise
             self._monitor_port = monitor
+            self._argv = [str(a) for a in argv]
             return proc
 
         self._start_on_free_port(attempt)
         self._write_credentials()
         if self._provision:
             self._provision_streams()
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash: nothing flushed that was not already), keeping its data for `restart`."""
+        proc = self._server
+        if proc is None or proc.poll() is not None:
+            return
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        self._finish(proc)
+
+    def restart(self) -> None:
+        """Start a killed server again, on its port, with its data and its peers (JetStream recovers its store)."""
+        with self._lock:
+            if self._argv is None or not self._started:
+                msg = "embedded nats was never started: start it, not restart it"
+                raise EmbeddedServerError(msg)
+            if self._server is not None and self._server.poll() is None:
+                return
+            offset = _file_size(self.log_path)
+            proc = self._spawn(self._argv, cwd=self._require_directory())
+            try:
+                self._wait_ready(proc, lambda: self._probe(self.port, self._monitor_port), offset)
+            except BaseException:
+                self._finish(proc)
+                raise
+            self._server = proc
 
     def _probe(self, port: int, monitor: int | None) -> bool:
         """Ready: our server (by name) sends INFO with JetStream on; /healthz is ok, if there is a monitor.
@@ -338,10 +375,12 @@ class EmbeddedNatsCluster:
     The same users and passwords on every server; ``url_for`` lists every server, so a client fails over.
     """
 
-    def __init__(self, size: int = 3, base_dir: Path | None = None) -> None:
-        """Prepare (not start) ``size`` servers."""
+    def __init__(self, size: int = 3, base_dir: Path | None = None, *, sync_always: bool = True) -> None:
+        """Prepare (not start) ``size`` servers, fsyncing every write unless ``sync_always`` is False."""
         routes = [_free_port() for _ in range(size)]
         first = EmbeddedNats(base_dir, provision=False)
+        self.replicas = min(size, 3)
+        """The timeline streams' replicas (R3 on three servers or more)."""
         name = f"lanes-{uuid.uuid4().hex[:8]}"
         self._size = size
         self.servers = [
@@ -349,6 +388,7 @@ class EmbeddedNatsCluster:
                 base_dir,
                 provision=False,
                 passwords=first.passwords,
+                sync_always=sync_always,
                 cluster=ClusterRoutes(name, routes[i], tuple(p for j, p in enumerate(routes) if j != i)),
             )
             for i in range(size)
@@ -368,7 +408,7 @@ class EmbeddedNatsCluster:
         with ThreadPoolExecutor(max_workers=self._size, thread_name_prefix="lanes-cluster") as pool:
             for future in [pool.submit(server.start) for server in self.servers]:
                 future.result()
-        _provision_as_admin(self.url, replicas=3)
+        _provision_as_admin(self.url, replicas=self.replicas)
         return self
 
     def stop(self) -> None:
