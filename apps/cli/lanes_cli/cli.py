@@ -69,6 +69,7 @@ from lanes_cli.input_files import InputFileError, load_yaml, validation_problems
 from lanes_cli.limits import MAX_LOCAL_NODES, MAX_OPTION_SECONDS, MAX_STREAM_SEQUENCE, excerpt
 from lanes_cli.render import render_demo, render_job
 from lanes_cli.replay import Pace, merged, selections, write_ndjson
+from lanes_cli.replicas import cluster_problem, service_replicas
 from lanes_cli.scheduling import scheduling_view
 from lanes_cli.stack import identity_url, servers, signing_exports
 from lanes_cli.terminal import print_json
@@ -195,12 +196,34 @@ def up(
             "torch.distributed traffic crosses real links, and `lanes drill --kind link-down` cuts one.",
         ),
     ] = False,
+    *,
+    cluster: Annotated[
+        int,
+        typer.Option(
+            help="Embed a NATS cluster of this many servers (3 or 5; 0: one server), the streams at R3, every "
+            "write fsynced before it is acknowledged.",
+            min=0,
+            max=5,
+        ),
+    ] = 0,
+    replicas: Annotated[
+        int,
+        typer.Option(
+            help="Run this many processes of every service, each `lanes serve <service>` as its own identity "
+            "(0: every service inside this process).",
+            min=0,
+            max=4,
+        ),
+    ] = 0,
 ) -> None:
     """Start embedded servers (unless the environment names yours) and every service, until Ctrl-C."""
     settings = load_settings()
+    if problem := cluster_problem(cluster, nats_url_given=settings.nats_url is not None):
+        fail(problem, EXIT_BAD_INPUT)
+    stream_replicas = min(cluster, 3) or settings.stream_replicas
 
     async def serve_all(urls: ServerUrls) -> None:
-        async with connected(urls, name="lanes-up", stream_replicas=settings.stream_replicas) as conns:
+        async with connected(urls, name="lanes-up", stream_replicas=stream_replicas) as conns:
             stop = stop_on_signals()
             fleet = local_nodes(nodes, gpus)
             await register_nodes(LanesClient(conns.nc, "lanes/up"), fleet)
@@ -214,7 +237,6 @@ def up(
             ):
                 out.print(f"export {name}={value}", highlight=False, soft_wrap=True)
             out.print(f"[dim]{len(fleet)} local nodes x {gpus} GPUs; Ctrl-C to stop[/dim]")
-            consumers = await prepare_services(conns, SERVICES)
             launcher = LocalLauncher(
                 conns.nc,
                 frozenset(fleet),
@@ -222,6 +244,16 @@ def up(
                 kernel_log_position=Path.home() / ".lanes" / "kmsg.position" if kernel_log else None,
                 networks=networks,
             )
+            if replicas:
+                console_nc = await connect_nats(identity_url("console", urls.nats_url), name="lanes-console")
+                try:
+                    await service_replicas(urls, replicas, stream_replicas).beside(
+                        launcher.run(stop), console_cli.serve_beside(console_nc, stop, console_token)
+                    )
+                finally:
+                    await console_nc.close()
+                return
+            consumers = await prepare_services(conns, SERVICES)
             router = next(consumer for consumer in consumers if isinstance(consumer, RouterRunner))
 
             async def announce_router() -> None:
@@ -250,7 +282,7 @@ def up(
 
     networks = node_networks(list(local_nodes(nodes, gpus))) if netns else None
     try:
-        with servers(settings) as urls:
+        with servers(settings, cluster=cluster) as urls:
             run_async(lambda: serve_all(urls))
     except KeyboardInterrupt:
         err.print("stopped")
