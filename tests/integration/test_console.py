@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+import tarfile
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -23,12 +24,13 @@ import aiohttp
 import pytest
 from nats.aio.client import Client as NatsClient
 from playwright.async_api import Browser, Page, async_playwright
-from support.cli import LANES
+from support.cli import LANES, run_lanes
 from support.optional import CHROMIUM, chromium, require
 from support.processes import interruptible
 from support.waiting import eventually
 
 from lanes_console.app import serve
+from lanes_console.incident import BUNDLE_FILES
 from lanes_contract.client import LanesClient, connect_nats
 from lanes_contract.errors import PermissionDeniedError
 from lanes_contract.events import (
@@ -860,3 +862,42 @@ async def test_in_chromium_the_attempts_comparison_shows_both_attempts_at_its_ur
     await page.click("#choose button[type=submit]")
     await page.wait_for_selector("body[data-shown='2']", timeout=READ_BOUND_S * 1000)
     assert page.url.endswith(f"/jobs/{job}/attempts?attempt=2")
+
+
+async def test_the_job_page_downloads_the_incident_bundle_lanes_incident_writes(
+    console: Console, unique: str, tmp_path: Path
+) -> None:
+    job = f"bundle-{unique}"
+    seqs = await publish(console, *two_attempts(job))
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{console.url}api/jobs/{job}/incident") as got:
+            assert got.status == 200, await got.text()
+            assert got.headers["Content-Disposition"] == f'attachment; filename="incident-{job}.tar.gz"'
+            archive = tmp_path / "bundle.tar.gz"
+            archive.write_bytes(await got.read())
+        async with session.get(f"{console.url}api/jobs/none-{unique}/incident") as missing:
+            assert missing.status == 404
+        async with session.get(f"{console.url}api/jobs/a*b/incident") as wildcard:
+            assert wildcard.status == 400
+    with tarfile.open(archive) as tar:
+        assert sorted(tar.getnames()) == [f"incident-{job}/{name}" for name in sorted(BUNDLE_FILES)]
+        tar.extractall(tmp_path, filter="data")
+    folder = tmp_path / f"incident-{job}"
+    downloaded = json.loads((folder / "incident.json").read_text())
+    assert downloaded["summary"]["first_error"]["category"] == "oom_kill"
+    assert [step["kind"] for step in downloaded["decision_chain"]] == ["recovery_decided", "attempt_requested"]
+    assert downloaded["attempts"] == [1, 2]
+    events = (folder / "events.ndjson").read_bytes().splitlines()
+    assert [json.loads(line)["sequence"] for line in events] == [str(seq) for seq in seqs]
+    assert job in (folder / "timeline.html").read_text()
+
+    # The same bundle `lanes incident` builds from the same log (it reads it as the console does).
+    printed = run_lanes(
+        None,
+        "incident",
+        job,
+        "--json",
+        env={"NATS_URL": console.nats.url_for("console"), "DATABASE_URL": None, "REDIS_URL": None},
+    )
+    assert printed.returncode == 0, printed.stderr
+    assert json.loads(printed.stdout) == downloaded

@@ -21,21 +21,14 @@ from lanes_cli.console import (
     run_async,
     signers_keyring,
 )
-from lanes_cli.incident import bundle, write_bundle
+from lanes_cli.incident import bundle, serves, write_bundle
 from lanes_cli.terminal import print_json
-from lanes_cli.timeline import entry_of, row_kind
+from lanes_cli.timeline import entry_of
 from lanes_contract.client import connect_nats
 from lanes_contract.codec import structured_line
 from lanes_contract.signing import Keyring
 from lanes_contract.streams import JOBS, REQUESTS
 from lanes_runtime.reader import Selection, iter_stream
-
-
-def _serves(rows: list[dict[str, Any]]) -> bool:
-    """Whether the job is an inference replica (its submitted spec names what it serves)."""
-    return any(
-        ((row.get("data") or {}).get("spec") or {}).get("serving") for row in rows if row_kind(row) == "submitted"
-    )
 
 
 async def gather(
@@ -55,7 +48,7 @@ async def gather(
                 lines.append(structured_line(msg.headers, msg.data, {"sequence": str(msg.metadata.sequence.stream)}))
 
         await read(Selection(JOBS.name, f"lanes.job.{job_id}.>"), rows)
-        if rows and _serves(rows):
+        if rows and serves(rows):
             # A request that failed over is stored under the replica that finally served it, so the whole
             # request stream of the job's lifetime is read and filtered by the replicas each request tried.
             since = datetime.fromisoformat(str(rows[0]["time"]))

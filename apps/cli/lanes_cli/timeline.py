@@ -9,6 +9,7 @@ from typing import Any
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from lanes_console import rows as console_rows
 from lanes_contract.codec import decode, format_time
 from lanes_contract.errors import DecodeError
 from lanes_contract.events import Event, JobStateChanged
@@ -16,19 +17,9 @@ from lanes_contract.signing import SIGNER_HEADER, Keyring, SignatureError, verif
 from lanes_contract.streams import JOBS
 from lanes_runtime.reader import Selection, iter_stream
 
-
-def row_kind(row: dict[str, Any]) -> str:
-    """The event name of a timeline row: `placed` for `io.lanes.job.placed.v1`."""
-    parts = str(row.get("type") or "").split(".")
-    return parts[-2] if len(parts) >= 2 else ""  # noqa: PLR2004 - <name>.v<N> ends every type
-
-
-def is_failure(row: dict[str, Any]) -> bool:
-    """Whether a timeline row reports a failure: a rank that did not exit 0, or a job moved to a failed state."""
-    data = row.get("data") or {}
-    if row_kind(row) == "rank_exited":
-        return data.get("exit_code") not in (0, None) or bool(data.get("signal"))
-    return row_kind(row) == "state_changed" and data.get("to_state") in {"failed", "partially_failed"}
+# Pure row readers shared with the console (which builds the same incident bundle): one definition of each.
+row_kind = console_rows.row_kind
+is_failure = console_rows.ended_in_failure
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,14 @@ import asyncio
 import contextlib
 import hmac
 import html
+import io
 import json
 import os
 import secrets
+import tarfile
+import time
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -34,6 +38,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from lanes_console.attempts import Attempts, chosen_attempts
+from lanes_console.incident import bundle_files, serves
 from lanes_console.rows import (
     JOBS_LIST_KINDS,
     MAX_QUERY_CHARS,
@@ -43,9 +48,10 @@ from lanes_console.rows import (
     job_update,
     row_of,
 )
+from lanes_contract.codec import structured_line
 from lanes_contract.ids import is_valid_token
 from lanes_contract.streams import JOBS, NODES, REQUESTS, TELEMETRY
-from lanes_runtime.reader import Mark, Selection, count, follow
+from lanes_runtime.reader import Mark, Selection, count, follow, iter_stream
 
 log = structlog.get_logger(__name__)
 NATS_KEY: web.AppKey[NatsClient] = web.AppKey("nats", NatsClient)
@@ -81,6 +87,7 @@ def create_app(nc: NatsClient, token: str | None = None) -> web.Application:
     app.router.add_get("/api/jobs", jobs_feed)
     app.router.add_get("/api/jobs/{job_id}/events", job_feed)
     app.router.add_get("/jobs/{job_id}/attempts", attempts_page)
+    app.router.add_get("/api/jobs/{job_id}/incident", incident_download)
     app.router.add_get("/api/jobs/{job_id}/attempts", attempts_feed)
     app.router.add_get("/nodes/{node}", node_page)
     app.router.add_get("/api/nodes/{node}/events", node_feed)
@@ -368,6 +375,51 @@ async def attempts_feed(request: web.Request) -> web.StreamResponse:
         on_row=on_row,
         on_caught_up=on_caught_up,
         on_idle=flush,
+    )
+
+
+def _archive(job_id: str, job: dict[str, Any], lines: list[bytes], requests: list[dict[str, Any]]) -> bytes:
+    """The bundle's files in one .tar.gz, under a directory named for the job."""
+    archive = io.BytesIO()
+    with tarfile.open(fileobj=archive, mode="w:gz") as tar:
+        for name, content in bundle_files(job, lines, requests).items():
+            member = tarfile.TarInfo(f"incident-{job_id}/{name}")
+            member.size, member.mtime, member.mode = len(content), int(time.time()), 0o644
+            tar.addfile(member, io.BytesIO(content))
+    return archive.getvalue()
+
+
+async def incident_download(request: web.Request) -> web.Response:
+    """The job's incident bundle as `incident-<job>.tar.gz`: what `lanes incident <job> --out DIR` writes.
+
+    incident.json (first error, evidence per lane, decision chain, timings, requests touched), timeline.html
+    (the self-contained page) and events.ndjson (replayable with `lanes import`), read from the log now.
+    """
+    job_id = await _known_job(request)
+    js = request.app[NATS_KEY].jetstream()
+    rows: list[dict[str, Any]] = []
+    requests: list[dict[str, Any]] = []
+    lines: list[bytes] = []
+
+    async def read(selection: Selection, into: list[dict[str, Any]]) -> None:
+        async for msg in iter_stream(js, selection):
+            into.append(row_of(msg.metadata.sequence.stream, msg.subject, msg.headers, msg.data))
+            lines.append(structured_line(msg.headers, msg.data, {"sequence": str(msg.metadata.sequence.stream)}))
+
+    await read(Selection(JOBS.name, f"lanes.job.{job_id}.>"), rows)
+    if rows and serves(rows) and rows[0].get("time"):
+        # A request that failed over is stored under the replica that finally served it (as `lanes incident`).
+        since = datetime.fromisoformat(str(rows[0]["time"]))
+        await read(Selection(REQUESTS.name, "lanes.req.>", since=since), requests)
+    # Building and compressing a large job's bundle takes CPU time: not in the loop that serves the live feeds.
+    archive = await asyncio.to_thread(_archive, job_id, {"job_id": job_id, "timeline": rows}, lines, requests)
+    return web.Response(
+        body=archive,
+        content_type="application/gzip",
+        headers={
+            "Content-Disposition": f'attachment; filename="incident-{job_id}.tar.gz"',
+            "Cache-Control": "no-store",
+        },
     )
 
 

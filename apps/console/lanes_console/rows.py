@@ -76,6 +76,22 @@ def kind_of(event_type: str | None) -> str:
     return parts[-2] if len(parts) >= 2 else ""  # noqa: PLR2004 - <name>.v<N> ends every type
 
 
+def row_kind(row: Mapping[str, Any]) -> str:
+    """The event name of a row (the console's or `lanes timeline --json`'s): `placed` for `io.lanes.job.placed.v1`."""
+    return kind_of(row.get("type"))
+
+
+def ended_in_failure(row: Mapping[str, Any]) -> bool:
+    """A rank that did not exit 0, or a job moved to a failed state: what an incident counts as detected.
+
+    Narrower than `is_failure`, which also shows evidence and findings as failures on the page.
+    """
+    data = row.get("data") or {}
+    if row_kind(row) == "rank_exited":
+        return data.get("exit_code") not in (0, None) or bool(data.get("signal"))
+    return row_kind(row) == "state_changed" and data.get("to_state") in {"failed", "partially_failed"}
+
+
 def is_failure(row: Mapping[str, Any]) -> bool:
     """A rank that did not exit cleanly, a job or attempt moved to a failed state, evidence or a finding."""
     data = row.get("data") or {}
