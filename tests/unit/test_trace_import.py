@@ -143,7 +143,7 @@ def test_a_bad_node_list_is_one_line_naming_the_file_and_exit_2(tmp_path: Path) 
 
 
 def test_an_unknown_format_is_exit_2() -> None:
-    result = runner.invoke(_app(), ["trace", "import", str(PODS), "--format", "philly"])
+    result = runner.invoke(_app(), ["trace", "import", str(PODS), "--format", "borg"])
 
     assert result.exit_code == 2
     assert "unknown format" in result.output

@@ -1,4 +1,10 @@
-"""`lanes trace import FILE [--nodes NODES_FILE] --format openb [--out LOG.ndjson]`: a public trace as a log.
+"""`lanes trace import FILE [--nodes NODES_FILE] --format openb|helios|philly [--out LOG.ndjson]`: a trace as a log.
+
+The files of each format:
+- openb (Alibaba GPU trace 2023): FILE `openb_pod_list_*.csv`, NODES_FILE `openb_node_list_*.csv`;
+- helios (SenseTime Helios, SC '21): FILE `cluster_log.csv`, NODES_FILE `cluster_gpu_number.csv` (GPUs per VC);
+- philly (Microsoft Philly, ATC '19): FILE `cluster_job_log` (JSON), NODES_FILE `cluster_machine_list`.
+
 
 The log is NDJSON in the form `lanes replay` prints, so `lanes whatif scheduler --from LOG.ndjson` replays it.
 The parsing is `lanes_cli.traces`; this command reads the files (bounded, text only), writes the log and says
@@ -18,7 +24,18 @@ from lanes_cli.console import EXIT_BAD_INPUT, cannot_write, err, fail, out, outp
 from lanes_cli.input_files import read_text_file
 from lanes_cli.limits import MAX_IMPORT_BYTES
 from lanes_cli.terminal import print_json, print_line
-from lanes_cli.traces import FORMATS, FRACTIONAL, ImportedTrace, TraceFormatError, openb_nodes, openb_pods
+from lanes_cli.traces import (
+    FORMATS,
+    FRACTIONAL,
+    ImportedTrace,
+    TraceFormatError,
+    helios_jobs,
+    helios_nodes,
+    openb_nodes,
+    openb_pods,
+    philly_jobs,
+    philly_machines,
+)
 from lanes_contract.codec import to_structured
 
 app = typer.Typer(help="Public cluster traces as logs the what-if replays.")
@@ -40,12 +57,44 @@ def write_log(trace: ImportedTrace, handle: BinaryIO) -> None:
         handle.write(json.dumps(line, separators=(",", ":"), ensure_ascii=False).encode() + b"\n")
 
 
+def _imported(fmt: str, jobs: Path, nodes: Path | None, fractional: str) -> ImportedTrace:
+    """The trace's nodes (when given) then its jobs; a malformed file is one line naming it and exit 2."""
+    trace = ImportedTrace()
+    path = nodes
+    try:
+        if fmt == "helios":
+            pools = None if nodes is None else helios_nodes(_read(nodes, "a Helios cluster_gpu_number is CSV"), trace)
+            path = jobs
+            helios_jobs(_read(jobs, "a Helios cluster_log is CSV"), trace, pools)
+        elif fmt == "philly":
+            if nodes is not None:
+                philly_machines(_read(nodes, "a Philly cluster_machine_list is CSV"), trace)
+            path = jobs
+            philly_jobs(_read(jobs, "a Philly cluster_job_log is JSON"), trace)
+        else:
+            if nodes is not None:
+                openb_nodes(_read(nodes, "an openb node list is CSV"), trace)
+            path = jobs
+            openb_pods(_read(jobs, "an openb pod list is CSV"), trace, fractional=fractional)
+    except TraceFormatError as exc:
+        fail(f"{path}: {exc}", EXIT_BAD_INPUT)
+    return trace
+
+
 @app.command("import")
 def import_trace(  # noqa: PLR0917 - typer maps each parameter to an option
-    pods: Annotated[Path, typer.Argument(help="The trace's job (pod) list, e.g. openb_pod_list_default.csv.")],
+    pods: Annotated[
+        Path,
+        typer.Argument(
+            help="The trace's job list: openb_pod_list_*.csv, cluster_log.csv (helios), cluster_job_log (philly)."
+        ),
+    ],
     fmt: Annotated[str, typer.Option("--format", help=f"The trace's format: {', '.join(FORMATS)}.")],
     nodes: Annotated[
-        Path | None, typer.Option("--nodes", help="The trace's node list, e.g. openb_node_list_gpu_node.csv.")
+        Path | None,
+        typer.Option(
+            "--nodes", help="openb_node_list_*.csv, cluster_gpu_number.csv (helios) or cluster_machine_list (philly)."
+        ),
     ] = None,
     log: Annotated[Path | None, typer.Option("--out", help="Write the log here (default: stdout).")] = None,
     fractional: Annotated[
@@ -60,16 +109,7 @@ def import_trace(  # noqa: PLR0917 - typer maps each parameter to an option
         fail(f"--fractional {fractional!r}: choose one of {', '.join(FRACTIONAL)}", EXIT_BAD_INPUT)
     if log is not None:
         output_file(log, "--out")
-    trace = ImportedTrace()
-    if nodes is not None:
-        try:
-            openb_nodes(_read(nodes, "an openb node list is CSV"), trace)
-        except TraceFormatError as exc:
-            fail(f"{nodes}: {exc}", EXIT_BAD_INPUT)
-    try:
-        openb_pods(_read(pods, "an openb pod list is CSV"), trace, fractional=fractional)
-    except TraceFormatError as exc:
-        fail(f"{pods}: {exc}", EXIT_BAD_INPUT)
+    trace = _imported(fmt, pods, nodes, fractional)
     if log is None:
         write_log(trace, sys.stdout.buffer)
         sys.stdout.flush()

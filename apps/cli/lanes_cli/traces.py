@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from typing import Any
 
 from lanes_contract.errors import LanesError
 from lanes_contract.events import (
+    AttemptRequested,
+    AttemptRequestedData,
     Event,
     JobStateChanged,
     JobStateChangedData,
@@ -43,7 +46,7 @@ from lanes_contract.jobs import JobSpec, JobState
 SOURCE = "lanes/trace"
 ORIGIN = datetime(2023, 1, 1, tzinfo=UTC)
 """The instant a trace's second 0 is placed at (the traces give offsets, not dates)."""
-FORMATS = ("openb",)
+FORMATS = ("openb", "helios", "philly")
 POD_COLUMNS = (
     "name",
     "cpu_milli",
@@ -232,3 +235,339 @@ def import_openb(pods: str, nodes: str | None, *, fractional: str = "skip") -> I
         openb_nodes(nodes, trace)
     openb_pods(pods, trace, fractional=fractional)
     return trace
+
+
+# --- job logs with dates: Helios (SenseTime, SC '21) and Philly (Microsoft, ATC '19) --------------------------
+
+HELIOS_JOB_COLUMNS = (
+    "job_id",
+    "user",
+    "vc",
+    "gpu_num",
+    "cpu_num",
+    "node_num",
+    "state",
+    "submit_time",
+    "start_time",
+    "end_time",
+    "duration",
+    "queue",
+)
+HELIOS_NODE_GPUS = 8
+"""GPUs per Helios node (the SC '21 paper: every node has 8); `cluster_gpu_number.csv` gives GPUs per VC only."""
+HELIOS_ENDS = {
+    "COMPLETED": JobState.SUCCEEDED,
+    "FAILED": JobState.FAILED,
+    "TIMEOUT": JobState.FAILED,
+    "NODE_FAIL": JobState.FAILED,
+    "CANCELLED": JobState.CANCELLED,
+}
+PHILLY_ENDS = {"Pass": JobState.SUCCEEDED, "Failed": JobState.FAILED, "Killed": JobState.CANCELLED}
+PHILLY_MACHINE_COLUMNS = ("machineId", "number of GPUs", "single GPU mem")
+_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
+_UNRECORDED = ("", "None", "null")
+"""How the job logs write a time they did not record (Philly: a logging error, or still running)."""
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One recorded attempt: when it started holding GPUs and when (and how) it ended."""
+
+    start: datetime | None
+    end: datetime | None
+    end_state: JobState
+
+
+def _date(raw: object, where: str, column: str, *, empty: bool = False) -> datetime | None:
+    """A `YYYY-MM-DD HH:MM:SS` time, read as UTC (the logs give no zone); None when unrecorded and allowed."""
+    text = "" if raw is None else str(raw).strip()
+    if text in _UNRECORDED:
+        if empty:
+            return None
+        raise TraceFormatError(f"{where}: {column} is empty; expected a time like 2020-06-09 18:41:01")
+    try:
+        return datetime.strptime(text, _DATE_FORMAT).replace(tzinfo=UTC)
+    except ValueError:
+        raise TraceFormatError(
+            f"{where}: {column} is {text[:40]!r}; expected a time like 2020-06-09 18:41:01"
+        ) from None
+
+
+def _job_events(
+    name: str, spec: JobSpec, submitted_at: datetime, runs: list[_Run]
+) -> list[tuple[datetime, int, Event]]:
+    """A job's submission, then per attempt its request (after the first), its start and its end."""
+    submitted_type = JobSubmitted.model_fields["type"].default
+    out: list[tuple[datetime, int, Event]] = [
+        (
+            submitted_at,
+            0,
+            JobSubmitted(
+                id=_event_id(name, submitted_type),
+                source=SOURCE,
+                jobid=name,
+                attempt=1,
+                time=submitted_at,
+                data=JobSubmittedData(spec=spec),
+            ),
+        )
+    ]
+    requested_type = AttemptRequested.model_fields["type"].default
+    previous_end: datetime | None = None
+    for number, run in enumerate(runs, start=1):
+        if number > 1 and previous_end is not None:
+            # The logs record no request time: the retry is asked for when the attempt before it ended.
+            data = AttemptRequestedData(reason="trace: the job's next recorded attempt")
+            request = AttemptRequested(
+                id=_event_id(name, requested_type, str(number)),
+                source=SOURCE,
+                jobid=name,
+                attempt=number,
+                time=previous_end,
+                data=data,
+            )
+            out.append((previous_end, 3, request))  # after the end it follows, at the same instant
+        if run.start is not None:
+            out.append((run.start, 1, _dated_state(name, number, JobState.RUNNING, run.start)))
+        if run.end is not None:
+            out.append((run.end, 2, _dated_state(name, number, run.end_state, run.end)))
+        previous_end = run.end
+    return out
+
+
+def _dated_state(name: str, attempt: int, to_state: JobState, at: datetime) -> JobStateChanged:
+    event_type = JobStateChanged.model_fields["type"].default
+    data = JobStateChangedData(from_state=None, to_state=to_state, cause_type="trace")
+    return JobStateChanged(
+        id=_event_id(name, event_type, f"{attempt}/{to_state.value}"),
+        source=SOURCE,
+        jobid=name,
+        attempt=attempt,
+        time=at,
+        data=data,
+    )
+
+
+def _register(trace: ImportedTrace, node_id: str, gpus: int, *, memory_gib: int = 0, pool: str = "default") -> None:
+    data = NodeRegisteredData(gpu_model="unknown", gpus=gpus, gpu_memory_gib=memory_gib, pool=pool)
+    event_type = NodeRegistered.model_fields["type"].default
+    trace.events.append(
+        NodeRegistered(id=_event_id(node_id, event_type), source=SOURCE, node=node_id, time=ORIGIN, data=data)
+    )
+    trace.nodes += 1
+
+
+def _finish(trace: ImportedTrace, timed: list[tuple[datetime, int, Event]]) -> None:
+    """Jobs in time order, after the nodes; the nodes are registered at the first job's time."""
+    timed.sort(key=lambda item: (item[0], item[1], item[2].jobid or "", item[2].attempt or 0))
+    if timed:
+        start = timed[0][0]
+        trace.events[:] = [e.model_copy(update={"time": start}) for e in trace.events]
+    trace.events.extend(event for _, _, event in timed)
+
+
+def helios_nodes(text: str, trace: ImportedTrace) -> set[str]:
+    """`cluster_gpu_number.csv`: each VC a pool of 8-GPU nodes, sized by the most GPUs it had on any day."""
+    reader = csv.reader(io.StringIO(text))
+    header = next(reader, None)
+    if not header or header[0].strip() != "date" or header[-1].strip() != "total":
+        raise TraceFormatError("line 1: expected the header date,<vc>...,total of cluster_gpu_number.csv")
+    vcs = [_token(name, 1, "vc") for name in header[1:-1]]
+    most: dict[str, int] = dict.fromkeys(vcs, 0)
+    sizes: dict[str, set[int]] = {vc: set() for vc in vcs}
+    for row in reader:
+        line = reader.line_num
+        if not row:
+            continue
+        if len(row) != len(header):
+            raise TraceFormatError(f"line {line}: expected {len(header)} fields")
+        _date(f"{row[0].strip()} 00:00:00", f"line {line}", "date")
+        for vc, raw in zip(vcs, row[1:-1], strict=True):
+            gpus = _number({vc: raw}, vc, line) or 0
+            most[vc] = max(most[vc], gpus)
+            sizes[vc].add(gpus)
+    pools = set()
+    for vc in vcs:
+        if len(sizes[vc]) > 1:
+            trace.unexpressed["vc_size_changes_over_days_taken_at_their_largest"] += 1
+        whole, rest = divmod(most[vc], HELIOS_NODE_GPUS)
+        for index in range(whole):
+            _register(trace, f"{vc}-{index + 1:03d}", HELIOS_NODE_GPUS, pool=vc)
+        if rest:
+            trace.unexpressed["vc_gpus_not_a_multiple_of_8_as_a_smaller_node"] += 1
+            _register(trace, f"{vc}-{whole + 1:03d}", rest, pool=vc)
+        if most[vc]:
+            pools.add(vc)
+    return pools
+
+
+def helios_jobs(text: str, trace: ImportedTrace, pools: set[str] | None = None) -> None:
+    """`cluster_log.csv`: each GPU job a gang of `node_num` workers in its VC's pool, at its recorded times."""
+    timed: list[tuple[datetime, int, Event]] = []
+    for line, row, job_id in _named_rows(text, HELIOS_JOB_COLUMNS, "Helios cluster_log", "job_id", "job"):
+        where = f"line {line}"
+        gpus = _number(row, "gpu_num", line) or 0
+        nodes = max(_number(row, "node_num", line) or 1, 1)
+        state = row["state"].strip().upper()
+        submitted = _date(row["submit_time"], where, "submit_time")
+        start = _date(row["start_time"], where, "start_time", empty=True)
+        end = _date(row["end_time"], where, "end_time", empty=True)
+        assert submitted is not None  # noqa: S101 - not allowed empty above
+        if gpus == 0:
+            trace.unexpressed["jobs_without_gpu"] += 1
+            continue
+        if state not in HELIOS_ENDS:
+            trace.unexpressed[f"jobs_in_state_{state.lower() or 'empty'}_skipped"] += 1
+            continue
+        per_worker = -(-gpus // nodes)
+        if per_worker * nodes != gpus:
+            trace.unexpressed["gpus_uneven_across_nodes_rounded_up"] += 1
+        if per_worker > _MAX_GPUS_PER_WORKER:
+            trace.unexpressed["workers_over_16_gpus"] += 1
+            continue
+        if _number(row, "cpu_num", line):
+            trace.unexpressed["cpu_requests_ignored"] += 1
+        vc = _token(row["vc"] or "none", line, "vc")
+        pool = "default"
+        if pools is None:
+            trace.unexpressed["vc_partitions_not_imported_without_nodes"] += 1
+        elif vc in pools:
+            pool = vc
+        else:
+            trace.unexpressed["jobs_of_a_vc_without_gpus_in_the_default_pool"] += 1
+        name = f"helios-{job_id}"
+        spec = JobSpec(name=name, tenant=vc, pool=pool, workers=nodes, gpus_per_worker=per_worker)
+        ended = HELIOS_ENDS[state]
+        if start is None and ended is not JobState.CANCELLED:
+            trace.unexpressed["ended_without_starting_as_cancelled"] += 1
+        runs = [_Run(start, end, ended if start is not None else JobState.CANCELLED)]
+        timed.extend(_job_events(name, spec, submitted, runs))
+        trace.jobs += 1
+    _finish(trace, timed)
+
+
+def philly_machines(text: str, trace: ImportedTrace) -> None:
+    """`cluster_machine_list`: `machineId,number of GPUs,single GPU mem` (e.g. `m31,8, 24GB`), one node each."""
+    reader = csv.reader(io.StringIO(text))
+    header = [name.strip() for name in next(reader, [])]
+    if tuple(header) != PHILLY_MACHINE_COLUMNS:
+        raise TraceFormatError(f"line 1: expected the header {','.join(PHILLY_MACHINE_COLUMNS)}")
+    seen: set[str] = set()
+    for row in reader:
+        line = reader.line_num
+        if not row:
+            continue
+        if len(row) != len(header):
+            raise TraceFormatError(f"line {line}: expected {len(header)} fields")
+        node_id = _token(row[0], line, "machineId")
+        if node_id in seen:
+            raise TraceFormatError(f"line {line}: machine {node_id} appears twice")
+        seen.add(node_id)
+        gpus = _number({"number of GPUs": row[1]}, "number of GPUs", line) or 0
+        if gpus > _MAX_NODE_GPUS:
+            raise TraceFormatError(f"line {line}: number of GPUs is {gpus}; a node has at most {_MAX_NODE_GPUS}")
+        if gpus == 0:
+            trace.unexpressed["cpu_only_nodes"] += 1
+            continue
+        memory = row[2].strip().upper().removesuffix("GB").strip()
+        if not memory.isdigit():
+            raise TraceFormatError(f"line {line}: single GPU mem is {row[2].strip()[:20]!r}; expected e.g. 24GB")
+        _register(trace, node_id, gpus, memory_gib=int(memory))
+
+
+def _philly_shape(attempt: Mapping[str, Any], where: str, trace: ImportedTrace) -> tuple[int, int] | None:
+    """(workers, GPUs per worker) of one attempt: one worker per machine it ran on."""
+    detail = attempt.get("detail")
+    if not isinstance(detail, list) or not detail:
+        return None
+    counts = []
+    for machine in detail:
+        gpus = machine.get("gpus") if isinstance(machine, dict) else None
+        if not isinstance(gpus, list):
+            raise TraceFormatError(f"{where}: every attempt detail needs a list of gpus")
+        counts.append(len(gpus))
+    if len(set(counts)) > 1:
+        trace.unexpressed["uneven_gpus_across_machines_rounded_up"] += 1
+    return len(counts), max(counts)
+
+
+def philly_jobs(text: str, trace: ImportedTrace) -> None:
+    """`cluster_job_log` (JSON): each job with its attempts, each attempt a new attempt of the same job."""
+    try:
+        jobs = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(f"line {exc.lineno}: not JSON: {exc.msg}") from None
+    if not isinstance(jobs, list):
+        raise TraceFormatError("line 1: expected a JSON list of jobs")
+    timed: list[tuple[datetime, int, Event]] = []
+    seen: set[str] = set()
+    for index, job in enumerate(jobs, start=1):
+        timed.extend(_philly_job(index, job, seen, trace))
+    _finish(trace, timed)
+
+
+def _philly_job(index: int, job: object, seen: set[str], trace: ImportedTrace) -> list[tuple[datetime, int, Event]]:
+    """One job's events, or none when what it records cannot be replayed (counted)."""
+    if not isinstance(job, dict):
+        raise TraceFormatError(f"job {index}: expected an object")
+    missing = [key for key in ("status", "vc", "jobid", "attempts", "submitted_time") if key not in job]
+    if missing:
+        raise TraceFormatError(f"job {index}: lacks {', '.join(missing)}")
+    job_id = _token(str(job["jobid"]), index, "jobid").removeprefix("application_")
+    where = f"job {index} ({job['jobid']})"
+    if job_id in seen:
+        raise TraceFormatError(f"{where}: appears twice")
+    seen.add(job_id)
+    status = str(job["status"])
+    if status not in PHILLY_ENDS:
+        raise TraceFormatError(f"{where}: status is {status[:20]!r}; expected Pass, Killed or Failed")
+    submitted = _date(job["submitted_time"], where, "submitted_time")
+    assert submitted is not None  # noqa: S101 - not allowed empty above
+    attempts = job["attempts"]
+    if not isinstance(attempts, list):
+        raise TraceFormatError(f"{where}: attempts is not a list")
+    if not attempts:
+        trace.unexpressed["jobs_never_scheduled_skipped"] += 1
+        return []
+    runs, shape = _philly_runs(attempts, PHILLY_ENDS[status], where, trace)
+    if not runs or shape is None:
+        trace.unexpressed["jobs_without_a_usable_attempt_skipped"] += 1
+        return []
+    workers, per_worker = shape
+    if per_worker == 0:
+        trace.unexpressed["jobs_without_gpu"] += 1
+        return []
+    if per_worker > _MAX_GPUS_PER_WORKER:
+        trace.unexpressed["workers_over_16_gpus"] += 1
+        return []
+    name = f"philly-{job_id}"
+    vc = _token(str(job["vc"]) or "none", index, "vc")
+    spec = JobSpec(name=name, tenant=vc, workers=workers, gpus_per_worker=per_worker)
+    trace.jobs += 1
+    return _job_events(name, spec, submitted, runs)
+
+
+def _philly_runs(
+    attempts: list[Any], final: JobState, where: str, trace: ImportedTrace
+) -> tuple[list[_Run], tuple[int, int] | None]:
+    """The attempts with their times (the last ends as the job did, the others failed), and the job's shape."""
+    runs: list[_Run] = []
+    shape: tuple[int, int] | None = None
+    for position, attempt in enumerate(attempts, start=1):
+        if not isinstance(attempt, dict):
+            raise TraceFormatError(f"{where}: attempt {position} is not an object")
+        start = _date(attempt.get("start_time"), where, "start_time", empty=True)
+        end = _date(attempt.get("end_time"), where, "end_time", empty=True)
+        last = position == len(attempts)
+        if start is None or (end is None and not last):
+            trace.unexpressed["attempts_without_times_skipped"] += 1
+            continue
+        if end is None:
+            trace.unexpressed["jobs_still_running_at_the_snapshot"] += 1
+        this_shape = _philly_shape(attempt, where, trace)
+        if shape is None:
+            shape = this_shape
+        elif this_shape is not None and this_shape != shape:
+            trace.unexpressed["attempt_shapes_differ_taken_from_the_first"] += 1
+        runs.append(_Run(start, end, final if last else JobState.FAILED))
+    return runs, shape
