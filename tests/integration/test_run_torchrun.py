@@ -24,7 +24,7 @@ from support.observe import OBSERVE_SERVICES, in_state, job_view, timeline_event
 from support.optional import TORCH, require
 from support.waiting import eventually
 
-from lanes_contract.events import JobFinding, RankExited, RankStarted
+from lanes_contract.events import Heartbeat, JobFinding, RankExited, RankStarted
 from lanes_runtime.service import Connections
 from lanes_runtime.settings import ServerUrls
 
@@ -167,3 +167,19 @@ async def test_lanes_torch_timing_prints_each_workers_steps_and_changes_nothing_
     weights = sorted(line for line in timed.splitlines() if " weights " in line)
     assert len(weights) == 2
     assert weights == sorted(line for line in plain.splitlines() if " weights " in line)  # bit for bit the same
+
+    # Each line names its worker's rank, so `lanes run` sends every rank's timings as that rank's heartbeats,
+    # which is what telemetry reads for slow ranks (as it does from a node agent's ranks).
+    async def timed_steps() -> dict[int | None, list[int]]:
+        steps: dict[int | None, list[int]] = {}
+        for event in await timeline_events(stack, f"timed-{unique}"):
+            if isinstance(event, Heartbeat):
+                steps.setdefault(event.rank, []).extend(t.step for t in event.data.timings)
+        return {rank: sorted(numbers) for rank, numbers in steps.items()}
+
+    async def all_timed() -> bool:
+        return await timed_steps() == {0: [1, 2, 3], 1: [1, 2, 3]}
+
+    await eventually(all_timed, what="both ranks' step timings as heartbeats")
+    plain_beats = [e for e in await timeline_events(stack, f"plain-{unique}") if isinstance(e, Heartbeat)]
+    assert plain_beats == []

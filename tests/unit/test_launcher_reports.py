@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from lanes_agent.rank_output import (
-    READY_MARKER,
-    TIMINGS_EVERY_S,
-    TimingBatch,
-    communicator_ready,
-    listening_endpoint,
-    progress_report,
-)
+from lanes_agent.rank_output import READY_MARKER, communicator_ready, listening_endpoint
 from lanes_contract.events import CheckpointSavedData, HeartbeatData, StepTiming
 from lanes_contract.events.progress import MAX_TIMINGS
+from lanes_evidence.progress_lines import TIMINGS_EVERY_S, TimingBatch, progress_report
 
 DIGEST = "sha256:" + "ab" * 32
 

@@ -17,6 +17,7 @@ from lanes_cli.limits import MAX_RANKS
 from lanes_contract.codec import decode_structured
 from lanes_contract.events import (
     Event,
+    Heartbeat,
     JobPlaced,
     JobSubmitted,
     JobWaiting,
@@ -120,6 +121,32 @@ def test_each_exit_counts_the_evidence_its_rank_published_so_telemetry_waits_for
     assert Counter(event.rank for event in published) == {0: 2, 1: 1}
     exits = [e for e in report.rank_exits(1) if isinstance(e, RankExited)]
     assert {e.rank: e.data.evidence for e in exits} == {0: 2, 1: 1, 2: 0}
+
+
+def test_step_timings_become_each_ranks_heartbeats_a_second_at_most_and_the_rest_at_the_end() -> None:
+    report = RunReport(
+        identity_from(["torchrun", "--nproc-per-node=2", "t.py"], {}, job="j", node="n1", max_ranks=MAX_RANKS)
+    )
+    assert report.feed("stdout", "lanes: step 1 compute_s=0.5 wait_s=0.1 rank=1", now=100.0) == []
+    assert report.feed("stdout", "lanes: step 1 compute_s=0.4 wait_s=0.2 rank=0", now=100.2) == []
+    (beat,) = report.feed("stdout", "lanes: step 2 compute_s=0.5 wait_s=0.1 rank=1", now=101.5)
+    assert isinstance(beat, Heartbeat)
+    assert (beat.rank, beat.node, [t.step for t in beat.data.timings]) == (1, "n1", [1, 2])
+    # A step line that names no rank, or a rank this run does not hold, is plain output (no evidence either).
+    assert report.feed("stdout", "lanes: step 3 compute_s=0.5 wait_s=0.1", now=102.0) == []
+    assert report.feed("stdout", "lanes: step 3 compute_s=0.5 wait_s=0.1 rank=7", now=103.0) == []
+    (rest,) = report.finish()
+    assert isinstance(rest, Heartbeat)
+    assert (rest.rank, [t.step for t in rest.data.timings]) == (0, [1])
+    assert report.evidence_per_rank == Counter()
+
+
+def test_a_single_rank_runs_step_lines_are_its_own_without_naming_it() -> None:
+    report = RunReport(identity_from(["python", "x.py"], {"RANK": "3"}, job="j", node="n1", max_ranks=MAX_RANKS))
+    report.feed("stdout", "lanes: step 1 compute_s=0.5 wait_s=0.1", now=0.0)
+    (rest,) = report.finish()
+    assert isinstance(rest, Heartbeat)
+    assert rest.rank == 3
 
 
 def test_a_plain_command_is_one_rank_with_the_command_status() -> None:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from support.optional import TORCH, require
 
-from lanes_agent.rank_output import progress_report
 from lanes_agent.torch_timing import StepClock
 from lanes_contract.events import HeartbeatData, StepTiming
+from lanes_evidence.progress_lines import progress_report, step_rank
 
 
 def test_collective_time_is_the_steps_wait_and_the_rest_its_compute() -> None:
@@ -27,6 +27,16 @@ def test_collective_time_is_the_steps_wait_and_the_rest_its_compute() -> None:
         HeartbeatData(step=1, timings=(StepTiming(step=1, compute_s=2.25, wait_s=0.75),))
     ]
     assert (clock.step, clock.waited) == (1, 0.5)
+
+
+def test_a_clock_that_knows_its_rank_names_it_on_each_line() -> None:
+    lines: list[str] = []
+    clock = StepClock(lines.append, now=iter([0.0, 2.0]).__next__, rank=5)
+    clock.step_done()
+    assert lines == ["lanes: step 1 compute_s=2.000000 wait_s=0.000000 rank=5"]
+    assert step_rank(lines[0]) == 5
+    assert progress_report(lines[0]) == HeartbeatData(step=1, timings=(StepTiming(step=1, compute_s=2.0, wait_s=0.0),))
+    assert step_rank("lanes: step 1 compute_s=2.0 wait_s=0.0") is None
 
 
 _LOOP = r"""

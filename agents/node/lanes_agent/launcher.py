@@ -44,14 +44,7 @@ from lanes_agent import kmsg, netns
 from lanes_agent.cgroups import MemoryCgroups
 from lanes_agent.inventory import node_inventory
 from lanes_agent.ledger import RankLedger, RankRecord, process_start, reclaim
-from lanes_agent.rank_output import (
-    LOOPBACK,
-    READY_MARKER,
-    TimingBatch,
-    communicator_ready,
-    listening_endpoint,
-    progress_line,
-)
+from lanes_agent.rank_output import LOOPBACK, READY_MARKER, communicator_ready, listening_endpoint, progress_line
 from lanes_agent.ras_poll import RasPolling, StallWatch, ask_ras
 from lanes_contract.client import publish_encoded
 from lanes_contract.codec import decode, encode
@@ -94,6 +87,7 @@ from lanes_evidence.dump_files import take_rank_dump
 from lanes_evidence.evidence import Evidence, evidence_event
 from lanes_evidence.flight_recorder import DUMP_PREFIX, RECORDING
 from lanes_evidence.parsers import LogParser, SourceContext
+from lanes_evidence.progress_lines import TimingBatch
 from lanes_runtime import decision
 from lanes_runtime.consumer import ConsumerSpec
 from lanes_runtime.delivery import BatchPull, StoppedError, carry_out, hold_through_outages, pull_batches, settle

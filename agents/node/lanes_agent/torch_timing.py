@@ -19,6 +19,7 @@ own references to the collectives (`from torch.distributed import all_reduce` bi
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -45,9 +46,13 @@ _installed: StepClock | None = None
 class StepClock:
     """A rank's time in the current step: what it waited in collectives, and when the step began."""
 
-    def __init__(self, out: Callable[[str], None], now: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self, out: Callable[[str], None], now: Callable[[], float] = time.perf_counter, *, rank: int | None = None
+    ) -> None:
         self._out = out
         self._now = now
+        self._said_rank = "" if rank is None else f" rank={rank}"
+        """Each line names its rank: `lanes run` reads the one pipe a torchrun's workers share."""
         self.step = 0
         self.waited = 0.0
         self.began = now()
@@ -71,7 +76,7 @@ class StepClock:
         now = self._now()
         self.step += 1
         computed = max(now - self.began - self.waited, 0.0)
-        self._out(f"lanes: step {self.step} compute_s={computed:.6f} wait_s={self.waited:.6f}")
+        self._out(f"lanes: step {self.step} compute_s={computed:.6f} wait_s={self.waited:.6f}{self._said_rank}")
         self.waited, self.began = 0.0, now
 
 
@@ -90,7 +95,8 @@ def install(out: Callable[[str], None] = _say) -> StepClock:
     import torch.distributed as dist  # noqa: PLC0415 - torch is the job's, imported only when installed
     from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: PLC0415
 
-    clock = _installed = StepClock(out)
+    rank = os.environ.get("RANK", "")
+    clock = _installed = StepClock(out, rank=int(rank) if rank.isdigit() else None)
     for name in COLLECTIVES:
         original = getattr(dist, name, None)
         if original is None or getattr(original, "__lanes_timed__", False):

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,12 +26,21 @@ from datetime import UTC
 from pathlib import Path
 from typing import BinaryIO
 
-from lanes_contract.events import Event, EvidenceCategory, RankAssignment, RankExitedData, utc_now
+from lanes_contract.events import (
+    Event,
+    EvidenceCategory,
+    Heartbeat,
+    HeartbeatData,
+    RankAssignment,
+    RankExitedData,
+    utc_now,
+)
 from lanes_contract.ids import derived_event_id, new_event_id
 from lanes_evidence.dump_files import take_rank_dump
 from lanes_evidence.evidence import Evidence, evidence_event
 from lanes_evidence.flight_recorder import DUMP_PREFIX, RECORDING
 from lanes_evidence.parsers import LogParser, SourceContext
+from lanes_evidence.progress_lines import TimingBatch, progress_report, step_rank
 from lanes_observe import observed
 from lanes_observe.outbox import Outbox, Sender
 
@@ -230,16 +240,57 @@ class RunReport:
         # Evidence published per rank: each exit carries its rank's count, so telemetry settles no finding
         # before that rank's lines (on another stream, perhaps later) have arrived.
         self.evidence_per_rank: Counter[int] = Counter()
+        self._timings: dict[int, TimingBatch] = {}
+        """Each rank's step timings not sent yet (the timing hook's lines, `LANES_TORCH_TIMING=1`)."""
 
-    def feed(self, stream: str, line: str) -> list[Event]:
-        """The events one line of output completes."""
+    def feed(self, stream: str, line: str, now: float | None = None) -> list[Event]:
+        """The events one line of output completes (`now`: a monotonic clock, for batching step timings)."""
         self._lines[stream] += 1
         self._srun_exit(line)
+        if (beats := self._step(line, time.monotonic() if now is None else now)) is not None:
+            return beats
         return self._evidence(stream, self._parsers[stream].feed(line))
 
     def finish(self) -> list[Event]:
-        """Evidence still held in open multi-line blocks (a traceback at the very end)."""
-        return [event for stream, parser in self._parsers.items() for event in self._evidence(stream, parser.finish())]
+        """Evidence still held in open multi-line blocks (a traceback at the very end), and the last timings."""
+        rests = [(rank, batch.rest()) for rank, batch in sorted(self._timings.items())]
+        beats = [self._heartbeat(rank, rest) for rank, rest in rests if rest is not None]
+        evidence = [e for stream, parser in self._parsers.items() for e in self._evidence(stream, parser.finish())]
+        return beats + evidence
+
+    def _step(self, line: str, now: float) -> list[Event] | None:
+        """A step line's heartbeat, once its rank's timings are due ([] until then); None: not a step line.
+
+        The line names its rank (the hook does, under torchrun); a line that does not is the only rank's, when
+        this run has one. A step of a rank this run does not hold is plain output.
+        """
+        try:
+            progress = progress_report(line)
+        except ValueError:
+            return None  # a malformed checkpoint line: plain output
+        if not isinstance(progress, HeartbeatData):
+            return None
+        ranks = self.identity.ranks
+        rank = step_rank(line)
+        if rank is None and len(ranks) == 1:
+            rank = ranks[0]
+        if rank is None or rank not in ranks:
+            return None
+        beat = self._timings.setdefault(rank, TimingBatch(now)).add(progress, now)
+        return [] if beat is None else [self._heartbeat(rank, beat)]
+
+    def _heartbeat(self, rank: int, beat: HeartbeatData) -> Event:
+        identity = self.identity
+        return observed.observed_event(
+            Heartbeat,
+            job_id=identity.job_id,
+            attempt=identity.attempt,
+            source=identity.source,
+            key=f"{rank}:step:{beat.step}",
+            node=observed.token(identity.node),
+            rank=rank,
+            data=beat,
+        )
 
     def dumps(self, prefix: str, *, remove: bool) -> list[Event]:
         """Each rank's Flight Recorder dump (`<prefix><rank>`), if it wrote one, as that rank's evidence.
