@@ -29,7 +29,7 @@ from support.optional import CHROMIUM, chromium, require
 from support.processes import interruptible
 from support.waiting import eventually
 
-from lanes_console.app import serve
+from lanes_console.app import PAGE_ROWS, serve
 from lanes_console.incident import BUNDLE_FILES
 from lanes_contract.client import LanesClient, connect_nats
 from lanes_contract.errors import PermissionDeniedError
@@ -901,3 +901,74 @@ async def test_the_job_page_downloads_the_incident_bundle_lanes_incident_writes(
     )
     assert printed.returncode == 0, printed.stderr
     assert json.loads(printed.stdout) == downloaded
+
+
+async def publish_all(console: Console, events: list[Any]) -> list[int]:
+    """Publish many events at once, as a storm lands (each acknowledged; sequences in the order given back)."""
+    return sorted(await asyncio.gather(*(console.publisher.publish(event) for event in events)))
+
+
+async def test_a_storm_is_grouped_and_a_long_history_is_sent_from_its_tail_a_page_at_a_time(
+    console: Console, unique: str
+) -> None:
+    job = f"storm-{unique}"
+    ranks = 40
+    head = await publish(console, submitted(job), finding(job, 1))
+    storm = await publish_all(console, [exited(job, rank, 1) for rank in range(2, 2 + ranks)])
+    chatter = await publish_all(console, [started(job, rank) for rank in range(PAGE_ROWS)])
+    async with aiohttp.ClientSession() as session:
+        feed = await open_feed(session, f"{console.url}api/jobs/{job}/events")
+        opened = await feed.until("caught_up")
+        page = next(e for e in opened if e.event == "page").data
+        sent = [row["seq"] for row in rows_of(opened)]
+        assert sent == chatter  # the newest PAGE_ROWS the view keeps
+        assert page == {"earlier": len(head) + ranks, "before": chatter[0]}
+        (groups,) = [e.data for e in opened if e.event == "groups"]
+        assert [(g["count"], g["kind"], g["says"], g["consequence"]) for g in groups] == [
+            (ranks, "rank_exited", "exit 1", True)
+        ]
+        assert groups[0]["ranks"] == list(range(2, 2 + ranks))
+
+        # Live: one more timeout joins its group; the row carries the group's key.
+        (late,) = await publish(console, exited(job, 99, 1))
+        row = await feed.next_named("row")
+        assert (row.data["seq"], row.data["group"]) == (late, groups[0]["key"])
+        regrouped = await feed.next_named("groups")
+        assert regrouped.data[0]["count"] == ranks + 1
+
+        async with session.get(f"{console.url}api/jobs/{job}/rows?before={chatter[0]}&limit=30") as got:
+            earlier = await got.json()
+        assert [row["seq"] for row in earlier["rows"]] == storm[-30:]
+        assert earlier["more"] is True
+        async with session.get(f"{console.url}api/jobs/{job}/rows?before={storm[0]}&failures=1") as got:
+            first = await got.json()
+        assert [row["seq"] for row in first["rows"]] == head[1:]  # the filters apply: the finding alone
+        for query in ("before=x", "before=5&limit=100000", "limit=5"):
+            async with session.get(f"{console.url}api/jobs/{job}/rows?{query}") as refused:
+                assert refused.status == 400, query
+
+
+async def test_in_chromium_a_storm_shows_as_its_group_and_earlier_events_load_on_demand(
+    console: Console, browser: Browser, unique: str
+) -> None:
+    job = f"group-{unique}"
+    ranks = 24
+    head = await publish(console, submitted(job), finding(job, 1))
+    storm = await publish_all(console, [exited(job, rank, 1) for rank in range(2, 2 + ranks)])
+    chatter = await publish_all(console, [started(job, rank) for rank in range(PAGE_ROWS)])
+    page = await open_page(browser, f"{console.url}jobs/{job}")
+    group = page.locator("#groups details.group.consequence")
+    assert await group.count() == 1
+    said = await group.locator("summary").text_content() or ""
+    assert said.startswith(f"{ranks} ranks: rank_exited exit 1 (host lane, 1 nodes), consequence of rank 1 OOM-killed")
+    assert await page.locator("#events tbody tr").count() == PAGE_ROWS
+
+    await page.click("#load-earlier")
+    await page.wait_for_selector(f"tr[data-seq='{head[0]}']", timeout=READ_BOUND_S * 1000)
+    shown = await page.locator("#events tbody tr").evaluate_all("rs => rs.map(r => Number(r.dataset.seq))")
+    # The storm's first three rows are drawn, the rest counted in the group; a group's link draws its row.
+    assert shown == [*head, *storm[:3], *chatter]
+    assert f"({ranks - 3} more in the groups above)" in (await page.text_content("#summary") or "")
+    await page.click("#groups details.group summary")
+    await page.click(f"#groups a[href='#seq={storm[0]}']")
+    await page.wait_for_selector(f"tr.selected[data-seq='{storm[0]}']")

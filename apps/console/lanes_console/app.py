@@ -16,6 +16,7 @@ elsewhere and run on an offline machine.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hmac
 import html
@@ -43,8 +44,10 @@ from lanes_console.rows import (
     JOBS_LIST_KINDS,
     MAX_QUERY_CHARS,
     BadQueryError,
+    Consequences,
     Filters,
     FirstError,
+    consequence_key,
     job_update,
     row_of,
 )
@@ -66,6 +69,10 @@ MAX_EVENT_ID = 2**63 - 1
 SHUTDOWN_S = 1.0
 ATTEMPTS_EVERY_S = 0.2
 """The attempts comparison is sent again at most this often while events change it (a storm is one update)."""
+GROUPS_EVERY_S = 0.2
+"""Likewise the job's grouped failures."""
+PAGE_ROWS = 500
+"""Stored rows a job feed sends when it opens (the newest the view keeps); earlier ones come a page at a time."""
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
     "base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
@@ -88,6 +95,7 @@ def create_app(nc: NatsClient, token: str | None = None) -> web.Application:
     app.router.add_get("/api/jobs/{job_id}/events", job_feed)
     app.router.add_get("/jobs/{job_id}/attempts", attempts_page)
     app.router.add_get("/api/jobs/{job_id}/incident", incident_download)
+    app.router.add_get("/api/jobs/{job_id}/rows", job_rows)
     app.router.add_get("/api/jobs/{job_id}/attempts", attempts_feed)
     app.router.add_get("/nodes/{node}", node_page)
     app.router.add_get("/api/nodes/{node}/events", node_feed)
@@ -292,35 +300,115 @@ async def _relay(
 
 
 async def job_feed(request: web.Request) -> web.StreamResponse:
-    """A job's rows, stored then live (`row`), its first error whenever the election changes (`first_error`).
+    """A job's rows, stored then live (`row`), its first error (`first_error`) and its failures grouped (`groups`).
 
-    The election sees every row, also those the filters hide or the browser already has: the read always
-    starts at the job's first event.
+    The election and the groups see every row, also those the filters hide or the browser already has: the
+    read always starts at the job's first event. Of the stored rows the view keeps, only the last PAGE_ROWS
+    are sent, after a `page` event that says how many came before (the page asks /api/jobs/<id>/rows for
+    them): a job of 100,000 events paints from its tail. Each failure row carries its group's key; the
+    groups are sent again at most every GROUPS_EVERY_S while a storm changes them.
     """
     job_id = await _known_job(request)
     filters = _filters(request)
     after = _last_event_id(request)
     feed = await _Feed.open(request)
     election = FirstError()
-    elected_sent = False
+    groups = Consequences()
+    tail: collections.deque[dict[str, Any]] = collections.deque(maxlen=PAGE_ROWS)
+    loop = asyncio.get_running_loop()
+    state = {"caught_up": False, "kept": 0, "groups_changed": False, "groups_sent_at": 0.0}
+
+    async def send_groups() -> None:
+        if state["groups_changed"]:
+            state["groups_changed"], state["groups_sent_at"] = False, loop.time()
+            await feed.send("groups", groups.view(election.current))
 
     async def on_row(row: dict[str, Any]) -> None:
-        if election.add(row) and elected_sent:
+        elected = election.add(row)
+        if (key := groups.add(row)) is not None:
+            row["group"] = key
+            state["groups_changed"] = True
+        if not state["caught_up"]:
+            if row["seq"] > after and filters.keeps(row):
+                state["kept"] += 1
+                tail.append(row)
+            return
+        if elected:
+            state["groups_changed"] = True
             await feed.send("first_error", election.current)
         if row["seq"] > after and filters.keeps(row):
             await feed.send("row", row, row["seq"])
+        if loop.time() - state["groups_sent_at"] >= GROUPS_EVERY_S:
+            await send_groups()
 
     async def on_caught_up() -> None:
-        nonlocal elected_sent
-        if not elected_sent:
-            await feed.send("first_error", election.current)
-            elected_sent = True
+        earlier = state["kept"] - len(tail)
+        await feed.send("page", {"earlier": earlier, "before": tail[0]["seq"] if tail else None})
+        for row in tail:
+            await feed.send("row", row, row["seq"])
+        tail.clear()
+        await feed.send("first_error", election.current)
+        state["caught_up"], state["groups_changed"] = True, True
+        await send_groups()
         await feed.send("caught_up", {"after": after})
 
     # From the job's first event whatever the browser has: the election needs them all.
     return await _relay(
-        request, feed, JOBS.name, (f"lanes.job.{job_id}.>",), after=0, on_row=on_row, on_caught_up=on_caught_up
+        request,
+        feed,
+        JOBS.name,
+        (f"lanes.job.{job_id}.>",),
+        after=0,
+        on_row=on_row,
+        on_caught_up=on_caught_up,
+        on_idle=send_groups,
     )
+
+
+def _bounded_int(request: web.Request, key: str, default: int, high: int) -> int:
+    raw = request.query.get(key)
+    if raw is None:
+        return default
+    if not raw.isdigit() or not 1 <= int(raw) <= high:
+        raise web.HTTPBadRequest(text=f"{key} must be a whole number from 1 to {high}")
+    return int(raw)
+
+
+def _grouped(row: dict[str, Any]) -> dict[str, Any]:
+    """The row with its failure group's key, as the job feed sends it."""
+    if (key := consequence_key(row)) is not None:
+        row["group"] = key
+    return row
+
+
+async def job_rows(request: web.Request) -> web.Response:
+    """A page of a job's stored rows before sequence `before` (`limit`, at most PAGE_ROWS), the view's filters on.
+
+    JSON: `rows` in stream order and `more` (whether rows the view keeps come before them). The job's events
+    are spread over a stream other jobs share: the read looks back over a window that doubles until it has
+    `limit` rows or reaches the stream's start.
+    """
+    job_id = await _known_job(request)
+    filters = _filters(request)
+    if "before" not in request.query:
+        raise web.HTTPBadRequest(
+            text="before=<stream sequence> is needed: the page's first row, or the feed's page event"
+        )
+    before = _bounded_int(request, "before", MAX_EVENT_ID, MAX_EVENT_ID)
+    limit = _bounded_int(request, "limit", PAGE_ROWS, PAGE_ROWS)
+    js = request.app[NATS_KEY].jetstream()
+    subject = f"lanes.job.{job_id}.>"
+    window = limit * 4
+    while True:
+        start = max(1, before - window)
+        kept = [
+            _grouped(row)
+            async for msg in iter_stream(js, Selection(JOBS.name, subject, from_seq=start, to_seq=before - 1))
+            if filters.keeps(row := row_of(msg.metadata.sequence.stream, msg.subject, msg.headers, msg.data))
+        ]
+        if len(kept) >= limit or start == 1:
+            return web.json_response({"rows": kept[-limit:], "more": len(kept) > limit or start > 1})
+        window *= 2
 
 
 def _chosen_attempts(request: web.Request) -> list[int]:

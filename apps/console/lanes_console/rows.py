@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from lanes_contract.codec import decode, format_time
@@ -254,3 +254,83 @@ def job_update(row: Mapping[str, Any]) -> dict[str, Any]:
     elif row.get("kind") == "finding" and isinstance(data.get("first_error"), dict):
         update |= {"error_lane": data["first_error"].get("lane"), "owner": data.get("owner")}
     return update
+
+
+_NUMBERS = re.compile(r"\d+")
+MAX_GROUP_RANKS = 64
+"""How many of a group's ranks the page lists when it is expanded (the count is always whole)."""
+
+
+def consequence_key(row: Mapping[str, Any]) -> str | None:
+    """Which group a failure row falls in: same kind, lane and what it says, numbers aside; None if no failure.
+
+    1,024 ranks that time out in the same collective say the same thing but for their rank and timings:
+    one group. A rank OOM-killed says something else: a group of its own.
+    """
+    if not row.get("failure") or row.get("type") is None:
+        return None
+    said = _NUMBERS.sub("#", str(row.get("summary") or ""))
+    return f"{row.get('kind')}|{row.get('lane')}|{said}"
+
+
+@dataclass
+class _Group:
+    key: str
+    kind: str
+    lane: str | None
+    said: str
+    first_seq: int
+    last_seq: int = 0
+    count: int = 0
+    ranks: list[int] = field(default_factory=list)
+    nodes: set[str] = field(default_factory=set)
+
+
+class Consequences:
+    """The job's failure rows grouped by what they say (`consequence_key`), with counts, in stream order."""
+
+    def __init__(self) -> None:
+        self._groups: dict[str, _Group] = {}
+        self._key_of: dict[int, str] = {}
+        """seq -> key of each failure row: which group holds the first error, whenever it is elected."""
+
+    def add(self, row: Mapping[str, Any]) -> str | None:
+        """Fold one row in; its group's key (None for a row that is no failure)."""
+        key = consequence_key(row)
+        if key is None:
+            return None
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = _Group(
+                key, str(row.get("kind")), row.get("lane"), str(row.get("summary") or ""), int(row["seq"])
+            )
+        group.count += 1
+        group.last_seq = int(row["seq"])
+        if isinstance(row.get("rank"), int) and len(group.ranks) < MAX_GROUP_RANKS:
+            group.ranks.append(row["rank"])
+        if row.get("node"):
+            group.nodes.add(str(row["node"]))
+        self._key_of[int(row["seq"])] = key
+        return key
+
+    def view(self, first_error: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+        """The groups of more than one row, largest first, each saying whether it is the first error's consequence."""
+        first_key = None if first_error is None else self._key_of.get(int(first_error["seq"]))
+        shown = sorted((g for g in self._groups.values() if g.count > 1), key=lambda g: (-g.count, g.first_seq))
+        return [
+            {
+                "key": group.key,
+                "kind": group.kind,
+                "lane": group.lane,
+                "says": group.said,
+                "count": group.count,
+                "ranks": group.ranks,
+                "nodes": len(group.nodes),
+                "first_seq": group.first_seq,
+                "last_seq": group.last_seq,
+                "holds_first_error": group.key == first_key,
+                # The election names one first error; every other failure it did not pick is what that fault caused.
+                "consequence": first_error is not None and group.key != first_key and group.kind != "finding",
+            }
+            for group in shown
+        ]
