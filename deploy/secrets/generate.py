@@ -1,6 +1,6 @@
 """Generate the compose stack's secrets: TLS for NATS, one NATS user per identity, one signing key each.
 
-    uv run python deploy/secrets/generate.py deploy/secrets/out [--nodes node-1,node-2]
+    uv run python deploy/secrets/generate.py deploy/secrets/out [--nodes node-1,node-2] [--hosts h1,h2,h3]
 
 Writes into the output directory (created 0700; every file 0600):
 
@@ -124,9 +124,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--nodes", default="", help="comma-separated node ids that get an agent identity")
+    parser.add_argument(
+        "--hosts",
+        default=",".join(NATS_NODES),
+        help="comma-separated NATS node host names, for the certificate and NATS_URL (Kubernetes: "
+        "nats-0.nats-headless,nats-1.nats-headless,nats-2.nats-headless)",
+    )
     args = parser.parse_args()
     nodes = tuple(node for node in args.nodes.split(",") if node)
-    generate(args.out, nodes)
+    hosts = tuple(host for host in args.hosts.split(",") if host)
+    generate(args.out, nodes, hosts=hosts)
     print(f"wrote the stack's secrets to {args.out}")  # noqa: T201
 
 
