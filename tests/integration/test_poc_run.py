@@ -129,12 +129,22 @@ def test_the_inference_steps_are_judged_from_the_replicas_and_the_requests(run: 
     assert steps["start"]["verdict"] == "passed"  # the story waits for both replicas in rotation
     assert steps["health"]["verdict"] == "passed"
     assert steps["traffic"]["requests"] > 0
-    for name in ("upgrade", "rollback", "scale_down"):  # not driven: pending, never passed
-        assert steps[name]["verdict"] == "pending evidence"
-        assert "does not drive" in steps[name]["missing"]
+    for name in ("upgrade", "rollback", "scale_down"):  # driven for real, each with its replica drills
+        assert steps[name]["verdict"] == "passed", steps[name]
+        for drill in steps[name]["drills"]:
+            assert drill["in_flight"], drill  # each drill cut into streams in flight
+            assert drill["errored"] == [], drill
+    assert [d["kind"] for d in steps["upgrade"]["drills"]] == ["replica-kill"]
+    assert {d["kind"] for d in steps["rollback"]["drills"]} == {"replica-drain"}
+    assert [d["kind"] for d in steps["scale_down"]["drills"]] == ["replica-pause", "replica-drain"]
+    (killed,) = steps["upgrade"]["drills"]
+    assert killed["continued"], killed  # the killed replica's streams continued on the other v2 replica
+    assert steps["upgrade"]["served"]["v2"] > 0
+    assert "v2" not in steps["rollback"]["served_after"]
     (cell,) = [c for c in result["verdicts"] if c["rung"] == "inference"]
     assert cell["capability"] == "inference protection"
-    assert cell["verdict"] == "pending evidence"
+    every_step_passed = all(step["verdict"] == "passed" for step in steps.values())
+    assert cell["verdict"] == ("passed" if every_step_passed else "pending evidence"), cell
 
 
 def test_every_verdict_is_one_of_three_and_a_pending_one_names_what_is_missing(

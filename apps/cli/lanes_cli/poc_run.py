@@ -12,6 +12,7 @@ cordoned are made ready again, so each rung starts on the same cluster and only 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -28,9 +29,10 @@ from lanes_cli.bootstrap import SERVICES, prepare_services
 from lanes_cli.demo import FaultPaths, guarded, wait_for_nodes
 from lanes_cli.drill_cli import DrillStep, run_drill
 from lanes_cli.poc import Verdict
-from lanes_cli.poc_inference import inference_verdict, judge_inference
-from lanes_cli.poc_plan import Plan, Rung
+from lanes_cli.poc_inference import NOT_DRIVEN, inference_verdict, judge_inference, judge_versions
+from lanes_cli.poc_plan import InferenceStep, Plan, Rung
 from lanes_cli.poc_rung import RungResult, diffs, judge
+from lanes_cli.poc_serve import STREAM_IDLE_TIMEOUT_S, run_versions
 from lanes_cli.replay import Pace, merged, write_ndjson
 from lanes_cli.scenarios.inference import replica_node_fails
 from lanes_cli.timeline import job_timeline, read_stream, row_kind
@@ -311,6 +313,10 @@ async def run_plan(
     nodes = cluster_nodes(plan)
     results: list[RungResult] = []
     keyring = configured_keyring()
+    if plan.inference is not None:
+        # A paused replica's streams move once they have been silent this long (the router's default is a
+        # minute, made for real models' slow tokens; the toy model streams a token every 25 ms).
+        os.environ.setdefault("LANES_ROUTER_STREAM_IDLE_TIMEOUT_S", str(STREAM_IDLE_TIMEOUT_S))
     async with connected(urls, name="lanes-poc-run") as conns:
         stop = asyncio.Event()
         consumers = await prepare_services(conns, SERVICES)
@@ -367,22 +373,53 @@ async def write_bundle(js: JetStreamContext, path: Path) -> int:
 
 
 async def run_inference(runner: _Runner, router: RouterRunner, through_kernel: bool) -> dict[str, Any]:
-    """The toy model's story behind the router, then each plan step judged from the replicas' timelines."""
-    assert runner.plan.inference is not None  # noqa: S101 - the caller checked
+    """The version steps, then the toy model's node-fault story, behind the router; each step judged after.
+
+    The version steps are the upgrade, the rollback and the scale-down, each with its replica drills
+    (`lanes_cli.poc_serve`); every verdict is read from the replicas' timelines and the requests.
+    """
+    inference = runner.plan.inference
+    assert inference is not None  # noqa: S101 - the caller checked
     timeout = runner.plan.rung_timeout_s
+    router_url = await runner.guarded(router.url(), timeout)
+    driven: dict[InferenceStep, dict[str, Any]] = {}
+    version_jobs: list[str] = []
+    if set(inference.steps) & set(NOT_DRIVEN):
+        try:
+            versions = await run_versions(
+                runner.client, router_url, inference, runner.guarded, timeout, runner.progress
+            )
+        except TimeoutError as exc:
+            driven = {
+                step: {"step": step.value, "verdict": Verdict.PENDING_EVIDENCE.value, "missing": f"{exc}"}
+                for step in NOT_DRIVEN
+            }
+        else:
+            version_jobs = versions.job_ids
+            rows = {job: await _rows(runner.js, job) for job in version_jobs}
+            requests = [e.as_json() for e in await read_stream(runner.js, Selection(REQUESTS.name, "lanes.req.>"))]
+            driven = judge_versions(inference.versions, rows, requests, versions.notes)
     runner.progress("inference: two replicas of the toy model behind the router, then a replica's node fails")
     try:
-        router_url = await runner.guarded(router.url(), timeout)
         story = await runner.guarded(
             replica_node_fails(runner.conns, router_url, timeout_s=timeout, through_kernel=through_kernel), timeout
         )
     except TimeoutError as exc:
         steps = [
-            {"step": step.value, "verdict": Verdict.PENDING_EVIDENCE.value, "missing": f"the story did not end: {exc}"}
-            for step in runner.plan.inference.steps
+            driven.get(step)
+            or {
+                "step": step.value,
+                "verdict": Verdict.PENDING_EVIDENCE.value,
+                "missing": f"the story did not end: {exc}",
+            }
+            for step in inference.steps
         ]
-        return {"steps": steps, "verdicts": [inference_verdict(steps)], "job_ids": []}
+        return {"steps": steps, "verdicts": [inference_verdict(steps)], "job_ids": version_jobs}
     replicas = {job: await _rows(runner.js, job) for job in story.replica_job_ids}
     requests = [e.as_json() for e in await read_stream(runner.js, Selection(REQUESTS.name, "lanes.req.>"))]
-    steps = judge_inference(runner.plan.inference.steps, replicas, requests, story.replica_job_ids[0])
-    return {"steps": steps, "verdicts": [inference_verdict(steps)], "job_ids": list(story.replica_job_ids)}
+    steps = judge_inference(inference.steps, replicas, requests, story.replica_job_ids[0], driven)
+    return {
+        "steps": steps,
+        "verdicts": [inference_verdict(steps)],
+        "job_ids": version_jobs + list(story.replica_job_ids),
+    }
