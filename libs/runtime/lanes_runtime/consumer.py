@@ -78,10 +78,14 @@ from lanes_runtime.health import DatabaseWatch, Readiness
 from lanes_runtime.metrics import ConsumerMetrics
 from lanes_runtime.store import Db
 from lanes_runtime.tracing import event_span, sdk_configured, traced
-from lanes_runtime.upkeep import DurableUpkeep, PostgresFloors
+from lanes_runtime.upkeep import PINNED_CLIENT, DurableUpkeep, PostgresFloors
 
 log = structlog.get_logger(__name__)
 _T = TypeVar("_T")
+
+
+PRIORITY_GROUP = "lanes"
+"""The one priority group of a pinned consumer (the server allows one group per consumer)."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,12 @@ class ConsumerSpec:
     on PostgreSQL while another's handlers run. Only for handlers that two replicas may already run side by
     side; an ordered consumer takes one (its fold reads the ack floor its batches' acks raise)."""
 
+    pinned_s: float | None = None
+    """Set: the durable has a priority group whose policy is a pinned client (NATS 2.11+, ADR-42): the server
+    delivers to one replica at a time, and moves the pin to another (pulling as a stand-by) when the pinned one
+    has not pulled for this many seconds. For a service whose state per key must not be built by two replicas
+    at once (telemetry's election of a job's first error). None: every replica is served."""
+
     def __post_init__(self) -> None:
         if self.in_flight < 1 or (self.ordered and self.in_flight != 1):
             msg = f"{self.durable}: in_flight must be at least 1, and 1 for an ordered consumer"
@@ -121,6 +131,26 @@ class ConsumerSpec:
             filter_subjects=list(self.subjects),
             max_ack_pending=self.max_ack_pending or max(self.batch * 4, 256),
         )
+
+    @property
+    def group(self) -> str | None:
+        """The priority group every pull names (a pinned consumer's), else None."""
+        return None if self.pinned_s is None else PRIORITY_GROUP
+
+    def create_request(self, config: ConsumerConfig) -> dict[str, object]:
+        """The body of `$JS.API.CONSUMER.CREATE.<stream>.<durable>` that makes `config` (this spec's).
+
+        A pinned consumer's body carries its priority group, which nats-py's config does not.
+        """
+        body: dict[str, Any] = config.as_dict()
+        body["name"] = self.durable
+        if self.pinned_s is not None:
+            body |= {
+                "priority_groups": [PRIORITY_GROUP],
+                "priority_policy": PINNED_CLIENT,
+                "priority_timeout": int(self.pinned_s * 1e9),
+            }
+        return {"stream_name": self.stream.name, "config": body}
 
     @property
     def retention_s(self) -> float:
@@ -321,7 +351,7 @@ class EventConsumer:
 
     async def _run(self, stop: asyncio.Event) -> None:
         await self.provision()
-        sub = await BatchPull.bind(self._nc, self.spec.stream.name, self.spec.durable)
+        sub = await BatchPull.bind(self._nc, self.spec.stream.name, self.spec.durable, group=self.spec.group)
         advisory = await self._nc.subscribe(
             f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.spec.stream.name}.{self.spec.durable}",
             cb=self._on_max_deliveries,

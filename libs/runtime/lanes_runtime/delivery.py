@@ -159,7 +159,7 @@ class BatchPull:
     next fetch: they were delivered, and dropping them would spend a delivery on nothing. One fetch at a time.
     """
 
-    def __init__(self, nc: NatsClient, stream: str, durable: str) -> None:
+    def __init__(self, nc: NatsClient, stream: str, durable: str, *, group: str | None = None) -> None:
         self._nc = nc
         self._next = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
         self._inbox = nc.new_inbox()
@@ -167,11 +167,15 @@ class BatchPull:
         self._requests = 0
         self._waiting: _Request | None = None
         self._late: list[Msg] = []
+        self._group = group
+        """The priority group every pull names, on a consumer with a pinned client (`ConsumerSpec.pinned_s`)."""
+        self.pin: str | None = None
+        """The pin id the server gave this puller with its first message (it is the pinned client), else None."""
 
     @classmethod
-    async def bind(cls, nc: NatsClient, stream: str, durable: str) -> BatchPull:
-        """Subscribe to the inbox of an existing durable consumer's batches."""
-        pull = cls(nc, stream, durable)
+    async def bind(cls, nc: NatsClient, stream: str, durable: str, *, group: str | None = None) -> BatchPull:
+        """Subscribe to the inbox of an existing durable consumer's batches (pulling in `group`, if given)."""
+        pull = cls(nc, stream, durable, group=group)
         pull._sub = await nc.subscribe(f"{pull._inbox}.*", cb=pull._arrived)
         return pull
 
@@ -189,7 +193,12 @@ class BatchPull:
         self._requests += 1
         request = _Request(f"{self._inbox}.{self._requests}", batch, asyncio.get_running_loop().create_future())
         self._waiting = request
-        body = {"batch": batch, "no_wait": True, "expires": int(wait_s * 1e9)}
+        body: dict[str, object] = {"batch": batch, "no_wait": True, "expires": int(wait_s * 1e9)}
+        if self._group is not None:
+            # A pinned consumer serves only the pull that carries the pin id it handed out; the others wait.
+            body["group"] = self._group
+            if self.pin is not None:
+                body["id"] = self.pin
         try:
             await self._nc.publish(self._next, json.dumps(body).encode(), reply=request.reply)
             with contextlib.suppress(TimeoutError):  # the server did not end it: the bus is away
@@ -215,6 +224,8 @@ class BatchPull:
         if msg.reply.startswith(_ACK_PREFIX):
             # A message (its subject is the one it was stored under, not the request's): the request awaited
             # takes it; without one, it came for a request no longer awaited, and the next fetch returns it.
+            if self._group is not None and (pin := (msg.headers or {}).get(PIN_ID_HEADER)):
+                self.pin = pin
             if request is None or request.ended.done():
                 self._late.append(msg)
             else:
@@ -225,7 +236,12 @@ class BatchPull:
         if request is None or msg.subject != request.reply:
             return  # the status that ended a request no longer awaited
         status = (msg.headers or {}).get("Status", "")
-        if status not in _REQUEST_ENDED:
+        if status == _PIN_MISMATCH:
+            # The server pinned another client (this one was away past the priority timeout): pull without an
+            # id from now on, as a stand-by, and take the pin again if the server hands it back.
+            self.pin = None
+            request.end()
+        elif status not in _REQUEST_ENDED:
             description = (msg.headers or {}).get("Description", "")
             refused = ConsumerGoneError if status == _NO_RESPONDERS else NatsError
             request.end(refused(f"pull request refused: {status} {description}".rstrip()))
@@ -245,6 +261,10 @@ _ACK_PREFIX = "$JS.ACK."
 """Every message JetStream delivers has its ack subject as reply; a status message has none."""
 _REQUEST_ENDED = {"404", "408"}
 _NO_RESPONDERS = "503"
+_PIN_MISMATCH = "423"
+"""A pull carrying a pin id that is no longer the consumer's pinned client's (ADR-42)."""
+PIN_ID_HEADER = "Nats-Pin-Id"
+"""The header of the first message (and every later one) delivered to a newly pinned client."""
 """No more messages now, request expired: the request is over, nothing is wrong."""
 _REQUEST_MARGIN_S = 1.0
 """How much longer than its `expires` a fetch waits for the server to end a request."""

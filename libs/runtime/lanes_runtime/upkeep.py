@@ -51,7 +51,7 @@ import asyncpg
 import structlog
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, ConsumerInfo, DeliverPolicy, ReplayPolicy
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
 from lanes_runtime.failures import is_infrastructure
 from lanes_runtime.health import Readiness, describe
@@ -197,8 +197,12 @@ class Drift:
         return ", ".join((*self.remake, *self.update))
 
 
-def drift_of(spec: ConsumerSpec, info: ConsumerInfo, floor: Floor | None) -> Drift:
+def drift_of(spec: ConsumerSpec, info: ConsumerInfo, floor: Floor | None, *, policy: str | None = None) -> Drift:
     """How the durable `info` describes differs from `spec` (pure).
+
+    `policy` is the durable's priority policy, read for a pinned spec only (nats-py's info does not carry it):
+    a pinned spec's durable without a pinned client would refuse every pull naming its group, so it is made
+    again (a policy cannot change on a live durable).
 
     A durable that starts at the start of the stream with an ack floor below the recorded one was made
     again by someone else: it is delivering the whole stream again. One that starts past the recorded floor
@@ -215,6 +219,8 @@ def drift_of(spec: ConsumerSpec, info: ConsumerInfo, floor: Floor | None) -> Dri
     remake += [name for name in _DELIVERY if (getattr(have, name) or None) != (getattr(want, name) or None)]
     if info.paused:
         remake.append("paused")
+    if spec.pinned_s is not None and policy != PINNED_CLIENT:
+        remake.append("priority_policy")
     acked = int(info.ack_floor.stream_seq) if info.ack_floor else 0
     match have.deliver_policy:
         case DeliverPolicy.ALL if floor is not None and acked < floor.ack_floor:
@@ -263,6 +269,8 @@ class DurableUpkeep:
         self._recorded: int | None = None
         """The floor this process last recorded (a write is skipped when the floor has not moved)."""
         self._last_error: str | None = None
+        self._policy: str | None = None
+        """The durable's priority policy when last read (read for a pinned spec only)."""
         self._stream_created: dt.datetime | None = None
         """When the stream was created, read once (a stream made again takes its durables with it: restored,
         and read again then)."""
@@ -307,7 +315,7 @@ class DurableUpkeep:
         """One turn: record the floor of a durable that matches its spec, or restore one that does not."""
         info = await self._info()
         floor = await self._floor() if info is None or self._recorded is None else Floor(self._recorded, None)
-        if info is not None and not (drift := drift_of(self._spec, info, floor)):
+        if info is not None and not (drift := drift_of(self._spec, info, floor, policy=self._policy)):
             await self._record(info)
             self._readiness.answered(_DURABLE)
             return
@@ -329,7 +337,7 @@ class DurableUpkeep:
         async with self._floors.restoring(self._spec.durable):
             info = await self._info()
             floor = await self._floor()
-            drift = drift_of(self._spec, info, floor) if info is not None else None
+            drift = drift_of(self._spec, info, floor, policy=self._policy) if info is not None else None
             if info is not None and not drift:
                 did = "nothing: already restored by another replica"
             elif info is not None and drift is not None and not drift.remake:
@@ -339,7 +347,7 @@ class DurableUpkeep:
                     deliver_policy=info.config.deliver_policy,
                     opt_start_seq=info.config.opt_start_seq,
                 )
-                await self._js.add_consumer(self._spec.stream.name, config=config)
+                await self._add(config)
                 did = f"updated in place ({drift.describe()})"
             else:
                 if info is not None:
@@ -357,8 +365,25 @@ class DurableUpkeep:
         if floor is not None and await self._same_stream(floor):
             start = floor.ack_floor + 1
             config = dataclasses.replace(config, deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start)
-        await self._js.add_consumer(self._spec.stream.name, config=config)
+        await self._add(config)
         return start
+
+    async def _add(self, config: ConsumerConfig) -> None:
+        """Create or update the durable with `config`.
+
+        A pinned one by the JetStream API's own request: nats-py's config has no priority groups, and an update
+        without them would be refused.
+        """
+        if self._spec.pinned_s is None:
+            await self._js.add_consumer(self._spec.stream.name, config=config)
+            return
+        subject = f"$JS.API.CONSUMER.CREATE.{self._spec.stream.name}.{self._spec.durable}"
+        reply = await self._js._nc.request(  # noqa: SLF001 - the context's connection, for a raw API request
+            subject, json.dumps(self._spec.create_request(config)).encode(), timeout=_API_TIMEOUT_S
+        )
+        answer = json.loads(reply.data)
+        if "error" in answer:
+            raise APIError.from_error(answer["error"])
 
     async def _same_stream(self, floor: Floor) -> bool:
         created = (await self._js.stream_info(self._spec.stream.name)).created
@@ -376,11 +401,24 @@ class DurableUpkeep:
 
     async def _info(self) -> ConsumerInfo | None:
         try:
+            if self._spec.pinned_s is not None:
+                return await self._raw_info()
             info: ConsumerInfo = await self._js.consumer_info(self._spec.stream.name, self._spec.durable)
         except NotFoundError as exc:
             if exc.err_code == _STREAM_NOT_FOUND:
                 raise
             return None
+        return info
+
+    async def _raw_info(self) -> ConsumerInfo:
+        """The durable's info by the API's own request, keeping its priority policy (`_policy`) nats-py drops."""
+        subject = f"$JS.API.CONSUMER.INFO.{self._spec.stream.name}.{self._spec.durable}"
+        reply = await self._js._nc.request(subject, b"", timeout=_API_TIMEOUT_S)  # noqa: SLF001 - see _add
+        answer = json.loads(reply.data)
+        if "error" in answer:
+            raise APIError.from_error(answer["error"])
+        self._policy = answer.get("config", {}).get("priority_policy")
+        info: ConsumerInfo = ConsumerInfo.from_response(answer)
         return info
 
     async def _floor(self) -> Floor | None:
@@ -397,5 +435,8 @@ class DurableUpkeep:
         self._recorded = await self._floors.record(self._spec.durable, self._spec.stream.name, floor)
 
 
+PINNED_CLIENT = "pinned_client"
+_API_TIMEOUT_S = 5.0
+"""How long a consumer's creation may take to be answered (a cluster's consumer leader is elected first)."""
 _STREAM_NOT_FOUND = 10059
 """JetStream's error code for a stream that does not exist (a missing consumer is 10014)."""
