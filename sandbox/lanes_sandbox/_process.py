@@ -396,6 +396,8 @@ class _ServerBase:
         self._port: int | None = None
         self._started = False
         self._stopped = False
+        self._relaunch: Callable[[], subprocess.Popen[bytes]] | None = None
+        """Starts the server again as it was started, on its port, with its data (for `restart`)."""
 
     # -- public surface -------------------------------------------------------
 
@@ -461,6 +463,26 @@ class _ServerBase:
             self._directory,
         )
         return self
+
+    def kill(self) -> None:
+        """SIGKILL the server, as a crash would, keeping its directory and data for `restart`."""
+        proc = self._server
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        self._finish(proc)
+
+    def restart(self) -> None:
+        """Start a killed server again, on its port, with its data (a running one is left alone)."""
+        with self._lock:
+            if self._relaunch is None or not self._started:
+                msg = f"embedded {self._kind} is not running: start it, not restart it"
+                raise EmbeddedServerError(msg)
+            if self._server is not None and self._server.poll() is None:
+                return
+            self._server = self._relaunch()
 
     def stop(self) -> None:
         """Stop the server and remove its directory.  Idempotent and thread-safe."""
@@ -683,6 +705,7 @@ class _ServerBase:
                 )
                 continue
             self._port = port
+            self._relaunch = functools.partial(attempt, port)
             return
         msg = f"embedded {self._kind}: no free port after {_PORT_ATTEMPTS} attempts:\n{last}"
         raise EmbeddedServerError(msg)

@@ -9,7 +9,6 @@ import asyncio
 import http.client
 import json
 import logging
-import os
 import secrets
 import shutil
 import signal
@@ -138,8 +137,6 @@ class EmbeddedNats(_ServerBase):
         self._provision = provision
         self._cluster = cluster
         self._sync_always = sync_always
-        self._argv: list[str] | None = None
-        """How the running server was started: a restart (`restart`) starts it the same way, on the same port."""
         # One Ed25519 key per identity signs its events; the keyring (public halves) is what audit trusts.
         self._signers = {name: EventSigner.generate(name) for name in self._passwords}
 
@@ -261,55 +258,30 @@ class EmbeddedNats(_ServerBase):
         def attempt(port: int) -> subprocess.Popen[bytes]:
             monitor = _free_port() if self._monitor else None
             offset = _file_size(self.log_path)
-            argv: list[str | os.PathLike[str]] = [
-                binary,
-                "-c", str(config),
-                "-a", _HOST, "-p", str(port),
-                *(["-m", str(monitor)] if monitor is not None else []),
-                "-js", "-sd", str(store),
-                "-n", self._name,
-                *self._cluster_args(),
-            ]  # fmt: skip
-            proc = self._spawn(argv, cwd=directory)
+            proc = self._spawn(
+                [
+                    binary,
+                    "-c", str(config),
+                    "-a", _HOST, "-p", str(port),
+                    *(["-m", str(monitor)] if monitor is not None else []),
+                    "-js", "-sd", str(store),
+                    "-n", self._name,
+                    *self._cluster_args(),
+                ],
+                cwd=directory,
+            )  # fmt: skip
             try:
                 self._wait_ready(proc, lambda: self._probe(port, monitor), offset)
             except BaseException:
                 self._finish(proc)
                 raise
             self._monitor_port = monitor
-            self._argv = [str(a) for a in argv]
             return proc
 
         self._start_on_free_port(attempt)
         self._write_credentials()
         if self._provision:
             self._provision_streams()
-
-    def kill(self) -> None:
-        """SIGKILL the server (a crash: nothing flushed that was not already), keeping its data for `restart`."""
-        proc = self._server
-        if proc is None or proc.poll() is not None:
-            return
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-        self._finish(proc)
-
-    def restart(self) -> None:
-        """Start a killed server again, on its port, with its data and its peers (JetStream recovers its store)."""
-        with self._lock:
-            if self._argv is None or not self._started:
-                msg = "embedded nats was never started: start it, not restart it"
-                raise EmbeddedServerError(msg)
-            if self._server is not None and self._server.poll() is None:
-                return
-            offset = _file_size(self.log_path)
-            proc = self._spawn(self._argv, cwd=self._require_directory())
-            try:
-                self._wait_ready(proc, lambda: self._probe(self.port, self._monitor_port), offset)
-            except BaseException:
-                self._finish(proc)
-                raise
-            self._server = proc
 
     def _probe(self, port: int, monitor: int | None) -> bool:
         """Ready: our server (by name) sends INFO with JetStream on; /healthz is ok, if there is a monitor.

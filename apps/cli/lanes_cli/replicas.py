@@ -72,10 +72,14 @@ class ReplicaEnv:
     credentials: Path | None
     """The embedded NATS's credentials directory (signing keys and the keyring); None: the environment's."""
     extra: Mapping[str, str]
+    per_replica: Callable[[str, int], Mapping[str, str]] | None = None
+    """What one replica (service, index) is given besides, e.g. a metrics port of its own."""
 
-    def for_service(self, service: str) -> dict[str, str]:
-        """The environment of one replica of `service`."""
+    def for_replica(self, service: str, index: int) -> dict[str, str]:
+        """The environment of replica `index` of `service`."""
         env = dict(os.environ) | dict(self.extra)
+        if self.per_replica is not None:
+            env |= self.per_replica(service, index)
         env |= {
             "NATS_URL": self.url_for(service),
             "DATABASE_URL": self.database_url,
@@ -115,7 +119,7 @@ class ServiceReplicas:
         with path.open("ab") as out:
             process = subprocess.Popen(  # noqa: S603 - this interpreter, a fixed command
                 [sys.executable, *_SERVE, service],
-                env=self._env.for_service(service),
+                env=self._env.for_replica(service, index),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,

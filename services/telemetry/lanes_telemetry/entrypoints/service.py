@@ -26,11 +26,28 @@ JOB_FACTS = ("placed", "resources_released", "rank_started", "rank_exited", "sta
 # Evidence comes in storms (thousands of lines per failure): batches of 256 share one transaction, and two are
 # processed at once (one's statements wait on PostgreSQL while the other's handlers run; evidence takes its
 # nodes' locks shared, so the two do not wait for each other). The ingest bench runs this spec.
-EVENTS = ConsumerSpec(durable="telemetry", stream=TELEMETRY, subjects=("lanes.tel.>",), batch=256, in_flight=2)
-PLACEMENTS = ConsumerSpec(
-    durable="telemetry-placements", stream=JOBS, subjects=tuple(f"lanes.job.*.{name}" for name in JOB_FACTS)
+#
+# Every consumer has a pinned client (a NATS priority group, ADR-42): the server delivers each durable to one
+# replica at a time, so a job's evidence and facts are correlated and its first error elected in one process,
+# never split between two that would each elect from half. A replica that stops pulling (killed, paused) loses
+# the pin after PIN_TIMEOUT_S, and a stand-by replica, pulling meanwhile, takes it over where it stood.
+PIN_TIMEOUT_S = 5.0
+EVENTS = ConsumerSpec(
+    durable="telemetry", stream=TELEMETRY, subjects=("lanes.tel.>",), batch=256, in_flight=2, pinned_s=PIN_TIMEOUT_S
 )
-PROGRESS = ConsumerSpec(durable="telemetry-progress", stream=JOBS, subjects=("lanes.job.*.heartbeat",), batch=256)
+PLACEMENTS = ConsumerSpec(
+    durable="telemetry-placements",
+    stream=JOBS,
+    subjects=tuple(f"lanes.job.*.{name}" for name in JOB_FACTS),
+    pinned_s=PIN_TIMEOUT_S,
+)
+PROGRESS = ConsumerSpec(
+    durable="telemetry-progress",
+    stream=JOBS,
+    subjects=("lanes.job.*.heartbeat",),
+    batch=256,
+    pinned_s=PIN_TIMEOUT_S,
+)
 """Heartbeats, for the step timings they carry (slow ranks, degraded links); apart from the facts above, so a
 busy job's heartbeats never delay the placements that correlate evidence."""
 SETTLE_WINDOW_ENV = "LANES_SETTLE_WINDOW_S"
