@@ -46,6 +46,13 @@ def test_a_small_plan_takes_the_defaults_it_does_not_name() -> None:
     assert plan.inference is None
 
 
+def test_an_inference_service_of_more_replicas_and_clients_than_the_demos_is_accepted() -> None:
+    plan = parse_plan(SMALL + "inference: {versions: [stable, canary], replicas: 3, clients: 5, steps: [upgrade]}\n")
+    assert plan.inference is not None
+    assert (plan.inference.versions, plan.inference.replicas, plan.inference.clients) == (("stable", "canary"), 3, 5)
+    assert plan.inference.steps == (InferenceStep.UPGRADE,)
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
@@ -59,6 +66,19 @@ def test_a_small_plan_takes_the_defaults_it_does_not_name() -> None:
         ("- a\n- b\n", "line 1: expected a mapping"),
         ("cluster: {nodes: [1\n", "line 1: not valid YAML"),
         (SMALL + "training:\n  workload: drill\n  command: [x]\n", "line 12: training: Value error, give either"),
+        (SMALL + "inference:\n  model: llama-70b\n", "line 12: inference: Value error, unknown model 'llama-70b'"),
+        (SMALL + "inference: {versions: [v1, v1]}\n", "line 11: inference: Value error, the two versions must differ"),
+        (SMALL + "inference: {versions: [v1, 'v.*']}\n", "line 11: inference.versions.1: Value error"),
+        (
+            SMALL + "inference: {replicas: 1}\n",
+            "line 11: inference.replicas: Input should be greater than or equal to 2",
+        ),
+        (SMALL + "inference: {clients: 0}\n", "line 11: inference.clients: Input should be greater than or equal to 1"),
+        (SMALL + "inference: {steps: [start, canary]}\n", "line 11: inference.steps.1: Input should be"),
+        (
+            SMALL.replace("kind: hang", "kind: replica-kill"),
+            "line 7: rungs.1: Value error, replica-kill is a drill on an inference replica",
+        ),
     ],
 )
 def test_a_malformed_plan_names_the_line_and_what_was_expected(text: str, expected: str) -> None:

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, m
 
 from lanes_cli.input_files import InputFileError, UniqueKeyLoader, parse_yaml
 from lanes_contract.events import DrillKind
+from lanes_contract.jobs import Token
 
 DEFAULT_PLAN = "poc_default.yaml"
 MAX_RUNGS = 16
@@ -88,24 +89,47 @@ class Rung(_Strict):
     @model_validator(mode="after")
     def _ranks_exist(self) -> Rung:
         for drill in self.drills:
+            if drill.kind.value.startswith("replica-"):
+                msg = f"{drill.kind.value} is a drill on an inference replica: the inference steps run it, not a rung"
+                raise ValueError(msg)
             if drill.rank >= self.nodes:
                 msg = f"drill rank {drill.rank} does not exist in a rung of {self.nodes} ranks (one per node)"
                 raise ValueError(msg)
         return self
 
 
-class Inference(_Strict):
-    """The inference service: the toy model behind the router, and the steps to take.
+TOY_MODEL = "tiny-chat"
+"""The model `lanes poc run` serves: the toy OpenAI-compatible replica (`lanes_sandbox.toy_replica`)."""
 
-    The runner's story serves the toy model `tiny-chat` from two replicas under three streaming clients: the
-    plan says so explicitly, and anything else is refused rather than silently run as that.
+
+class Inference(_Strict):
+    """The inference service: the toy model behind the router, its two versions, its replicas and its load.
+
+    The version steps (upgrade, rollback, scale-down) run `replicas` replicas of each version under `clients`
+    streaming clients; the node-fault step is the demo's story (two replicas, three clients). Only the toy
+    model can be served by the runner: another model is refused rather than silently run as the toy.
     """
 
-    model: Literal["tiny-chat"] = "tiny-chat"
-    versions: tuple[str, str] = ("v1", "v2")
-    replicas: Literal[2] = 2
-    clients: Literal[3] = 3
+    model: str = TOY_MODEL
+    versions: tuple[Token, Token] = ("v1", "v2")
+    replicas: StrictInt = Field(default=2, ge=2, le=8)
+    """Replicas of each version (two at least: a drilled replica's streams continue on another of its version)."""
+    clients: StrictInt = Field(default=3, ge=1, le=64)
+    """Streaming clients through the router, each sending one request after another, the whole time."""
     steps: tuple[InferenceStep, ...] = Field(default=tuple(InferenceStep), max_length=len(InferenceStep))
+
+    @model_validator(mode="after")
+    def _servable(self) -> Inference:
+        if self.model != TOY_MODEL:
+            msg = (
+                f"unknown model {self.model!r}: lanes poc run serves only the toy model {TOY_MODEL} "
+                "(lanes_sandbox.toy_replica), whose answers it can check token by token"
+            )
+            raise ValueError(msg)
+        if self.versions[0] == self.versions[1]:
+            msg = f"the two versions must differ (an upgrade from {self.versions[0]} to itself is no upgrade)"
+            raise ValueError(msg)
+        return self
 
 
 class Criteria(_Strict):

@@ -1,11 +1,11 @@
 """The inference POC's version steps, driven for real: an upgrade, a rollback and a scale-down under load.
 
-Two replicas of the plan's first version serve the toy model behind the router while streaming clients run
-the whole time. Then:
-- upgrade: two replicas of the second version join with a lower weight (the router splits traffic by weight),
+The plan's replicas (two by default) of its first version serve the toy model behind the router, while the
+plan's streaming clients run the whole time. Then:
+- upgrade: as many replicas of the second version join with a lower weight (the router splits traffic by weight),
   and one of them is killed (`lanes drill --kind replica-kill`) with streams in flight; the runner waits for
   recovery's replacement to be back in rotation;
-- rollback: both second-version replicas are drained with streams in flight (`replica-drain`; their streams
+- rollback: every second-version replica is drained with streams in flight (`replica-drain`; their streams
   finish where they are, as nothing else serves that version), then cancelled;
 - scale-down: one first-version replica hangs after its first tokens (`replica-pause`, longer than the
   router's stream idle timeout), then is drained with streams in flight (its spec hands them over after a
@@ -200,11 +200,11 @@ async def run_versions(  # noqa: PLR0917 - the runner's parts, passed as they ar
     story = _Story(client, inference, guard, timeout_s)
     old, new = inference.versions
     suffix = new_event_id()[-8:]
-    olds = (f"poc-{old}-a-{suffix}", f"poc-{old}-b-{suffix}")
-    news = (f"poc-{new}-a-{suffix}", f"poc-{new}-b-{suffix}")
+    olds = tuple(f"poc-{old}-{i}-{suffix}" for i in range(1, inference.replicas + 1))
+    news = tuple(f"poc-{new}-{i}-{suffix}" for i in range(1, inference.replicas + 1))
     for job in olds:
         await story.submit(job, replica_spec(inference, job, old, weight=100, drain_s=SCALE_DOWN_DRAIN_S))
-    await story.until(f"both {old} replicas ready", lambda: story.ready(olds))
+    await story.until(f"the {old} replicas ready", lambda: story.ready(olds))
     stop = asyncio.Event()
     async with aiohttp.ClientSession() as session:
         load = [
@@ -215,7 +215,7 @@ async def run_versions(  # noqa: PLR0917 - the runner's parts, passed as they ar
             progress(f"inference upgrade: {new} joins at weight {UPGRADE_WEIGHT}, then one {new} replica is killed")
             for job in news:
                 await story.submit(job, replica_spec(inference, job, new, weight=UPGRADE_WEIGHT, drain_s=None))
-            await story.until(f"both {new} replicas ready", lambda: story.ready(news))
+            await story.until(f"the {new} replicas ready", lambda: story.ready(news))
             killed = await story.busiest(session, news)
             await story.drill(killed, DrillKind.REPLICA_KILL)
             try:
