@@ -41,6 +41,7 @@ from nats.aio.msg import Msg
 from lanes_console.attempts import Attempts, chosen_attempts
 from lanes_console.incident import bundle_files, serves
 from lanes_console.rows import (
+    FAILING_KINDS,
     JOBS_LIST_KINDS,
     MAX_QUERY_CHARS,
     BadQueryError,
@@ -50,6 +51,7 @@ from lanes_console.rows import (
     consequence_key,
     job_update,
     row_of,
+    subject_kind,
 )
 from lanes_contract.codec import structured_line
 from lanes_contract.ids import is_valid_token
@@ -275,10 +277,12 @@ async def _relay(
     on_row: RowSink,
     on_caught_up: Callable[[], Awaitable[None]] | None = None,
     on_idle: Callable[[], Awaitable[None]] | None = None,
+    on_message: Callable[[Msg], Awaitable[None]] | None = None,
 ) -> web.StreamResponse:
     """Follow one stream into an SSE feed until the browser goes: each message as a row, the catch-up once.
 
-    The read starts after sequence `after` (0: at the start); `on_caught_up` defaults to a `caught_up` event.
+    The read starts after sequence `after` (0: at the start); `on_caught_up` defaults to a `caught_up` event;
+    `on_message`, when given, gets each message as stored instead of `on_row` its row.
     """
 
     async def caught_up() -> None:
@@ -294,6 +298,8 @@ async def _relay(
                     await feed.idle(1.0)
                 elif msg is Mark.CAUGHT_UP:
                     await (on_caught_up or caught_up)()
+                elif on_message is not None:
+                    await on_message(msg)
                 else:
                     await on_row(row_of(msg.metadata.sequence.stream, msg.subject, msg.headers, msg.data))
     return web.Response()  # not sent: the stream was prepared; only reached when the browser went away
@@ -314,7 +320,11 @@ async def job_feed(request: web.Request) -> web.StreamResponse:
     feed = await _Feed.open(request)
     election = FirstError()
     groups = Consequences()
-    tail: collections.deque[dict[str, Any]] = collections.deque(maxlen=PAGE_ROWS)
+    # The catch-up decodes only what it must: the events that can fail or elect (the election and the groups
+    # read nothing else), and those a text or lane filter has to read. The rest are kept as stored, and only
+    # the PAGE_ROWS sent are decoded: most of a long history is heartbeats nobody reads on the first paint.
+    tail: collections.deque[dict[str, Any] | Msg] = collections.deque(maxlen=PAGE_ROWS)
+    must_read_all = filters.pattern is not None or bool(filters.lanes)
     loop = asyncio.get_running_loop()
     state = {"caught_up": False, "kept": 0, "groups_changed": False, "groups_sent_at": 0.0}
 
@@ -322,6 +332,14 @@ async def job_feed(request: web.Request) -> web.StreamResponse:
         if state["groups_changed"]:
             state["groups_changed"], state["groups_sent_at"] = False, loop.time()
             await feed.send("groups", groups.view(election.current))
+
+    async def on_message(msg: Msg) -> None:
+        seq = msg.metadata.sequence.stream
+        if state["caught_up"] or must_read_all or subject_kind(msg.subject) in FAILING_KINDS:
+            await on_row(row_of(seq, msg.subject, msg.headers, msg.data))
+        elif seq > after and not filters.failures:  # an event of another kind is no failure
+            state["kept"] += 1
+            tail.append(msg)
 
     async def on_row(row: dict[str, Any]) -> None:
         elected = election.add(row)
@@ -343,10 +361,11 @@ async def job_feed(request: web.Request) -> web.StreamResponse:
 
     async def on_caught_up() -> None:
         earlier = state["kept"] - len(tail)
-        await feed.send("page", {"earlier": earlier, "before": tail[0]["seq"] if tail else None})
-        for row in tail:
-            await feed.send("row", row, row["seq"])
+        rows = [_grouped(_row_of(kept)) if isinstance(kept, Msg) else kept for kept in tail]
         tail.clear()
+        await feed.send("page", {"earlier": earlier, "before": rows[0]["seq"] if rows else None})
+        for row in rows:
+            await feed.send("row", row, row["seq"])
         await feed.send("first_error", election.current)
         state["caught_up"], state["groups_changed"] = True, True
         await send_groups()
@@ -362,7 +381,12 @@ async def job_feed(request: web.Request) -> web.StreamResponse:
         on_row=on_row,
         on_caught_up=on_caught_up,
         on_idle=send_groups,
+        on_message=on_message,
     )
+
+
+def _row_of(msg: Msg) -> dict[str, Any]:
+    return row_of(msg.metadata.sequence.stream, msg.subject, msg.headers, msg.data)
 
 
 def _bounded_int(request: web.Request, key: str, default: int, high: int) -> int:

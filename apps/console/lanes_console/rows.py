@@ -76,6 +76,15 @@ def kind_of(event_type: str | None) -> str:
     return parts[-2] if len(parts) >= 2 else ""  # noqa: PLR2004 - <name>.v<N> ends every type
 
 
+FAILING_KINDS = frozenset({"rank_exited", "state_changed", "evidence", "finding", "rejected", "escalated"})
+"""The only kinds `is_failure` or `FirstError` read anything in: an event of another kind is never a failure."""
+
+
+def subject_kind(subject: str) -> str:
+    """The kind a subject names, its last token: `rank_exited` in `lanes.job.<job>.rank_exited`."""
+    return subject.rsplit(".", 1)[-1]
+
+
 def row_kind(row: Mapping[str, Any]) -> str:
     """The event name of a row (the console's or `lanes timeline --json`'s): `placed` for `io.lanes.job.placed.v1`."""
     return kind_of(row.get("type"))
