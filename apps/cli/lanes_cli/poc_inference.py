@@ -201,6 +201,15 @@ def _drill_misses(report: ReplicaDrillReport, same_version: set[str]) -> list[st
     return misses
 
 
+def _judged(
+    step: InferenceStep, missing: list[str], drills: list[ReplicaDrillReport], clients: dict[str, int], **figures: Any
+) -> dict[str, Any]:
+    """A version step's verdict: passed with nothing missing, its drills' reports and what their clients saw."""
+    verdict = Verdict.PENDING_EVIDENCE if missing else Verdict.PASSED
+    drilled = [rep.as_json() for rep in drills]
+    return _step(step, verdict, "; ".join(missing), **figures, drills=drilled, clients=clients)
+
+
 def judge_versions(
     versions: tuple[str, str], replicas: dict[str, list[Row]], requests: list[Row], notes: tuple[str, ...] = ()
 ) -> dict[InferenceStep, dict[str, Any]]:
@@ -253,14 +262,7 @@ def judge_versions(
     split = served(since)
     if since is not None and not (split.get(new) and split.get(old)):
         missing.append(f"the weighted split served {split.get(old, 0)} on {old} and {split.get(new, 0)} on {new}")
-    judged[InferenceStep.UPGRADE] = _step(
-        InferenceStep.UPGRADE,
-        Verdict.PENDING_EVIDENCE if missing else Verdict.PASSED,
-        "; ".join(missing),
-        served=split,
-        drills=[rep.as_json() for rep in kills],
-        clients=saw(kills),
-    )
+    judged[InferenceStep.UPGRADE] = _judged(InferenceStep.UPGRADE, missing, kills, saw(kills), served=split)
     # Rollback: every new replica drained with streams in flight, none lost, none sent new work, then released;
     # after the last drain only the old version serves.
     drains = [report(r) for r in _drills(replicas, news, DrillKind.REPLICA_DRAIN)]
@@ -272,14 +274,7 @@ def judge_versions(
     after = served(last) if last is not None else {}
     if after.get(new):
         missing.append(f"{after[new]} requests received after the rollback were served by {new}")
-    judged[InferenceStep.ROLLBACK] = _step(
-        InferenceStep.ROLLBACK,
-        Verdict.PENDING_EVIDENCE if missing else Verdict.PASSED,
-        "; ".join(missing),
-        served_after=after,
-        drills=[rep.as_json() for rep in drains],
-        clients=saw(drains),
-    )
+    judged[InferenceStep.ROLLBACK] = _judged(InferenceStep.ROLLBACK, missing, drains, saw(drains), served_after=after)
     # Scale-down: one old replica hangs after its first tokens (its streams move), then is drained with
     # streams in flight and released; the others serve on.
     pauses = [report(r) for r in _drills(replicas, olds, DrillKind.REPLICA_PAUSE)]
@@ -293,13 +288,10 @@ def judge_versions(
         for rep in leaving
         if not _released(replicas[rep.replica])
     ]
-    judged[InferenceStep.SCALE_DOWN] = _step(
-        InferenceStep.SCALE_DOWN,
-        Verdict.PENDING_EVIDENCE if missing else Verdict.PASSED,
-        "; ".join(missing),
-        replicas_left=sorted(set(olds) - {rep.replica for rep in leaving}),
-        drills=[rep.as_json() for rep in pauses + leaving],
-        clients=saw(pauses + leaving),
+    left = sorted(set(olds) - {rep.replica for rep in leaving})
+    drilled = pauses + leaving
+    judged[InferenceStep.SCALE_DOWN] = _judged(
+        InferenceStep.SCALE_DOWN, missing, drilled, saw(drilled), replicas_left=left
     )
     if notes:
         for step in judged.values():
