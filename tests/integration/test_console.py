@@ -7,6 +7,7 @@ through ephemeral consumers is all it needs. Events are published as the platfor
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import re
@@ -31,6 +32,7 @@ from support.waiting import eventually
 
 from lanes_console.app import PAGE_ROWS, serve
 from lanes_console.incident import BUNDLE_FILES
+from lanes_console.viewers import tenant_keys
 from lanes_contract.client import LanesClient, connect_nats
 from lanes_contract.errors import PermissionDeniedError
 from lanes_contract.events import (
@@ -972,3 +974,89 @@ async def test_in_chromium_a_storm_shows_as_its_group_and_earlier_events_load_on
     await page.click("#groups details.group summary")
     await page.click(f"#groups a[href='#seq={storm[0]}']")
     await page.wait_for_selector(f"tr.selected[data-seq='{storm[0]}']")
+
+
+def submitted_for(job_id: str, tenant: str) -> JobSubmitted:
+    spec = JobSpec(name="train", workers=1, tenant=tenant)
+    return JobSubmitted(source="lanes/tests", jobid=job_id, attempt=1, data=JobSubmittedData(spec=spec))
+
+
+@dataclass
+class Tenants:
+    url: str
+    keys: dict[str, str]
+    """tenant -> its API key"""
+
+
+@pytest.fixture
+async def tenants(console: Console, unique: str) -> AsyncIterator[Tenants]:
+    """A console that lets in its viewer token and two tenants' API keys (by their hashes, as the router's file)."""
+    keys = {f"red-{unique}": f"red-key-{unique}", f"blue-{unique}": f"blue-key-{unique}"}
+    table = {"tenants": {name: {"key_sha256": hashlib.sha256(key.encode()).hexdigest()} for name, key in keys.items()}}
+    runner, url = await serve(console.reader, "127.0.0.1", 0, f"viewer-{unique}", tenant_keys(table))
+    try:
+        yield Tenants(url, keys)
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_tenants_key_sees_its_own_jobs_only(console: Console, tenants: Tenants, unique: str) -> None:
+    red, blue = f"red-{unique}", f"blue-{unique}"
+    ours, theirs = f"ours-{unique}", f"theirs-{unique}"
+    await publish(console, submitted_for(ours, red), submitted_for(theirs, blue), exited(theirs, 0, 1))
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {tenants.keys[red]}"}) as client:
+        for path in (f"jobs/{ours}", f"jobs/{ours}/attempts", f"api/jobs/{ours}/incident"):
+            async with client.get(f"{tenants.url}{path}") as allowed:
+                assert allowed.status == 200, path
+        for path in (
+            f"jobs/{theirs}",
+            f"api/jobs/{theirs}/events",
+            f"api/jobs/{theirs}/attempts",
+            f"api/jobs/{theirs}/incident",
+            f"api/jobs/{theirs}/rows?before=99",
+            f"replicas/{theirs}/requests",
+        ):
+            async with client.get(f"{tenants.url}{path}") as refused:
+                assert refused.status == 403, path
+                assert f"is not tenant {red}'s" in await refused.text()
+        async with client.get(f"{tenants.url}nodes/node-1") as node:
+            assert node.status == 403
+            assert "spans tenants" in await node.text()
+
+        # The jobs list streams the tenant's jobs alone, live too.
+        listed = await open_feed(client, f"{tenants.url}api/jobs")
+        later = f"later-{unique}"
+        other = f"other-{unique}"
+        await publish(console, submitted_for(other, blue), submitted_for(later, red))
+        seen: list[str] = []
+        while later not in seen:
+            event = await listed.next_named("job")
+            seen.append(event.data["job_id"])
+        assert theirs not in seen
+        assert other not in seen
+        assert ours in seen
+
+    async with aiohttp.ClientSession() as session:
+        viewer = {"Authorization": f"Bearer viewer-{unique}"}
+        async with session.get(f"{tenants.url}jobs/{theirs}", headers=viewer) as allowed:
+            assert allowed.status == 200  # the viewer token sees every tenant
+        async with session.get(f"{tenants.url}jobs/{ours}", headers={"Authorization": f"Bearer x-{unique}"}) as refused:
+            assert refused.status == 401
+
+
+async def test_in_chromium_a_tenants_viewer_cannot_open_another_tenants_job(
+    console: Console, browser: Browser, tenants: Tenants, unique: str
+) -> None:
+    red, blue = f"red-{unique}", f"blue-{unique}"
+    ours, theirs = f"mine-{unique}", f"yours-{unique}"
+    await publish(console, submitted_for(ours, red), submitted_for(theirs, blue))
+    page = await open_page(browser, f"{tenants.url}jobs/{ours}?token={tenants.keys[red]}")
+    assert page.url == f"{tenants.url}jobs/{ours}"  # the key left the address bar for a cookie
+    refused = await page.goto(f"{tenants.url}jobs/{theirs}")
+    assert refused is not None
+    assert refused.status == 403
+    assert f"job '{theirs}' is not tenant {red}'s" in (await page.text_content("body") or "")
+    listing = await page.goto(tenants.url)
+    assert listing is not None
+    await page.wait_for_selector(f"tr[data-job='{ours}']", timeout=READ_BOUND_S * 1000)
+    assert await page.locator(f"tr[data-job='{theirs}']").count() == 0

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import hmac
 import html
 import io
 import json
@@ -26,7 +25,7 @@ import os
 import secrets
 import tarfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime
 from importlib.resources import files
 from pathlib import Path
@@ -37,6 +36,7 @@ import structlog
 from aiohttp import web
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 
 from lanes_console.attempts import Attempts, chosen_attempts
 from lanes_console.incident import bundle_files, serves
@@ -53,6 +53,7 @@ from lanes_console.rows import (
     row_of,
     subject_kind,
 )
+from lanes_console.viewers import EVERYONE, Viewer, load_tenant_keys, viewer_of
 from lanes_contract.codec import structured_line
 from lanes_contract.ids import is_valid_token
 from lanes_contract.streams import JOBS, NODES, REQUESTS, TELEMETRY
@@ -61,6 +62,10 @@ from lanes_runtime.reader import Mark, Selection, count, follow, iter_stream
 log = structlog.get_logger(__name__)
 NATS_KEY: web.AppKey[NatsClient] = web.AppKey("nats", NatsClient)
 TOKEN_KEY: web.AppKey[str | None] = web.AppKey("token", str)
+TENANTS_KEY: web.AppKey[dict[str, str]] = web.AppKey("tenants", dict)
+VIEWER: web.RequestKey[Viewer] = web.RequestKey("viewer", Viewer)
+"""Where a request carries the `Viewer` it was let in as."""
+TENANTS_FILE_ENV = "LANES_CONSOLE_TENANTS_FILE"
 TOKEN_ENV = "LANES_CONSOLE_TOKEN"  # noqa: S105 - the variable's name, not a token
 """The viewer token the console asks of every browser and client (`lanes up` makes one and exports it)."""
 TOKEN_COOKIE = "lanes_console_token"  # noqa: S105 - the cookie's name, not a token
@@ -83,14 +88,17 @@ CSP = (
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def create_app(nc: NatsClient, token: str | None = None) -> web.Application:
+def create_app(nc: NatsClient, token: str | None = None, tenants: Mapping[str, str] | None = None) -> web.Application:
     """The console over a NATS connection that may read the log (the `console` identity).
 
-    With a `token`, every page and feed asks for it (`_viewer`); without one, anyone who reaches the port reads.
+    With a `token`, every page and feed asks for it (`_viewer`); without one (and without tenants), anyone who
+    reaches the port reads. `tenants` (key SHA-256 -> tenant, `viewers.tenant_keys`) also lets in each
+    tenant's API key, which sees that tenant's jobs only.
     """
     app = web.Application(middlewares=[_guard, _viewer])
     app[NATS_KEY] = nc
     app[TOKEN_KEY] = token
+    app[TENANTS_KEY] = dict(tenants or {})
     app.router.add_get("/", jobs_page)
     app.router.add_get("/jobs/{job_id}", job_page)
     app.router.add_get("/api/jobs", jobs_feed)
@@ -136,8 +144,11 @@ async def _viewer(request: web.Request, handler: Handler) -> web.StreamResponse:
     A page opened with `?token=` sets the cookie (HttpOnly, same site only) and is sent again without it, so the
     token stays out of the address bar and the history; the page's feeds then carry the cookie.
     """
-    token = request.app[TOKEN_KEY]
-    if token is None or request.path.startswith("/static/"):  # the assets are the package's, the same for all
+    token, keys = request.app[TOKEN_KEY], request.app[TENANTS_KEY]
+    if request.path.startswith("/static/"):  # the assets are the package's, the same for all
+        return await handler(request)
+    if token is None and not keys:
+        request[VIEWER] = EVERYONE
         return await handler(request)
     given = request.query.get("token")
     bearer = request.headers.get("Authorization", "")
@@ -146,18 +157,36 @@ async def _viewer(request: web.Request, handler: Handler) -> web.StreamResponse:
         request.cookies.get(TOKEN_COOKIE, ""),
         given or "",
     ]
-    if not any(hmac.compare_digest(candidate.encode(), token.encode()) for candidate in offered if candidate):
+    matched = next(
+        ((credential, viewer) for credential in offered if (viewer := viewer_of(credential, token, keys))), None
+    )
+    if matched is None:
         raise web.HTTPUnauthorized(
-            text=f"the console needs its viewer token ({TOKEN_ENV}): Authorization: Bearer <token>, or ?token=<token>"
-            " once in a browser",
+            text=f"the console needs its viewer token ({TOKEN_ENV}) or a tenant's API key: Authorization: Bearer"
+            " <token>, or ?token=<token> once in a browser",
             headers={"WWW-Authenticate": "Bearer"},
         )
+    credential, request[VIEWER] = matched
     if given is not None and not request.path.startswith("/api/"):
         rest = urlencode([(key, value) for key, value in request.query.items() if key != "token"])
         seen = web.HTTPSeeOther(request.path + (f"?{rest}" if rest else ""))
-        seen.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="Strict", path="/")
+        seen.set_cookie(TOKEN_COOKIE, credential, httponly=True, samesite="Strict", path="/")
         raise seen
     return await handler(request)
+
+
+def _viewer_of(request: web.Request) -> Viewer:
+    viewer: Viewer = request.get(VIEWER, EVERYONE)  # set by _viewer on every request but the assets'
+    return viewer
+
+
+def _not_for_tenants(request: web.Request, what: str) -> None:
+    viewer = _viewer_of(request)
+    if viewer.tenant is not None:
+        raise web.HTTPForbidden(
+            text=f"{what} spans tenants: tenant {viewer.tenant}'s key opens that tenant's jobs only (the viewer"
+            f" token, {TOKEN_ENV}, opens it)"
+        )
 
 
 def _page(name: str, **values: str) -> web.Response:
@@ -189,11 +218,28 @@ def _token(request: web.Request, key: str, what: str) -> str:
     return value
 
 
-async def _known_job(request: web.Request) -> str:
-    job_id = _token(request, "job_id", "job id")
-    if await count(request.app[NATS_KEY].jetstream(), Selection(JOBS.name, f"lanes.job.{job_id}.>")) == 0:
+async def _known_job(request: web.Request, key: str = "job_id", what: str = "job id") -> str:
+    job_id = _token(request, key, what)
+    js = request.app[NATS_KEY].jetstream()
+    if await count(js, Selection(JOBS.name, f"lanes.job.{job_id}.>")) == 0:
         raise web.HTTPNotFound(text=f"unknown job {job_id!r}: no events on lanes.job.{job_id}.>")
+    viewer = _viewer_of(request)
+    if viewer.tenant is not None:
+        tenant = await _tenant_of(js, job_id)
+        if tenant is None or not viewer.sees(tenant):
+            # The same answer whether the job is another tenant's or has no submission: nothing about it leaks.
+            raise web.HTTPForbidden(
+                text=f"job {job_id!r} is not tenant {viewer.tenant}'s: this key opens that tenant's jobs only"
+            )
     return job_id
+
+
+async def _tenant_of(js: JetStreamContext, job_id: str) -> str | None:
+    """The tenant the job was submitted for (its `submitted` event's spec), None before it is submitted."""
+    async for msg in iter_stream(js, Selection(JOBS.name, f"lanes.job.{job_id}.submitted")):
+        row = row_of(msg.metadata.sequence.stream, msg.subject, msg.headers, msg.data)
+        return job_update(row).get("tenant")
+    return None
 
 
 def _node_streams(node: str) -> tuple[tuple[str, str], ...]:
@@ -203,6 +249,7 @@ def _node_streams(node: str) -> tuple[tuple[str, str], ...]:
 
 async def _known_node(request: web.Request) -> str:
     node = _token(request, "node", "node id")
+    _not_for_tenants(request, "a node's history")
     js = request.app[NATS_KEY].jetstream()
     if not [1 for stream, subject in _node_streams(node) if await count(js, Selection(stream, subject))]:
         raise web.HTTPNotFound(text=f"unknown node {node!r}: no events on lanes.node.{node}.> or lanes.tel.{node}.>")
@@ -594,7 +641,12 @@ async def node_feed(request: web.Request) -> web.StreamResponse:
 
 
 async def _known_replica(request: web.Request) -> str:
-    replica = _token(request, "replica", "replica id")
+    # A replica is an inference job: a tenant's key opens the requests of its own replicas only.
+    replica = (
+        await _known_job(request, "replica", "replica id")
+        if _viewer_of(request).tenant is not None
+        else _token(request, "replica", "replica id")
+    )
     if await count(request.app[NATS_KEY].jetstream(), Selection(REQUESTS.name, f"lanes.req.*.{replica}")) == 0:
         raise web.HTTPNotFound(text=f"no request served by replica {replica!r}: nothing on lanes.req.*.{replica}")
     return replica
@@ -623,20 +675,32 @@ async def jobs_feed(request: web.Request) -> web.StreamResponse:
     after = _last_event_id(request)
     feed = await _Feed.open(request)
 
+    viewer = _viewer_of(request)
+    tenants: dict[str, str | None] = {}
+    """job -> tenant, from each job's submission (which comes before any other event of the job)."""
+
     async def on_row(row: dict[str, Any]) -> None:
-        if row.get("job_id"):
-            await feed.send("job", job_update(row), row["seq"])
+        if not row.get("job_id"):
+            return
+        update = job_update(row)
+        if row.get("kind") == "submitted":
+            tenants[row["job_id"]] = update.get("tenant")
+        if viewer.tenant is not None and tenants.get(row["job_id"]) != viewer.tenant:
+            return
+        await feed.send("job", update, row["seq"])
 
     subjects = tuple(f"lanes.job.*.{kind}" for kind in JOBS_LIST_KINDS)
     return await _relay(request, feed, JOBS.name, subjects, after=after, on_row=on_row)
 
 
-async def serve(nc: NatsClient, host: str, port: int, token: str | None = None) -> tuple[web.AppRunner, str]:
+async def serve(
+    nc: NatsClient, host: str, port: int, token: str | None = None, tenants: Mapping[str, str] | None = None
+) -> tuple[web.AppRunner, str]:
     """Start the console on host:port (0: a free port); the runner to clean up and the URL it answers on."""
     # A browser that closes the page cancels its feed's handler at once, and with it the feed's consumer. A feed
     # never ends by itself, so a stopping console cancels the open ones after SHUTDOWN_S instead of waiting.
     runner = web.AppRunner(
-        create_app(nc, token), handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_S
+        create_app(nc, token, tenants), handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_S
     )
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -646,11 +710,20 @@ async def serve(nc: NatsClient, host: str, port: int, token: str | None = None) 
     return runner, f"http://{shown}:{address[1]}/"
 
 
+def tenant_keys_from_env() -> dict[str, str]:
+    """The tenants whose API keys may view their own jobs: LANES_CONSOLE_TENANTS_FILE (the router's file), or none."""
+    path = os.environ.get(TENANTS_FILE_ENV, "")
+    return load_tenant_keys(path) if path else {}
+
+
 async def serve_until(
     nc: NatsClient, host: str, port: int, *, stop: asyncio.Event, on_ready: Callable[[str], None], token: str
 ) -> None:
-    """Serve the console until `stop` is set, asking for `token`; `on_ready` gets the link to open, once it answers."""
-    runner, url = await serve(nc, host, port, token)
+    """Serve the console until `stop` is set, asking for `token` (or a tenant's key, LANES_CONSOLE_TENANTS_FILE).
+
+    `on_ready` gets the link to open, once it answers.
+    """
+    runner, url = await serve(nc, host, port, token, tenant_keys_from_env())
     try:
         on_ready(link(url, token))
         await stop.wait()

@@ -257,7 +257,7 @@ def job_update(row: Mapping[str, Any]) -> dict[str, Any]:
     update: dict[str, Any] = {"seq": row["seq"], "job_id": row.get("job_id"), "time": row.get("time")}
     if row.get("kind") == "submitted":
         spec = data.get("spec") or {}
-        update |= {"name": spec.get("name"), "state": "submitted"}
+        update |= {"name": spec.get("name"), "state": "submitted", "tenant": spec.get("tenant") or "default"}
     elif row.get("kind") == "state_changed":
         update["state"] = data.get("to_state")
     elif row.get("kind") == "finding" and isinstance(data.get("first_error"), dict):
