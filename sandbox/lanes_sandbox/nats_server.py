@@ -16,11 +16,14 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, Self
+
+from nats.js.errors import APIError
 
 from lanes_contract.client import connect_nats
 from lanes_contract.identities import ADMIN, authorization_users, identities
@@ -332,6 +335,11 @@ def _provision_as_admin(url: str, *, replicas: int) -> None:
         pool.submit(asyncio.run, provision()).result()
 
 
+_CLUSTER_FORMING_S: Final = 60.0
+"""How long a fresh cluster may take to form its JetStream meta group (on a loaded machine)."""
+_NO_SUITABLE_PEERS: Final = 10005
+
+
 @dataclass(frozen=True)
 class ClusterRoutes:
     """How one server of an embedded cluster meets its peers: the cluster's name and the route ports."""
@@ -380,8 +388,18 @@ class EmbeddedNatsCluster:
         with ThreadPoolExecutor(max_workers=self._size, thread_name_prefix="lanes-cluster") as pool:
             for future in [pool.submit(server.start) for server in self.servers]:
                 future.result()
-        _provision_as_admin(self.url, replicas=self.replicas)
-        return self
+        # Each server is ready once it listens; the meta group may still be learning its peers, and until then an
+        # R3 stream has "no suitable peers for placement". Tried again until the cluster has formed.
+        deadline = time.monotonic() + _CLUSTER_FORMING_S
+        while True:
+            try:
+                _provision_as_admin(self.url, replicas=self.replicas)
+            except APIError as exc:
+                if exc.err_code != _NO_SUITABLE_PEERS or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+                continue
+            return self
 
     def stop(self) -> None:
         """Stop every server."""
