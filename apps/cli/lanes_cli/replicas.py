@@ -30,6 +30,8 @@ from lanes_sandbox.embedded import KEYRING_FILE, dies_with_this_process
 
 log = structlog.get_logger(__name__)
 
+SUPERVISE_EVERY_S: Final = 1.0
+"""How often `supervise` looks for exited replicas."""
 STOP_GRACE_S: Final = 15.0
 """How long a replica gets to stop after SIGTERM (its batches finish, its acks go out) before SIGKILL."""
 _SERVE: Final = ("-c", "from lanes_cli.cli import main; main()", "serve")
@@ -53,6 +55,11 @@ class Replica:
     def pid(self) -> int:
         """Its process id."""
         return self.process.pid
+
+    @property
+    def exit_code(self) -> int | None:
+        """Its exit code (negative: the signal that ended it), None while it runs."""
+        return self.process.poll()
 
     @property
     def alive(self) -> bool:
@@ -105,6 +112,8 @@ class ServiceReplicas:
         self._env = env
         self.log_dir = log_dir
         self.replicas: list[Replica] = []
+        self.restarts: list[tuple[str, int | None]] = []
+        """Each restart by `supervise`: the replica's name and the exit code it had."""
 
     def start(self) -> None:
         """Start every replica (they provision their consumers and migrations themselves, idempotently)."""
@@ -131,12 +140,26 @@ class ServiceReplicas:
 
     def restart(self, replica: Replica) -> Replica:
         """Start a dead replica again under the same name (the fault checker's kill -9 is followed by this)."""
-        if replica.alive:
+        if replica.alive or replica not in self.replicas:
             return replica
         replica.process.wait()
         fresh = self._spawn(replica.service, replica.index)
         self.replicas[self.replicas.index(replica)] = fresh
         return fresh
+
+    async def supervise(self, stop: asyncio.Event) -> None:
+        """Start again every replica that exited, until `stop`, as a container's restart policy does.
+
+        A service process exits when it cannot start (a server away while it connects) or fails for good; the
+        compose stack and Kubernetes start it again, and so does this. Each restart is counted and logged.
+        """
+        while not stop.is_set():
+            for replica in self.dead():
+                log.warning("service replica exited; starting it again", replica=replica.name, code=replica.exit_code)
+                self.restarts.append((replica.name, replica.exit_code))
+                self.restart(replica)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), SUPERVISE_EVERY_S)
 
     def dead(self) -> list[Replica]:
         """The replicas whose process exited."""
@@ -155,21 +178,22 @@ class ServiceReplicas:
                 replica.process.kill()
                 replica.process.wait()
 
-    async def beside(self, *work: Awaitable[object]) -> None:
-        """Run the replicas while `work` runs (a launcher, a console), stopped when it ends or fails."""
+    async def beside(self, stop: asyncio.Event, *work: Awaitable[object]) -> None:
+        """Run (and restart) the replicas while `work` runs (a launcher, a console), until `stop`."""
         with self.running():
             log.info("service replica logs", directory=str(self.log_dir))
-            await asyncio.gather(*work)
+            await asyncio.gather(self.supervise(stop), *work)
 
     @contextlib.contextmanager
-    def running(self) -> Iterator[ServiceReplicas]:
-        """Start them for the block, stop them after it, whatever ended it; their logs are removed then."""
+    def running(self, *, keep_logs: bool = False) -> Iterator[ServiceReplicas]:
+        """Start them for the block, stop them after it, whatever ended it; their logs are removed then, unless kept."""
         try:
             self.start()
             yield self
         finally:
             self.stop()
-            shutil.rmtree(self.log_dir, ignore_errors=True)
+            if not keep_logs:
+                shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
 MIN_CLUSTER: Final = 3
