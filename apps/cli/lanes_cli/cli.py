@@ -248,7 +248,7 @@ def up(
                 console_nc = await connect_nats(identity_url("console", urls.nats_url), name="lanes-console")
                 try:
                     await service_replicas(urls, replicas, stream_replicas).beside(
-                        launcher.run(stop), console_cli.serve_beside(console_nc, stop, console_token)
+                        stop, launcher.run(stop), console_cli.serve_beside(console_nc, stop, console_token)
                     )
                 finally:
                     await console_nc.close()
