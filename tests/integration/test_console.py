@@ -1060,3 +1060,19 @@ async def test_in_chromium_a_tenants_viewer_cannot_open_another_tenants_job(
     assert listing is not None
     await page.wait_for_selector(f"tr[data-job='{ours}']", timeout=READ_BOUND_S * 1000)
     assert await page.locator(f"tr[data-job='{theirs}']").count() == 0
+
+
+async def test_a_tenants_jobs_list_resumes_after_its_last_event_id_with_its_own_jobs(
+    console: Console, tenants: Tenants, unique: str
+) -> None:
+    red, blue = f"red-{unique}", f"blue-{unique}"
+    ours, theirs = f"first-{unique}", f"second-{unique}"
+    seqs = await publish(console, submitted_for(ours, red), submitted_for(theirs, blue))
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {tenants.keys[red]}"}) as client:
+        resumed = await open_feed(client, f"{tenants.url}api/jobs", **{"Last-Event-ID": str(seqs[-1])})
+        await publish(console, finding(theirs, 1))
+        (found,) = await publish(console, finding(ours, 1))
+        event = await resumed.next_named("job")
+        # Nothing up to its Last-Event-ID, nothing of the other tenant's, and its own job, though it was
+        # submitted before the reconnect.
+        assert (event.id, event.data["job_id"], event.data["error_lane"]) == (str(found), ours, "host")

@@ -685,12 +685,18 @@ async def jobs_feed(request: web.Request) -> web.StreamResponse:
         update = job_update(row)
         if row.get("kind") == "submitted":
             tenants[row["job_id"]] = update.get("tenant")
-        if viewer.tenant is not None and tenants.get(row["job_id"]) != viewer.tenant:
+        if row["seq"] <= after or (viewer.tenant is not None and tenants.get(row["job_id"]) != viewer.tenant):
             return
         await feed.send("job", update, row["seq"])
 
+    async def caught_up() -> None:
+        await feed.send("caught_up", {"after": after})
+
     subjects = tuple(f"lanes.job.*.{kind}" for kind in JOBS_LIST_KINDS)
-    return await _relay(request, feed, JOBS.name, subjects, after=after, on_row=on_row)
+    # A tenant's viewer that reconnects is sent what came after its Last-Event-ID, but the read starts at the
+    # beginning all the same: the submissions say which jobs are the tenant's.
+    start = 0 if viewer.tenant is not None else after
+    return await _relay(request, feed, JOBS.name, subjects, after=start, on_row=on_row, on_caught_up=caught_up)
 
 
 async def serve(
