@@ -27,7 +27,9 @@ from lanes_cli.timeline import job_timeline
 from lanes_contract.client import connect_nats
 from lanes_runtime.settings import ServerUrls
 
-pytestmark = [pytest.mark.real_servers, pytest.mark.slow]
+# The module's one run (three rungs of real torch jobs, then the inference steps) takes 2-3 minutes on a quiet
+# 2-core machine and more on a shared one: past the suite's 180 s a test, within the subprocess's own 900 s.
+pytestmark = [pytest.mark.real_servers, pytest.mark.slow, pytest.mark.timeout(900)]
 
 require(TORCH)
 
