@@ -192,6 +192,13 @@ class JobSpec(BaseModel):
     checkpoint_location: Text | None = Field(default=None, min_length=1, description="Where checkpoints go.")
     success: SuccessCriteria = SuccessCriteria()
     retry_budget: StrictInt = Field(default=3, ge=0, le=100, description="How many retries (new attempts) are allowed.")
+    steps: StrictInt | None = Field(
+        default=None,
+        ge=1,
+        le=10**12,
+        description="Training: the steps the run means to take. With them recovery weighs restarting a slow attempt"
+        " (its projected loss over the steps left) against the restart's cost.",
+    )
     owners: Owners = Owners()
     # --- router: what an inference job serves (required for inference, absent otherwise) ---
     serving: ServingSpec | None = None

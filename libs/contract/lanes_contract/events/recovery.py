@@ -12,10 +12,13 @@ from lanes_contract.jobs import ProtectionMode, Token
 
 
 class RecoveryAction(StrEnum):
-    """What the recovery service decided to do about a failed attempt."""
+    """What the recovery service decided to do about a failed attempt (or a running one that slowed)."""
 
     RESUME = "resume"
     """Training: a new attempt from the last verified checkpoint, on healthy nodes."""
+    RESTART = "restart"
+    """Training: a running attempt slowed by one node is stopped and resumed from its last verified checkpoint
+    elsewhere, because the time the slowness would still cost is more than the restart's."""
     REBUILD = "rebuild"
     """Evaluation / batch: a new attempt from the start."""
     REPLACE_REPLICA = "replace_replica"
@@ -23,7 +26,7 @@ class RecoveryAction(StrEnum):
     MANUAL = "manual"
     """No automatic recovery: the job waits for its owner (`lanes recover`)."""
     NONE = "none"
-    """Nothing to recover (e.g. the attempt succeeded or was cancelled by its user)."""
+    """Nothing to recover (e.g. the attempt succeeded or was cancelled by its user, or a slow one runs on)."""
     ABANDON = "abandon"
     """The owner gave up on the job (`lanes recover --abandon`): it ends cancelled, with its failure kept."""
 

@@ -84,6 +84,8 @@ class Plan:
     hold: ManualWait | None = None
     retry: PendingRetry | None = None
     abandon: bool = False
+    stop: str | None = None
+    """Stop the running attempt now, for this reason (a slow one restarted elsewhere)."""
     notes: tuple[str, ...] = field(default=())
 
 

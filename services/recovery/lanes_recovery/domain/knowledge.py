@@ -22,6 +22,7 @@ from lanes_contract.events import (
     Heartbeat,
     JobFinding,
     JobPlaced,
+    JobSlowdown,
     JobStateChanged,
     JobSubmitted,
     Lane,
@@ -72,6 +73,19 @@ class FindingSeen(_Frozen):
     """Whether telemetry said the finding is settled (every rank and node accounted for, or its window ended)."""
 
 
+class SlowdownSeen(_Frozen):
+    """Telemetry's first slowdown of a running attempt: what kind, whose, how much, since when."""
+
+    id: str
+    lane: Lane
+    kind: str
+    rank: int | None = None
+    node: str | None = None
+    onset_step: int
+    slowdown: float
+    summary: str = ""
+
+
 class SavedCheckpoint(_Frozen):
     """A `checkpoint_saved` record, with everything the version gate checks."""
 
@@ -118,6 +132,9 @@ class AttemptFacts(_Frozen):
     """Finding versions that arrived after the decision."""
     latest: FindingSeen | None = None
     """The latest finding once the attempt was decided: a settled one that moves the culprit supersedes."""
+    slowdown: SlowdownSeen | None = None
+    slowdown_decided: bool = False
+    """Whether recovery decided about the slowdown (run on, or restart): once per attempt."""
 
     @property
     def step_time_s(self) -> float | None:
@@ -168,6 +185,8 @@ class PendingRetry(_Frozen):
     avoid_nodes: tuple[str, ...] = ()
     """The nodes the decision cordoned: the new attempt must not be placed on them (whatever the scheduler has
     heard of the cordon by then)."""
+    restart: bool = False
+    """Owed after recovery stopped a running attempt (a slow one): its cancel does not void the retry."""
 
 
 class ManualWait(_Frozen):
@@ -224,6 +243,14 @@ class JobKnowledge(_Frozen):
                 ready.append((facts, True))
         return ready
 
+    def slowdowns_to_decide(self) -> list[AttemptFacts]:
+        """Running attempts with a slowdown recovery has not decided about (an ended one has nothing to restart)."""
+        return [
+            facts
+            for facts in sorted(self.attempts.values(), key=lambda a: a.number)
+            if facts.slowdown is not None and not facts.slowdown_decided and facts.outcome is None
+        ]
+
     def failed_undecided(self) -> bool:
         """Whether an attempt failed and awaits its decision."""
         return any(f.outcome == "failed" and not f.decided for f in self.attempts.values())
@@ -274,6 +301,8 @@ def fold(knowledge: JobKnowledge | None, event: Event) -> JobKnowledge:
         return _checkpoint(known, event)
     if isinstance(event, JobFinding):
         return known.with_attempt(_finding(facts, event))
+    if isinstance(event, JobSlowdown):
+        return known if facts.slowdown is not None else known.with_attempt(_slowdown(facts, event))
     if isinstance(event, ResourcesReleased):
         return known.with_attempt(facts.model_copy(update={"released": True}))
     if isinstance(event, JobStateChanged):
@@ -309,6 +338,21 @@ def _checkpoint(known: JobKnowledge, event: CheckpointSaved) -> JobKnowledge:
     return known.model_copy(update={"checkpoints": (*known.checkpoints, saved)})
 
 
+def _slowdown(facts: AttemptFacts, event: JobSlowdown) -> AttemptFacts:
+    data = event.data
+    seen = SlowdownSeen(
+        id=event.id,
+        lane=event.lane,
+        kind=data.kind,
+        rank=data.rank,
+        node=data.node,
+        onset_step=data.onset_step,
+        slowdown=data.slowdown,
+        summary=data.summary,
+    )
+    return facts.model_copy(update={"slowdown": seen})
+
+
 def _finding(facts: AttemptFacts, event: JobFinding) -> AttemptFacts:
     if facts.finding is not None and event.data.version <= facts.finding.version:
         return facts
@@ -339,8 +383,10 @@ def _state_changed(known: JobKnowledge, facts: AttemptFacts, event: JobStateChan
         JobState.SUCCEEDED: "succeeded",
         JobState.CANCELLED: "cancelled",
     }.get(to_state)
-    if to_state in {JobState.RETRYING, JobState.CANCELLED}:
-        # The job moved on (a new attempt, or abandoned): whatever recovery still owed for it is void.
+    restarting = known.pending is not None and known.pending.restart and known.pending.attempt == facts.number
+    if to_state is JobState.RETRYING or (to_state is JobState.CANCELLED and not restarting):
+        # The job moved on (a new attempt, or abandoned): whatever recovery still owed for it is void. Not so
+        # the attempt recovery stopped itself to restart it: its cancel is the first half of the restart.
         known = known.model_copy(update={"manual": None, "pending": None})
     if ended is None or facts.outcome is not None:
         return known

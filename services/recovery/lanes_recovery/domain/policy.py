@@ -61,6 +61,18 @@ class CordonBudget(_Model):
     window_s: float = Field(default=3600.0, gt=0, le=30 * 86_400)
 
 
+class Slowdowns(_Model):
+    """What recovery does about a running training attempt that telemetry found slow (a straggler, a slow link).
+
+    It restarts the attempt from its last verified checkpoint, away from the slow node, only when the time the
+    slowness would still cost (the slowdown times the steps left) is more than the restart's: `restart_cost_s`
+    (stopping, placing again, loading) plus the steps redone since the checkpoint.
+    """
+
+    restart: bool = Field(default=True, description="False: a slowdown is recorded and never restarts anything.")
+    restart_cost_s: float = Field(default=300.0, ge=0, le=86_400)
+
+
 class Limits(_Model):
     """The knobs a rule inherits from the policy's defaults unless it sets its own."""
 
@@ -101,6 +113,7 @@ class Defaults(_Model):
     unrecorded_versions: Literal["refuse", "accept"] = Field(
         default="refuse", description="A checkpoint that does not record a version the spec sets: refuse or accept it."
     )
+    slowdowns: Slowdowns = Slowdowns()
 
 
 class Match(_Model):

@@ -27,6 +27,7 @@ RECOVERY_INPUTS = (
     "heartbeat",
     "checkpoint_saved",
     "finding",
+    "slowdown",
     "state_changed",
     "resources_released",
     "manual_action",

@@ -68,6 +68,7 @@ from lanes_recovery.domain.decisions import (
 )
 from lanes_recovery.domain.knowledge import DecisionRecord, FirstError, JobKnowledge, fold
 from lanes_recovery.domain.policy import Policy
+from lanes_recovery.domain.slowdowns import decide_slowdown
 from lanes_recovery.domain.supersede import Supersession, superseded
 from lanes_recovery.service_layer.ports import Digests, RecoveryStore, StoreFactory
 from lanes_runtime.consumer import HandlerContext
@@ -185,6 +186,8 @@ class Recovery:
                 known = known.with_attempt(facts.model_copy(update={"decided": True}))
                 known, published = await self._carry_out(store, known, plan, decision_id, facts.number, now)
                 outputs.extend(published)
+            known, published = await self._decide_slowdowns(store, known, now)
+            outputs.extend(published)
             for supersession in superseded(known):
                 known, published = await self._supersede(store, known, supersession, now)
                 outputs.extend(published)
@@ -194,6 +197,36 @@ class Recovery:
         outputs.extend(retry)
         known, escalation = await self._escalation(store, known, now)
         outputs.extend(escalation)
+        return known, outputs
+
+    async def _decide_slowdowns(
+        self, store: RecoveryStore, known: JobKnowledge, now: datetime
+    ) -> tuple[JobKnowledge, list[Event]]:
+        """Run on, or restart, each running attempt telemetry found slow (once per attempt)."""
+        outputs: list[Event] = []
+        for facts in known.slowdowns_to_decide():
+            verified = self._verified_now(known)
+            if verified is None:  # its checkpoints are still being hashed: decide from the timer
+                self.digests.start(known.checkpoints)
+                return known.model_copy(update={"recheck_at": now + DIGEST_RECHECK}), outputs
+            slow = facts.slowdown
+            assert slow is not None  # noqa: S101 - listed because it has one
+            decision_id = derived_event_id(slow.id, _type_of(RecoveryDecided), "decision")
+            plan = decide_slowdown(
+                known,
+                facts,
+                self.policy,
+                verified,
+                now=now,
+                decision_id=decision_id,
+                recently_cordoned=await self._recently_cordoned(store, now),
+            )
+            known = known.with_attempt(facts.model_copy(update={"slowdown_decided": True}))
+            culprit = FirstError(lane=slow.lane, category=slow.kind, node=slow.node, rank=slow.rank)
+            known, published = await self._carry_out(
+                store, known, plan, decision_id, facts.number, now, culprit=culprit
+            )
+            outputs.extend(published)
         return known, outputs
 
     async def _recently_cordoned(self, store: RecoveryStore, now: datetime) -> frozenset[str]:
@@ -323,8 +356,12 @@ class Recovery:
         now: datetime,
         *,
         cause: str | None = None,
+        culprit: FirstError | None = None,
     ) -> tuple[JobKnowledge, list[Event]]:
-        """Publish the decision, then the actions it takes; remember what recovery now owes or waits on."""
+        """Publish the decision, then the actions it takes; remember what recovery now owes or waits on.
+
+        `culprit`: whom the decision blames, when not the attempt's finding (a slowdown's rank and node).
+        """
         data = plan.decision
         decided = _derived(
             RecoveryDecided,
@@ -355,18 +392,20 @@ class Recovery:
                 signal="recovery",
             )
             outputs.append(_derived(ReplicaStateChanged, known, decision_id, attempt=attempt, data=replica))
-        if plan.abandon:
-            command = CommandData(reason=data.reason, requested_by=data.requested_by or SOURCE)
+        if plan.abandon or plan.stop is not None:
+            command = CommandData(reason=plan.stop or data.reason, requested_by=data.requested_by or SOURCE)
             outputs.append(_derived(CancelRequested, known, decision_id, attempt=attempt, data=command))
         facts = known.attempt(attempt)
         first_error = facts.finding.first_error if facts.finding else None
+        if culprit is None:
+            culprit = assumed_first_error(facts)
         record = DecisionRecord(
             id=decision_id,
             attempt=attempt,
             action=data.action,
             first_error=data.first_error,
             node=first_error.node if first_error else None,
-            culprit=assumed_first_error(facts),
+            culprit=culprit,
             finding_version=data.finding_version,
             cordoned=tuple(c.node for c in plan.cordons),
             resumed_from=facts.resumed_from or 0,
