@@ -285,3 +285,10 @@ def test_a_pod_of_a_multi_pod_workload_without_an_index_is_refused():
     pod["metadata"]["creationTimestamp"] = "2026-12-07T10:00:06Z"
     with pytest.raises(K8sObjectError, match="rank"):
         observer.apply("Pod", "ADDED", pod)
+
+
+def test_pods_read_before_their_workloads_admission_are_ranks_once_it_is_read():
+    # Each kind has its own watch: the pods' watch may deliver before the Workload's.
+    items = stream("kueue-podsreadytimeout.ndjson")
+    reordered = [items[0], items[2], items[3], items[1], *items[4:]]
+    assert sorted(e.id for e in replay(Observer(), reordered)) == sorted(e.id for e in replay(Observer(), items))

@@ -714,10 +714,11 @@ class Observer:
         memory.jobs[uid] = job
         owner = f"{job.namespace}/{job.owner}"
         memory.owners[owner] = uid
-        for pod_uid, raw in list(memory.waiting_pods.get(owner, {}).items()):
-            events.extend(self._pod(raw, "ADDED"))
-            memory.waiting_pods.get(owner, {}).pop(pod_uid, None)
-        memory.waiting_pods.pop(owner, None)
+        if job.running:
+            for raw in memory.waiting_pods.pop(owner, {}).values():
+                events.extend(self._pod(raw, "ADDED"))
+        elif job.finished:
+            memory.waiting_pods.pop(owner, None)
         if change == "DELETED":
             memory.jobs.pop(uid, None)
             memory.owners.pop(owner, None)
@@ -731,12 +732,19 @@ class Observer:
             return []  # a pod of no job (a Deployment's, a bare pod): not a rank of anything Lanes follows
         owner = f"{pod.meta.namespace}/{pod.owner}"
         uid = self.memory.owners.get(owner)
-        if uid is None:
+        known = self.memory.jobs.get(uid) if uid is not None else None
+        if known is None or (not known.running and not known.finished):
+            # Its Workload not seen yet, or not admitted yet as far as its own watch has said: each kind has
+            # its own watch, so a pod can come first. Kept until the Workload is admitted, then applied.
+            waiting = self.memory.waiting_pods.setdefault(owner, {})
             if change == "DELETED":
-                self.memory.waiting_pods.get(owner, {}).pop(pod.meta.uid, None)
+                waiting.pop(pod.meta.uid, None)
             else:
-                self.memory.waiting_pods.setdefault(owner, {})[pod.meta.uid] = dict(raw)
+                waiting[pod.meta.uid] = dict(raw)
+            if not waiting:
+                self.memory.waiting_pods.pop(owner, None)
             return []
+        assert uid is not None  # noqa: S101 - known is not None
         job, events = observe_pod(self.memory.jobs[uid], pod, change)
         self.memory.jobs[uid] = job
         ranks = [rank for rank, seen in job.ranks.items() if seen.pod == pod.meta.uid]
