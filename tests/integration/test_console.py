@@ -30,7 +30,7 @@ from support.optional import CHROMIUM, chromium, require
 from support.processes import interruptible
 from support.waiting import eventually
 
-from lanes_console.app import PAGE_ROWS, serve
+from lanes_console.app import PAGE_ROWS, Operator, serve
 from lanes_console.incident import BUNDLE_FILES
 from lanes_console.viewers import tenant_keys
 from lanes_contract.client import LanesClient, connect_nats
@@ -1076,3 +1076,57 @@ async def test_a_tenants_jobs_list_resumes_after_its_last_event_id_with_its_own_
         # Nothing up to its Last-Event-ID, nothing of the other tenant's, and its own job, though it was
         # submitted before the reconnect.
         assert (event.id, event.data["job_id"], event.data["error_lane"]) == (str(found), ours, "host")
+
+
+async def test_an_operators_action_is_a_command_on_the_timeline_and_a_viewer_is_refused(
+    console: Console, tenants: Tenants, unique: str
+) -> None:
+    job = f"act-{unique}"
+    await publish(console, submitted_for(job, f"red-{unique}"))
+    acting = await LanesClient.connect(
+        console.nats.url_for("cli"), source="lanes/console", signer=console.nats.signer_for("cli")
+    )
+    operator_token = f"operator-{unique}"
+    runner, url = await serve(
+        console.reader, "127.0.0.1", 0, f"viewer-{unique}", None, Operator(operator_token, acting)
+    )
+    try:
+        async with aiohttp.ClientSession() as session:
+            action = f"{url}api/jobs/{job}/actions"
+            body = {"by": "ann", "reason": "wrong data set"}
+            async with session.post(
+                f"{action}/cancel", json=body, headers={"Authorization": f"Bearer viewer-{unique}"}
+            ) as refused:
+                assert refused.status == 403
+                assert "actions need the operator token (LANES_CONSOLE_OPERATOR_TOKEN)" in await refused.text()
+            operator = {"Authorization": f"Bearer {operator_token}"}
+            for name, sent, said in (
+                ("approve", {"by": "ann"}, "reason is required"),
+                ("cancel", {"reason": "x"}, "by is required"),
+                ("explode", body, "unknown action"),
+                ("cancel", ["ann"], "must be a JSON object"),
+            ):
+                async with session.post(f"{action}/{name}", json=sent, headers=operator) as bad:
+                    assert bad.status == 400, name
+                    assert said in await bad.text()
+            async with session.post(f"{url}api/jobs/none-{unique}/actions/cancel", json=body, headers=operator) as gone:
+                assert gone.status == 404
+
+            async with session.post(f"{action}/cancel", json=body, headers=operator) as done:
+                assert done.status == 200, await done.text()
+                answer = await done.json()
+            assert answer["type"] == "io.lanes.job.cancel_requested.v1"
+            feed = await open_feed(session, f"{url}api/jobs/{job}/events", **operator)
+            rows = rows_of(await feed.until("caught_up"))
+            (cancel,) = [row for row in rows if row["kind"] == "cancel_requested"]
+            assert cancel["seq"] == answer["seq"]
+            assert cancel["data"] == {"reason": "wrong data set", "requested_by": "ann (console)"}
+            assert cancel["source"] == "lanes/console"
+            # A tenant's key may only look; a console without an operator takes no actions at all.
+            red = {"Authorization": f"Bearer {tenants.keys[f'red-{unique}']}"}
+            async with session.post(f"{tenants.url}api/jobs/{job}/actions/cancel", json=body, headers=red) as none:
+                assert none.status == 403
+                assert "this console takes no actions" in await none.text()
+    finally:
+        await runner.cleanup()
+        await acting.close()

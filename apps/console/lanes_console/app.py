@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import hmac
 import html
 import io
 import json
@@ -26,6 +27,7 @@ import secrets
 import tarfile
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from importlib.resources import files
 from pathlib import Path
@@ -38,6 +40,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from lanes_console.actions import BadActionError, command_of
 from lanes_console.attempts import Attempts, chosen_attempts
 from lanes_console.incident import bundle_files, serves
 from lanes_console.rows import (
@@ -54,6 +57,7 @@ from lanes_console.rows import (
     subject_kind,
 )
 from lanes_console.viewers import EVERYONE, Viewer, load_tenant_keys, viewer_of
+from lanes_contract.client import LanesClient
 from lanes_contract.codec import structured_line
 from lanes_contract.ids import is_valid_token
 from lanes_contract.streams import JOBS, NODES, REQUESTS, TELEMETRY
@@ -66,6 +70,10 @@ TENANTS_KEY: web.AppKey[dict[str, str]] = web.AppKey("tenants", dict)
 VIEWER: web.RequestKey[Viewer] = web.RequestKey("viewer", Viewer)
 """Where a request carries the `Viewer` it was let in as."""
 TENANTS_FILE_ENV = "LANES_CONSOLE_TENANTS_FILE"
+OPERATOR_TOKEN_ENV = "LANES_CONSOLE_OPERATOR_TOKEN"  # noqa: S105 - the variable's name, not a token
+OPERATOR_NATS_ENV = "LANES_CONSOLE_OPERATOR_NATS_URL"
+OPERATOR_KEY: web.AppKey[Operator | None] = web.AppKey("operator", object)  # type: ignore[arg-type]
+MAX_ACTION_BODY = 4096
 TOKEN_ENV = "LANES_CONSOLE_TOKEN"  # noqa: S105 - the variable's name, not a token
 """The viewer token the console asks of every browser and client (`lanes up` makes one and exports it)."""
 TOKEN_COOKIE = "lanes_console_token"  # noqa: S105 - the cookie's name, not a token
@@ -88,7 +96,24 @@ CSP = (
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def create_app(nc: NatsClient, token: str | None = None, tenants: Mapping[str, str] | None = None) -> web.Application:
+@dataclass(frozen=True)
+class Operator:
+    """What lets the console act: the operator token a request must show, and a client that may publish commands.
+
+    The client connects as the identity the CLI uses (LANES_CONSOLE_OPERATOR_NATS_URL); the console's own
+    connection stays read-only.
+    """
+
+    token: str
+    client: LanesClient
+
+
+def create_app(
+    nc: NatsClient,
+    token: str | None = None,
+    tenants: Mapping[str, str] | None = None,
+    operator: Operator | None = None,
+) -> web.Application:
     """The console over a NATS connection that may read the log (the `console` identity).
 
     With a `token`, every page and feed asks for it (`_viewer`); without one (and without tenants), anyone who
@@ -99,6 +124,7 @@ def create_app(nc: NatsClient, token: str | None = None, tenants: Mapping[str, s
     app[NATS_KEY] = nc
     app[TOKEN_KEY] = token
     app[TENANTS_KEY] = dict(tenants or {})
+    app[OPERATOR_KEY] = operator
     app.router.add_get("/", jobs_page)
     app.router.add_get("/jobs/{job_id}", job_page)
     app.router.add_get("/api/jobs", jobs_feed)
@@ -106,6 +132,7 @@ def create_app(nc: NatsClient, token: str | None = None, tenants: Mapping[str, s
     app.router.add_get("/jobs/{job_id}/attempts", attempts_page)
     app.router.add_get("/api/jobs/{job_id}/incident", incident_download)
     app.router.add_get("/api/jobs/{job_id}/rows", job_rows)
+    app.router.add_post("/api/jobs/{job_id}/actions/{action}", job_action)
     app.router.add_get("/api/jobs/{job_id}/attempts", attempts_feed)
     app.router.add_get("/nodes/{node}", node_page)
     app.router.add_get("/api/nodes/{node}/events", node_feed)
@@ -144,8 +171,11 @@ async def _viewer(request: web.Request, handler: Handler) -> web.StreamResponse:
     A page opened with `?token=` sets the cookie (HttpOnly, same site only) and is sent again without it, so the
     token stays out of the address bar and the history; the page's feeds then carry the cookie.
     """
-    token, keys = request.app[TOKEN_KEY], request.app[TENANTS_KEY]
+    token, keys, operator = request.app[TOKEN_KEY], request.app[TENANTS_KEY], request.app[OPERATOR_KEY]
     if request.path.startswith("/static/"):  # the assets are the package's, the same for all
+        return await handler(request)
+    if operator is not None and _is_operator(request, operator):
+        request[VIEWER] = EVERYONE
         return await handler(request)
     if token is None and not keys:
         request[VIEWER] = EVERYONE
@@ -173,6 +203,50 @@ async def _viewer(request: web.Request, handler: Handler) -> web.StreamResponse:
         seen.set_cookie(TOKEN_COOKIE, credential, httponly=True, samesite="Strict", path="/")
         raise seen
     return await handler(request)
+
+
+def _is_operator(request: web.Request, operator: Operator) -> bool:
+    """Whether the request shows the operator token as `Authorization: Bearer` (never a cookie: no CSRF)."""
+    bearer = request.headers.get("Authorization", "")
+    return bearer.startswith("Bearer ") and hmac.compare_digest(
+        bearer.removeprefix("Bearer ").strip().encode(), operator.token.encode()
+    )
+
+
+async def job_action(request: web.Request) -> web.Response:
+    """`POST /api/jobs/<id>/actions/<action>` with `{"by": name, "reason": why}`: publish the operator's command.
+
+    Only with the operator token (LANES_CONSOLE_OPERATOR_TOKEN) as a Bearer; a viewer's token or a tenant's key
+    gets 403. The command is the one the CLI sends, so the services treat it the same, and it is on the job's
+    timeline with `requested_by` "<name> (console)".
+    """
+    operator = request.app[OPERATOR_KEY]
+    if operator is None:
+        raise web.HTTPForbidden(
+            text=f"this console takes no actions: it was started without {OPERATOR_TOKEN_ENV} and {OPERATOR_NATS_ENV}"
+        )
+    if not _is_operator(request, operator):
+        raise web.HTTPForbidden(
+            text=f"actions need the operator token ({OPERATOR_TOKEN_ENV}) as Authorization: Bearer; a viewer's token"
+            " or a tenant's key may only look"
+        )
+    job_id = await _known_job(request)
+    if request.content_length is None or request.content_length > MAX_ACTION_BODY:
+        raise web.HTTPBadRequest(text=f"the body must be JSON of at most {MAX_ACTION_BODY} bytes: by, reason")
+    try:
+        body = json.loads(await request.read())
+        command = command_of(request.match_info["action"], job_id, body, operator.client.source)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise web.HTTPBadRequest(text=f"the body is not JSON: {exc}") from exc
+    except BadActionError as exc:
+        raise web.HTTPBadRequest(text=str(exc)) from exc
+    if await count(request.app[NATS_KEY].jetstream(), Selection(JOBS.name, f"lanes.job.{job_id}.submitted")) == 0:
+        raise web.HTTPNotFound(text=f"job {job_id!r} was never submitted: there is nothing to act on")
+    seq = await operator.client.publish(command)
+    log.info("operator action", job_id=job_id, action=request.match_info["action"], seq=seq)
+    return web.json_response(
+        {"job_id": job_id, "action": request.match_info["action"], "type": command.type, "seq": seq}
+    )
 
 
 def _viewer_of(request: web.Request) -> Viewer:
@@ -699,14 +773,22 @@ async def jobs_feed(request: web.Request) -> web.StreamResponse:
     return await _relay(request, feed, JOBS.name, subjects, after=start, on_row=on_row, on_caught_up=caught_up)
 
 
-async def serve(
-    nc: NatsClient, host: str, port: int, token: str | None = None, tenants: Mapping[str, str] | None = None
+async def serve(  # noqa: PLR0917 - the app's parts, each optional
+    nc: NatsClient,
+    host: str,
+    port: int,
+    token: str | None = None,
+    tenants: Mapping[str, str] | None = None,
+    operator: Operator | None = None,
 ) -> tuple[web.AppRunner, str]:
     """Start the console on host:port (0: a free port); the runner to clean up and the URL it answers on."""
     # A browser that closes the page cancels its feed's handler at once, and with it the feed's consumer. A feed
     # never ends by itself, so a stopping console cancels the open ones after SHUTDOWN_S instead of waiting.
     runner = web.AppRunner(
-        create_app(nc, token, tenants), handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_S
+        create_app(nc, token, tenants, operator),
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=SHUTDOWN_S,
     )
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -729,9 +811,19 @@ async def serve_until(
 
     `on_ready` gets the link to open, once it answers.
     """
-    runner, url = await serve(nc, host, port, token, tenant_keys_from_env())
+    operator_token, operator_url = os.environ.get(OPERATOR_TOKEN_ENV, ""), os.environ.get(OPERATOR_NATS_ENV, "")
+    if bool(operator_token) != bool(operator_url):
+        msg = f"operator actions need both {OPERATOR_TOKEN_ENV} and {OPERATOR_NATS_ENV} (or neither)"
+        raise ValueError(msg)
+    client = await LanesClient.connect(operator_url, source="lanes/console") if operator_url else None
+    operator = Operator(operator_token, client) if client is not None else None
     try:
-        on_ready(link(url, token))
-        await stop.wait()
+        runner, url = await serve(nc, host, port, token, tenant_keys_from_env(), operator)
+        try:
+            on_ready(link(url, token))
+            await stop.wait()
+        finally:
+            await runner.cleanup()
     finally:
-        await runner.cleanup()
+        if client is not None:
+            await client.close()
