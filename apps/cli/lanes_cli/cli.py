@@ -35,6 +35,7 @@ from lanes_cli import (
     import_cli,
     incident_cli,
     jobs_cli,
+    k8s_cli,
     poc_cli,
     policy_cli,
     recover_cli,
@@ -500,6 +501,7 @@ app.command()(incident_cli.incident)
 app.command("import")(import_cli.import_events)
 app.command(context_settings={"allow_interspersed_args": False})(run_cli.run)
 app.add_typer(slurm_cli.app, name="slurm")
+app.add_typer(k8s_cli.app, name="k8s")
 
 
 def main(args: list[str] | None = None) -> None:
