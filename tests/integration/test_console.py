@@ -1130,3 +1130,55 @@ async def test_an_operators_action_is_a_command_on_the_timeline_and_a_viewer_is_
     finally:
         await runner.cleanup()
         await acting.close()
+
+
+def poc_report(job: str) -> dict[str, Any]:
+    """The parts of a `lanes poc run` report (poc.json) the POC page reads: rungs and verdicts."""
+    return {
+        "plan": {},
+        "rungs": [{"label": "1x4", "nodes": 1, "gpus": 4, "job_id": job}],
+        "inference": {"steps": []},
+        "verdicts": [
+            {"capability": "topology", "rung": "1x4", "verdict": "passed", "missing": ""},
+            {"capability": "recovery", "rung": "1x4", "verdict": "pending evidence", "missing": "<b>no resume</b>"},
+            {"capability": "inference protection", "rung": "inference", "verdict": "not applicable", "missing": ""},
+        ],
+        "diff": None,
+        "report": "out/report.html",
+    }
+
+
+async def test_in_chromium_the_poc_page_shows_the_last_runs_verdicts_each_linked_to_its_evidence(
+    console: Console, browser: Browser, unique: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = f"poc-{unique}"
+    await publish(console, submitted(job))
+    monkeypatch.delenv("LANES_CONSOLE_POC_REPORT", raising=False)
+    async with aiohttp.ClientSession() as session, session.get(f"{console.url}api/poc") as none:
+        assert none.status == 404
+        assert "lanes poc run --out DIR" in await none.text()
+
+    report = tmp_path / "poc.json"
+    report.write_text(json.dumps(poc_report(job)))
+    monkeypatch.setenv("LANES_CONSOLE_POC_REPORT", str(report))
+    page = await browser.new_page()
+    await page.goto(f"{console.url}poc")
+    await page.wait_for_selector("body[data-ready='true']", timeout=READ_BOUND_S * 1000)
+    assert await page.locator("#verdicts thead th").all_text_contents() == ["capability", "1x4", "inference"]
+    topology = page.locator("tr[data-capability='topology'] td[data-rung='1x4'] a")
+    assert (await topology.text_content(), await topology.get_attribute("href")) == ("passed", f"/jobs/{job}")
+    recovery = page.locator("tr[data-capability='recovery'] td[data-rung='1x4']")
+    assert await recovery.locator("a").get_attribute("href") == f"/jobs/{job}/attempts"
+    assert "<b>no resume</b>" in (await recovery.text_content() or "")  # the report's text stays text
+    assert await page.locator("#verdicts b").count() == 0
+    inference = page.locator("tr[data-capability='inference protection'] td[data-rung='inference']")
+    assert await inference.text_content() == "not applicable"
+    await topology.click()
+    await page.wait_for_selector("body[data-caught-up='true']", timeout=READ_BOUND_S * 1000)
+    assert page.url == f"{console.url}jobs/{job}"
+
+    report.write_text("not json")
+    async with aiohttp.ClientSession() as session, session.get(f"{console.url}api/poc") as broken:
+        assert broken.status == 404
+        assert "cannot read the POC report" in await broken.text()
+    await page.close()

@@ -43,6 +43,7 @@ from nats.js import JetStreamContext
 from lanes_console.actions import BadActionError, command_of
 from lanes_console.attempts import Attempts, chosen_attempts
 from lanes_console.incident import bundle_files, serves
+from lanes_console.poc import ReportError, read_report, verdict_table
 from lanes_console.rows import (
     FAILING_KINDS,
     JOBS_LIST_KINDS,
@@ -70,6 +71,8 @@ TENANTS_KEY: web.AppKey[dict[str, str]] = web.AppKey("tenants", dict)
 VIEWER: web.RequestKey[Viewer] = web.RequestKey("viewer", Viewer)
 """Where a request carries the `Viewer` it was let in as."""
 TENANTS_FILE_ENV = "LANES_CONSOLE_TENANTS_FILE"
+POC_REPORT_ENV = "LANES_CONSOLE_POC_REPORT"
+"""The `poc.json` of the last `lanes poc run --out DIR` that the POC page shows."""
 OPERATOR_TOKEN_ENV = "LANES_CONSOLE_OPERATOR_TOKEN"  # noqa: S105 - the variable's name, not a token
 OPERATOR_NATS_ENV = "LANES_CONSOLE_OPERATOR_NATS_URL"
 OPERATOR_KEY: web.AppKey[Operator | None] = web.AppKey("operator", object)  # type: ignore[arg-type]
@@ -133,6 +136,8 @@ def create_app(
     app.router.add_get("/api/jobs/{job_id}/incident", incident_download)
     app.router.add_get("/api/jobs/{job_id}/rows", job_rows)
     app.router.add_post("/api/jobs/{job_id}/actions/{action}", job_action)
+    app.router.add_get("/poc", poc_page)
+    app.router.add_get("/api/poc", poc_table)
     app.router.add_get("/api/jobs/{job_id}/attempts", attempts_feed)
     app.router.add_get("/nodes/{node}", node_page)
     app.router.add_get("/api/nodes/{node}/events", node_feed)
@@ -654,6 +659,28 @@ async def incident_download(request: web.Request) -> web.Response:
             "Cache-Control": "no-store",
         },
     )
+
+
+async def poc_page(request: web.Request) -> web.Response:
+    """The verdict table of the last POC run (its cells come over /api/poc)."""
+    _not_for_tenants(request, "a POC run")
+    return _page("poc.html")
+
+
+async def poc_table(request: web.Request) -> web.Response:
+    """The verdict table of the report LANES_CONSOLE_POC_REPORT names, read now; 404 saying how when there is none."""
+    _not_for_tenants(request, "a POC run")
+    path = os.environ.get(POC_REPORT_ENV, "")
+    if not path:
+        raise web.HTTPNotFound(
+            text="no POC report: run `lanes poc run --out DIR` and start the console with"
+            f" {POC_REPORT_ENV}=DIR/poc.json"
+        )
+    try:
+        report = await asyncio.to_thread(read_report, Path(path))
+    except ReportError as exc:
+        raise web.HTTPNotFound(text=str(exc)) from exc
+    return web.json_response(verdict_table(report))
 
 
 async def node_page(request: web.Request) -> web.Response:
