@@ -1,4 +1,4 @@
-"""What some tests need beyond uv's install: torch, Chromium, Slurm, the kernel as root.
+"""What some tests need beyond uv's install: torch, Chromium, Slurm, kubectl, the kernel as root.
 
 A newcomer's `uv run pytest` skips those tests with one line that says what is missing and how to get it.
 `.ci/run` installs every part and sets its `LANES_REQUIRE_*` variable, so there a missing part fails the run
@@ -48,6 +48,10 @@ def _kernel_missing() -> str | None:
     return kernel_faults_unavailable() or NodeNetworks.unavailable()
 
 
+def _kubectl_missing() -> str | None:
+    return None if shutil.which("kubectl") else "kubectl is not installed"
+
+
 def chromium() -> str | None:
     """The Chromium binary on PATH, if any."""
     return shutil.which("chromium") or shutil.which("chromium-browser")
@@ -56,6 +60,7 @@ def chromium() -> str | None:
 TORCH = OptionalPart(_torch_missing, "uv sync --inexact --group drill", "LANES_REQUIRE_TORCH")
 CHROMIUM = OptionalPart(_chromium_missing, "apt-get install chromium", "LANES_REQUIRE_BROWSER")
 SLURM = OptionalPart(slurm.available, "as root, with Slurm installed as .ci/run does", "LANES_REQUIRE_SLURM")
+KUBECTL = OptionalPart(_kubectl_missing, "apt-get install kubernetes-client", "LANES_REQUIRE_KUBECTL")
 KERNEL = OptionalPart(
     _kernel_missing, "run the suite as root (cgroup v1 memory, /dev/kmsg, network namespaces)", "LANES_REQUIRE_KERNEL"
 )
