@@ -38,6 +38,7 @@ DEPLOYABLES = {
     "lanes-console": "lanes_console.__main__",
     "lanes-agent": "lanes_agent.launcher",
     "lanes-observe": "lanes_observe.slurm",
+    "lanes-k8s": "lanes_k8s.watch",
 }
 
 
