@@ -31,7 +31,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from datetime import UTC, datetime
+from datetime import UTC
 from pathlib import Path
 from typing import Any
 
@@ -40,18 +40,17 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
-from lanes_agent import kmsg, netns
+from lanes_agent import netns
 from lanes_agent.cgroups import MemoryCgroups
-from lanes_agent.inventory import node_inventory
+from lanes_agent.kernel_follower import KernelLogFollower
 from lanes_agent.ledger import RankLedger, RankRecord, process_start, reclaim
+from lanes_agent.node_reports import Heartbeats, LinkWatch
 from lanes_agent.rank_output import LOOPBACK, READY_MARKER, communicator_ready, listening_endpoint, progress_line
 from lanes_agent.ras_poll import RasPolling, StallWatch, ask_ras
 from lanes_contract.client import publish_encoded
 from lanes_contract.codec import decode, encode
 from lanes_contract.errors import DecodeError, PoisonEventError
 from lanes_contract.events import (
-    AgentHeartbeat,
-    AgentHeartbeatData,
     AttemptRequested,
     CheckpointSaved,
     CheckpointSavedData,
@@ -66,7 +65,6 @@ from lanes_contract.events import (
     JobStateChanged,
     JobSubmitted,
     Lane,
-    PlatformEvidence,
     RankAssignment,
     RankExited,
     RankExitedData,
@@ -82,7 +80,7 @@ from lanes_contract.events import (
 from lanes_contract.ids import derived_event_id
 from lanes_contract.jobs import JobSpec, JobState
 from lanes_contract.signing import Keyring, SignatureError, verified_signer
-from lanes_contract.streams import BEATS, JOBS, TELEMETRY
+from lanes_contract.streams import JOBS, TELEMETRY
 from lanes_evidence.dump_files import take_rank_dump
 from lanes_evidence.evidence import Evidence, evidence_event
 from lanes_evidence.flight_recorder import DUMP_PREFIX, RECORDING
@@ -98,19 +96,10 @@ from lanes_runtime.settings import configured_keyring
 from lanes_runtime.upkeep import DurableUpkeep, FileFloors
 
 _PIDS_KEPT = 65_536
-_KERNEL_LOG_POLL_S = 0.2
-_KERNEL_BACKLOG = 10_000
-"""Kernel records read but not yet published, at most. While the bus is away the follower keeps draining the
-kernel's ring buffer (which overwrites its oldest records) into memory; past this many, the ring keeps the rest."""
-_LINK_POLL_S = 0.2
-_THROTTLE_EVERY = 5
-"""Link polls per read of the links' throttle counters (one `tc` call for all of them: once a second)."""
 STOP_GRACE_S = 10.0
 """How long a stopped rank has between SIGTERM and SIGKILL."""
 HEARTBEAT_S = 10.0
 """How often an agent says it is alive (with what it runs and the node's inventory)."""
-_INVENTORY_EVERY = 6
-"""Beats between re-reads of the inventory (nvidia-smi takes a while; ECC counts and repairs change)."""
 # What a rank runs when the spec names no command: ready at once, a little real CPU work, a clean exit.
 DEFAULT_RANK_PROGRAM = (
     "import os, hashlib\n"
@@ -172,13 +161,8 @@ class LocalLauncher:
         self._ras_polls: set[asyncio.Task[None]] = set()
         self._keyring = keyring or configured_keyring()
         """Placements and stops are acted on only if signed by an identity that may say them (None: unchecked)."""
-        self._heartbeat_s = heartbeat_s
-        self._nvidia_smi = nvidia_smi
-        """The nvidia-smi that inventories the GPUs (default: the one on PATH, if any)."""
-        self._started_at = utc_now()
         self._running: Counter[str] = Counter()
         """Ranks running now, per node (what the heartbeat reports)."""
-        self._kernel_log_state = "off" if kernel_log is None else "following"
         self._networks = networks
         """Each node's network namespace (made by the caller), or None: the nodes share the host's network."""
         self._state_dir = state_dir
@@ -193,14 +177,33 @@ class LocalLauncher:
         self._cgroups_missing: str | None = None
         """Why specs' host memory limits cannot be enforced here (found at the first spec that sets one)."""
         self._cgroups_checked = False
-        self._kernel_log = kernel_log
-        self._kernel_log_position = kernel_log_position
         self._ranks_by_pid: dict[int, RankRecord] = {}
         """The ranks this agent (or its earlier self) started, by pid: whose process a kernel line names."""
         self._stop_grace_s = stop_grace_s
         self._js = nc.jetstream()
         self._nodes = nodes
         self._spec = dataclasses.replace(LAUNCHER_INPUTS, durable=durable)
+        self._kernel = (
+            None
+            if kernel_log is None
+            else KernelLogFollower(
+                kernel_log,
+                kernel_log_position,
+                nodes,
+                self._ranks_by_pid,
+                publish_held=self._publish_held,
+                publish_now=self._publish_now,
+            )
+        )
+        self._beats = Heartbeats(
+            self.name,
+            nodes,
+            self._running,
+            lambda: "off" if self._kernel is None else self._kernel.state,
+            send=self._publish_now,
+            interval_s=heartbeat_s,
+            nvidia_smi=nvidia_smi,  # the nvidia-smi that inventories the GPUs (default: the one on PATH, if any)
+        )
         self._specs: dict[str, JobSpec] = {}
         self._resume_steps: dict[tuple[str, int], int] = {}
         self._procs: dict[tuple[str, int], set[asyncio.subprocess.Process]] = {}
@@ -273,17 +276,15 @@ class LocalLauncher:
         await upkeep.provision()
         sub = await BatchPull.bind(self._nc, JOBS.name, self._spec.durable)
         running: set[asyncio.Task[None]] = set()
-        if self._kernel_log is not None:
-            kernel = asyncio.create_task(self._follow_kernel_log(self._kernel_log, stop))
-            running.add(kernel)
-            kernel.add_done_callback(running.discard)
+        watchers = [self._beats.run(stop)]
+        if self._kernel is not None:
+            watchers.append(self._kernel.follow(stop))
         if self._networks is not None:
-            links = asyncio.create_task(self._watch_links(stop))
-            running.add(links)
-            links.add_done_callback(running.discard)
-        beats = asyncio.create_task(self._beat(stop))
-        running.add(beats)
-        beats.add_done_callback(running.discard)
+            watchers.append(LinkWatch(self._networks, self._publish_held).run(stop))
+        for watcher in watchers:
+            task = asyncio.create_task(watcher)
+            running.add(task)
+            task.add_done_callback(running.discard)
         try:
             async with upkeep.kept(stop):
                 async for msgs in pull_batches(sub, 16, stop, consumer=self.name, readiness=readiness):
@@ -588,6 +589,10 @@ class LocalLauncher:
                     return True
             after = found.seq or after + 1
 
+    async def _publish_now(self, event: Event, stream: str) -> None:
+        """Publish once: an outage is the caller's to handle (a beat is dropped, the next says the same)."""
+        await publish_encoded(self._js, encode(event), stream=stream)
+
     async def _publish_held(self, event: Event, stream: str) -> None:
         """Publish what a running rank reports; while the bus is away, keep trying (the rank runs on regardless).
 
@@ -748,184 +753,6 @@ class LocalLauncher:
         except OSError as exc:
             log.warning("rank runs without its memory limit", cgroup=name, error=exc.strerror or str(exc))
             return None
-
-    async def _follow_kernel_log(self, path: Path, stop: asyncio.Event) -> None:
-        """Publish the kernel lines that are evidence (Xid, OOM kill, ECC, link), from a stored position on.
-
-        A line that names the pid of a rank this agent started is that rank's (job, attempt, rank, node);
-        one that names none is the node's, when this agent runs one node, and otherwise attributed to no
-        simulated node (they all share this kernel). When the log cannot be read, each node says so.
-        """
-        boot = kmsg.boot_id()
-        position = None if self._kernel_log_position is None else kmsg.Position.load(self._kernel_log_position)
-        try:
-            reader = kmsg.KmsgReader(path, position, boot)
-        except OSError as exc:
-            await self._kernel_log_unreadable(path, exc)
-            return
-        booted = kmsg.boot_time()
-        backlog: asyncio.Queue[kmsg.KmsgRecord] = asyncio.Queue(maxsize=_KERNEL_BACKLOG)
-        publisher = asyncio.create_task(self._publish_kernel_records(backlog, boot, booted))
-        overwritten = 0
-        try:
-            while not stop.is_set():
-                for record in reader.available():
-                    await backlog.put(record)  # waits while the backlog is full: the ring holds the rest
-                if reader.lost > overwritten:
-                    log.warning("kernel log records overwritten before they were read", lost=reader.lost - overwritten)
-                    overwritten = reader.lost
-                await asyncio.sleep(_KERNEL_LOG_POLL_S)
-        except OSError as exc:
-            await self._kernel_log_unreadable(path, exc)
-        except Exception:
-            log.exception("kernel log follower failed")
-            raise
-        finally:
-            # What is still in the backlog was never marked handled: the next run reads it again from the ring.
-            publisher.cancel()
-            await asyncio.gather(publisher, return_exceptions=True)
-            reader.close()
-
-    async def _publish_kernel_records(
-        self, backlog: asyncio.Queue[kmsg.KmsgRecord], boot: str, booted: datetime
-    ) -> None:
-        """Publish the backlog's records in order, each held through outages, and store the position after each.
-
-        An outage holds the record at the head (one warning when it starts, one line when it ends); a record
-        the bus refuses for another reason is skipped with a warning, so one bad line never ends the follower.
-        """
-        while True:
-            record = await backlog.get()
-            try:
-                await self._kernel_record(record, boot, booted)
-            except Exception as exc:  # noqa: BLE001 - refused, not an outage: retrying would refuse it forever
-                log.warning("kernel line not published", sequence=record.sequence, error=f"{type(exc).__name__}: {exc}")
-            if self._kernel_log_position is not None:
-                try:
-                    kmsg.Position(boot, record.sequence).save(self._kernel_log_position)
-                except OSError as exc:  # the next run re-reads from the older position; ids dedupe what it repeats
-                    log.warning("kernel log position not stored", error=exc.strerror or str(exc))
-
-    async def _kernel_record(self, record: kmsg.KmsgRecord, boot: str, booted: datetime) -> None:
-        data = kmsg.kernel_evidence(record)
-        if data is None:
-            return
-        owner = self._ranks_by_pid.get(data.pid) if data.pid is not None else None
-        if owner is None and len(self._nodes) != 1:
-            log.info("kernel line names no rank of this agent; not attributed", line=record.text[:200])
-            return
-        node = owner.node if owner else next(iter(self._nodes))
-        at = booted + record.since_boot
-        event = evidence_event(Evidence(data=data, time=at, node=node), source=f"agent/{node}", node=node, time=at)
-        update: dict[str, Any] = {"id": derived_event_id(f"kmsg/{boot}", event.type, str(record.sequence))}
-        if owner is not None:
-            update |= {"jobid": owner.job_id, "attempt": owner.attempt, "rank": owner.rank}
-        await self._publish_held(event.model_copy(update=update), TELEMETRY.name)
-
-    async def _watch_links(self, stop: asyncio.Event) -> None:
-        """Report each node's link going down or up, as a node agent watching its NICs does (network lane).
-
-        And a link that holds packets back (its port's discard and throttle counters rise) as port errors, once
-        per episode: a degraded link fails nothing, and this is what names the node behind it, where the
-        collectives' timings say only that the job's network slowed (telemetry's slowdown reads both).
-        """
-        assert self._networks is not None  # noqa: S101 - started only with networks
-        was = dict.fromkeys(self._networks.links, True)
-        counters: dict[str, int] = {}
-        throttling: set[str] = set()
-        polls = 0
-        while not stop.is_set():
-            if polls % _THROTTLE_EVERY == 0:
-                counters = await self._report_throttled(counters, throttling)
-            polls += 1
-            for node in sorted(self._networks.links):
-                up = netns.link_is_up(node)
-                if up is None or up == was[node]:
-                    continue
-                was[node] = up
-                category = EvidenceCategory.LINK_UP if up else EvidenceCategory.LINK_DOWN
-                what = f"link {netns.link_of(node)} of {node} is {'up' if up else 'down'}"
-                data = EvidenceData(category=category, summary=what, origin="agent: link state")
-                now = utc_now()
-                found = Evidence(data=data, time=now, node=node)
-                await self._publish_held(
-                    evidence_event(found, source=f"agent/{node}", node=node, time=now), TELEMETRY.name
-                )
-            await asyncio.sleep(_LINK_POLL_S)
-
-    async def _report_throttled(self, before: dict[str, int], throttling: set[str]) -> dict[str, int]:
-        """Read every node's link counters once; report a link whose count rose (and did not the read before).
-
-        Returns the counts, for the next read.
-        """
-        assert self._networks is not None  # noqa: S101 - started only with networks
-        links = {netns.link_of(node): node for node in self._networks.links}
-        now_counts = await asyncio.to_thread(netns.throttled_packets, sorted(links))
-        for link, count in sorted(now_counts.items()):
-            node = links[link]
-            rising = link in before and count > before[link]
-            if not rising:
-                throttling.discard(node)
-                continue
-            if node in throttling:
-                continue  # the same episode: said once
-            throttling.add(node)
-            what = f"link {link} of {node} held back or dropped {count - before[link]} packets in a second"
-            data = EvidenceData(
-                category=EvidenceCategory.PORT_ERRORS, summary=what, origin="agent: link counters", interface=link
-            )
-            at = utc_now()
-            found = Evidence(data=data, time=at, node=node)
-            await self._publish_held(evidence_event(found, source=f"agent/{node}", node=node, time=at), TELEMETRY.name)
-        return now_counts
-
-    async def _beat(self, stop: asyncio.Event) -> None:
-        """Say each node's agent is alive, every `heartbeat_s`, with what it runs and the node's inventory.
-
-        A beat that cannot be sent is dropped, not held: the next one says the same, and newer.
-        """
-        inventory = None
-        beats = 0
-        unsent: set[str] = set()  # nodes whose last beat failed: an outage is said when it starts and ends
-        while not stop.is_set():
-            if beats % _INVENTORY_EVERY == 0:
-                inventory = await asyncio.to_thread(node_inventory, self._nvidia_smi)
-            beats += 1
-            assert inventory is not None  # noqa: S101 - read on the first beat
-            for node in sorted(self._nodes):
-                data = AgentHeartbeatData(
-                    agent=self.name,
-                    started_at=self._started_at,
-                    interval_s=self._heartbeat_s,
-                    running_ranks=self._running[node],
-                    kernel_log=self._kernel_log_state[:512],
-                    inventory=inventory,
-                )
-                beat = AgentHeartbeat(source=f"agent/{node}", node=node, data=data)
-                try:
-                    await publish_encoded(self._js, encode(beat), stream=BEATS.name)
-                except Exception as exc:  # noqa: BLE001 - the agent runs its ranks without the bus too
-                    if node not in unsent:
-                        log.warning("heartbeats not sent", node=node, error=str(exc) or type(exc).__name__)
-                    unsent.add(node)
-                    continue
-                if node in unsent:
-                    unsent.discard(node)
-                    log.info("heartbeats sent again", node=node)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=self._heartbeat_s)
-
-    async def _kernel_log_unreadable(self, path: Path, exc: OSError) -> None:
-        reason = f"kernel log {path} unreadable: {exc.strerror or exc}"
-        self._kernel_log_state = reason
-        log.warning("agent cannot read the kernel log; kernel evidence will be missing", reason=reason)
-        for node in sorted(self._nodes):
-            data = EvidenceData(category=EvidenceCategory.RAW, summary=reason, origin="agent")
-            said = PlatformEvidence(source=f"agent/{node}", node=node, data=data)
-            try:
-                await publish_encoded(self._js, encode(said), stream=TELEMETRY.name)
-            except Exception as failed:  # noqa: BLE001 - the agent keeps running its ranks without the bus too
-                log.warning("cannot report the unreadable kernel log", node=node, error=str(failed))
 
     def _address(self, node: str) -> str:
         """The node's address: its namespace's, or the host's loopback when the nodes share its network."""
