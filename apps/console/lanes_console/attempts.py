@@ -117,7 +117,7 @@ class Attempts:
             beating = attempt.rank(rank)
             if beating.last_step is not None and beating.last_step >= step:
                 return changed
-            beating.last_step = step
+            beating.last_step, beating.started = step, True  # a rank that beats runs, its start seen or not
         elif kind == "rank_exited" and isinstance(rank, int):
             ended = attempt.rank(rank)
             ended.ended, ended.failed = str(row.get("summary") or ""), bool(row.get("failure"))

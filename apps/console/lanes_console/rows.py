@@ -273,12 +273,16 @@ MAX_GROUP_RANKS = 64
 def consequence_key(row: Mapping[str, Any]) -> str | None:
     """Which group a failure row falls in: same kind, lane and what it says, numbers aside; None if no failure.
 
+    A rank's exit keeps its numbers: `exit 137` and `exit 1` are different ends.
+
     1,024 ranks that time out in the same collective say the same thing but for their rank and timings:
     one group. A rank OOM-killed says something else: a group of its own.
     """
     if not row.get("failure") or row.get("type") is None:
         return None
-    said = _NUMBERS.sub("#", str(row.get("summary") or ""))
+    said = str(row.get("summary") or "")
+    if row.get("kind") != "rank_exited":  # an exit status or signal says what happened: it stays
+        said = _NUMBERS.sub("#", said)
     return f"{row.get('kind')}|{row.get('lane')}|{said}"
 
 
