@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -85,7 +86,7 @@ CASES: dict[str, tuple[str, ...]] = {
 
 @pytest.mark.parametrize("kind", list(CASES))
 async def test_a_replica_drill_under_streaming_load_loses_no_stream(
-    servers: ServerUrls, unique: str, kind: str
+    servers: ServerUrls, unique: str, kind: str, tmp_path: Path
 ) -> None:
     model = f"m-{unique}"
     ids = [f"a-{unique}", f"b-{unique}"]
@@ -115,9 +116,13 @@ async def test_a_replica_drill_under_streaming_load_loses_no_stream(
         victim = max(in_flight, key=lambda replica_id: in_flight[replica_id])
         survivor = next(replica_id for replica_id in ids if replica_id != victim)
         assert in_flight[victim] >= 1
-        drilled = await run_lanes_async(
-            servers, "drill", victim, "--kind", kind, *CASES[kind], "--timeout", "60", "--json"
-        )
+        if kind == "replica-drain":  # through a drill plan, which names no rank for a replica
+            plan = tmp_path / "drills.yaml"
+            plan.write_text(f"drills:\n  - {{job: {victim}, kind: {kind}}}\n")
+            args: tuple[str, ...] = ("--plan", str(plan))
+        else:
+            args = (victim, "--kind", kind, *CASES[kind])
+        drilled = await run_lanes_async(servers, "drill", *args, "--timeout", "60", "--json")
         assert drilled.returncode == 0, drilled.stderr
         cut = dict(zip(request_ids, await asyncio.wait_for(asyncio.gather(*streams), 60), strict=True))
         # The same requests again, never cut: the answers the clients should have had (the toy's answer is a

@@ -72,7 +72,8 @@ class DrillStep(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     job: Token
     kind: DrillKind
-    rank: int = Field(ge=0)
+    rank: int = Field(default=0, ge=0)
+    """The rank to drill (a replica drill takes rank 0, its server)."""
     duration_s: float | None = Field(default=None, gt=0)
 
 
@@ -275,7 +276,9 @@ def drill(  # noqa: PLR0917 - typer maps each option to a parameter
             max=MAX_OPTION_SECONDS,
         ),
     ] = None,
-    plan: Annotated[Path | None, typer.Option(help="A YAML file of drills (job, kind, rank, duration_s).")] = None,
+    plan: Annotated[
+        Path | None, typer.Option(help="A YAML file of drills (job, kind, rank, duration_s; a replica needs no rank).")
+    ] = None,
     timeout: Annotated[
         float, typer.Option(help="Seconds to wait for each drill to play out.", min=1, max=MAX_OPTION_SECONDS)
     ] = 300.0,
