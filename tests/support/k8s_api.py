@@ -64,6 +64,8 @@ class FakeKubeApi:
     faults: Faults = field(default_factory=Faults)
     bookmark_every_s: float = 0.2
     requests: list[tuple[str, dict[str, str]]] = field(default_factory=list)
+    logs: dict[tuple[str, str], list[str]] = field(default_factory=dict)
+    """(namespace, pod name) -> the lines of its container's log, served as `.../pods/<name>/log`."""
     port: int = 0
     _tick: asyncio.Event | None = None
     _runner: web.AppRunner | None = None
@@ -126,6 +128,7 @@ class FakeKubeApi:
         app.router.add_get("/version", self._version)
         app.router.add_get("/api/v1", self._core_resources)
         app.router.add_get("/apis/kueue.x-k8s.io/v1beta1", self._kueue_resources)
+        app.router.add_get("/api/v1/namespaces/{ns}/pods/{name}/log", self._log)
         app.router.add_get("/api/v1/{plural}", self._collection)
         app.router.add_get("/api/v1/namespaces/{ns}/{plural}", self._collection)
         app.router.add_get("/apis/{group}/{gv}/{plural}", self._collection)
@@ -192,6 +195,20 @@ class FakeKubeApi:
             "resources": [self._resource("workloads")],
         }
         return web.json_response(body)
+
+    async def _log(self, request: web.Request) -> web.StreamResponse:
+        """A container's log: its lines (with an RFC 3339 stamp each when timestamps=true), then the end."""
+        self.requests.append((request.path, dict(request.query)))
+        lines = self.logs.get((request.match_info["ns"], request.match_info["name"]))
+        if lines is None:
+            return web.json_response(self._status(404, "NotFound", "pods not found"), status=404)
+        response = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        stamp = "2026-12-07T12:41:06.123456789Z " if request.query.get("timestamps") == "true" else ""
+        for start in range(0, len(lines), 100):
+            await response.write("".join(f"{stamp}{line}\n" for line in lines[start : start + 100]).encode())
+        return response
 
     def _status(self, code: int, reason: str, message: str) -> dict[str, Any]:
         return {

@@ -138,6 +138,19 @@ class KubeApi:
             if not token:
                 return items, str(meta.get("resourceVersion") or "")
 
+    async def lines(self, path: str, params: Mapping[str, str]) -> AsyncIterator[str]:
+        """The lines of a streamed text answer (a pod's log), until the server ends it."""
+        async with self._client().get(self.access.server + path, params=dict(params)) as response:
+            await self._refuse(response, path)
+            pending = b""
+            async for chunk in response.content.iter_any():
+                pending += chunk
+                *complete, pending = pending.split(b"\n")
+                for line in complete:
+                    yield line.decode(errors="replace")
+            if pending:
+                yield pending.decode(errors="replace")
+
     async def watch(self, path: str, resource_version: str, timeout_s: int) -> AsyncIterator[dict[str, Any]]:
         """The watch events after `resource_version`, one per line, until the server ends the watch."""
         params = {
@@ -344,7 +357,8 @@ class KubeWatch:
             stream.known[uid] = trim(resource.kind, obj)
         return events
 
-    def _emit(self, events: list[Event]) -> None:
+    def emit(self, events: list[Event]) -> None:
+        """Put events in the outbox and wake the sender."""
         if events:
             self.outbox.append(events)
             self._to_send.set()
@@ -361,7 +375,7 @@ class KubeWatch:
             events.extend(self._apply(resource, stream, "MODIFIED" if uid in stream.known else "ADDED", obj))
         for uid in [uid for uid in stream.known if uid not in listed]:  # gone while the watch was away
             events.extend(self._apply(resource, stream, "DELETED", stream.known[uid]))
-        self._emit(events)
+        self.emit(events)
         stream.resource_version = resource_version
         self.relists += 1
         self.save()
@@ -380,7 +394,7 @@ class KubeWatch:
             obj_version = str((obj.get("metadata") or {}).get("resourceVersion") or "")
             if item.get("type") != "BOOKMARK":
                 obj.setdefault("kind", resource.kind)
-                self._emit(self._apply(resource, stream, item.get("type", "MODIFIED"), obj))
+                self.emit(self._apply(resource, stream, item.get("type", "MODIFIED"), obj))
             if obj_version:
                 stream.resource_version = obj_version
             self._maybe_save()

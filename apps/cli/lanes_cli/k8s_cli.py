@@ -11,6 +11,7 @@ import typer
 
 from lanes_cli.console import EXIT_BAD_INPUT, err, fail, load_settings, require, run_async
 from lanes_k8s.kubeconfig import KubeconfigError, resolve
+from lanes_k8s.logs import PodLogs
 from lanes_k8s.mapping import SOURCE
 from lanes_k8s.watch import KubeApi, KubeWatch
 from lanes_observe.outbox import Outbox, Sender
@@ -27,12 +28,12 @@ app = typer.Typer(
     epilog=(
         "Permissions: read only. The observer gets, lists and watches Kueue's workloads "
         "(kueue.x-k8s.io), pods, nodes and events, in every namespace or only in those given with "
-        f"--namespace; nodes are cluster-wide. The ClusterRole is {CLUSTER_ROLE} (bind it to the "
-        "observer's service account with a ClusterRoleBinding, or with a RoleBinding per namespace "
-        "for the namespaced kinds)."
+        "--namespace; nodes are cluster-wide; --logs also reads pods/log. "
+        f"The ClusterRole is {CLUSTER_ROLE} (bind it to the observer's service account with a "
+        "ClusterRoleBinding, or with a RoleBinding per namespace for the namespaced kinds)."
     )
 )
-def watch(
+def watch(  # noqa: PLR0917 - typer passes each option as an argument
     namespace: Annotated[
         list[str] | None,
         typer.Option(
@@ -61,6 +62,15 @@ def watch(
     outbox: Annotated[Path, typer.Option(help="Where events wait while Lanes is unreachable.")] = Path(
         "~/.cache/lanes/outbox/k8s.ndjson"
     ),
+    logs: Annotated[
+        bool,
+        typer.Option(
+            "--logs",
+            help="Also follow each rank's pod log through the API (needs pods/log) and read it with the "
+            "evidence parsers, at most --logs-rate lines per second per pod; skipped lines are counted as evidence.",
+        ),
+    ] = False,
+    logs_rate: Annotated[float, typer.Option(min=0.1, max=100_000, help="Log lines read per second per pod.")] = 50.0,
 ) -> None:
     """List and watch the cluster; publish jobs, attempts, ranks, node states and evidence until Ctrl-C."""
     settings = load_settings()
@@ -81,8 +91,12 @@ def watch(
             fail(str(exc), EXIT_BAD_INPUT)
         scope = ", ".join(namespaces) if namespaces else "every namespace"
         err.print(f"watching {access.describe()} ({scope}); state in {state_file}", highlight=False)
+        stop = stop_on_signals()
         try:
-            await kube.run(stop_on_signals())
+            if logs:
+                await asyncio.gather(kube.run(stop), PodLogs(kube, lines_per_s=logs_rate).run(stop))
+            else:
+                await kube.run(stop)
         finally:
             with contextlib.suppress(asyncio.CancelledError):
                 await sender.close()
