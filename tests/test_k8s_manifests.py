@@ -468,7 +468,7 @@ def test_nats_conf_keeps_the_compose_clusters_settings(nats_conf: dict[str, Any]
     assert len(nats_conf["cluster"]["routes"]) == len(compose["cluster"]["routes"]) == NATS_REPLICAS
 
 
-def test_the_observer_role_is_listed_when_it_is_there() -> None:
-    role = K8S / "observer-clusterrole.yaml"
-    listed = "observer-clusterrole.yaml" in yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
-    assert listed == role.exists()
+def test_every_manifest_of_the_base_is_in_its_kustomization() -> None:
+    base = K8S / "base"
+    listed = set(yaml.safe_load((base / "kustomization.yaml").read_text())["resources"])
+    assert listed == {path.name for path in base.glob("*.yaml")} - {"kustomization.yaml"}
