@@ -711,10 +711,10 @@ class _ServerBase:
         raise EmbeddedServerError(msg)
 
 
-def dies_with_this_process() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that has the kernel SIGTERM the child when this process dies (Linux; else None).
+def dies_with_this_process(death_signal: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the kernel send ``death_signal`` to the child when this process dies (Linux).
 
     For children started from a thread that lives as long as the process (its main thread): the signal fires
-    when the forking thread exits.
+    when the forking thread exits. None where there is no such signal.
     """
-    return _death_signal_preexec(signal.SIGTERM, os.getpid())
+    return _death_signal_preexec(death_signal, os.getpid())

@@ -134,7 +134,9 @@ class ServiceReplicas:
                 stderr=subprocess.STDOUT,
                 # Own session: a Ctrl-C at the terminal reaches `lanes up`, which stops them in order.
                 start_new_session=True,
-                preexec_fn=dies_with_this_process(),  # noqa: PLW1509 - only calls a pre-resolved prctl
+                # SIGKILL: an orphan's graceful stop may wait on servers that went with its parent; its work is
+                # redone by the next replica anyway (a crash at any point loses nothing).
+                preexec_fn=dies_with_this_process(signal.SIGKILL),  # noqa: PLW1509 - only calls a pre-resolved prctl
             )
         return Replica(service, index, process, path)
 
