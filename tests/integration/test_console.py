@@ -1182,3 +1182,38 @@ async def test_in_chromium_the_poc_page_shows_the_last_runs_verdicts_each_linked
         assert broken.status == 404
         assert "cannot read the POC report" in await broken.text()
     await page.close()
+
+
+async def test_in_chromium_an_operator_cancels_from_the_job_page_and_a_viewer_token_is_refused(
+    console: Console, browser: Browser, unique: str
+) -> None:
+    job = f"cancel-{unique}"
+    await publish(console, submitted(job))
+    acting = await LanesClient.connect(
+        console.nats.url_for("cli"), source="lanes/console", signer=console.nats.signer_for("cli")
+    )
+    runner, url = await serve(
+        console.reader, "127.0.0.1", 0, f"viewer-{unique}", None, Operator(f"operator-{unique}", acting)
+    )
+    try:
+        page = await open_page(browser, f"{url}jobs/{job}?token=viewer-{unique}")
+        await page.click("#actions summary")
+        await page.fill("#act input[name=by]", "ann")
+        await page.fill("#act input[name=reason]", "wrong data set")
+        await page.fill("#act input[name=token]", f"viewer-{unique}")  # a viewer's token may only look
+        await page.click("#act button[type=submit]")
+        await page.wait_for_selector("#act-result[data-status='403']", timeout=READ_BOUND_S * 1000)
+        assert "actions need the operator token" in (await page.text_content("#act-result") or "")
+
+        await page.fill("#act input[name=token]", f"operator-{unique}")
+        await page.click("#act button[type=submit]")
+        await page.wait_for_selector("#act-result[data-status='200']", timeout=READ_BOUND_S * 1000)
+        assert await page.input_value("#act input[name=token]") == ""  # not kept in the page
+        seq = (await page.text_content("#act-result") or "").rsplit("#", 1)[-1]
+        row = page.locator(f"tr[data-seq='{seq}']")
+        await row.wait_for(timeout=READ_BOUND_S * 1000)  # the command is on the live timeline
+        assert "cancel_requested" in (await row.text_content() or "")
+        assert "requested_by=ann (console)" in (await row.locator("td.summary").text_content() or "")
+    finally:
+        await runner.cleanup()
+        await acting.close()

@@ -272,6 +272,23 @@
   }
   window.addEventListener("hashchange", select);
 
+  // An operator's action: the operator token goes in this request's Authorization header only, never a cookie,
+  // and is not kept. The command it sends comes back on the timeline like any other event.
+  const act = document.getElementById("act");
+  act.addEventListener("submit", async e => {
+    e.preventDefault();
+    const result = document.getElementById("act-result");
+    const f = act.elements;
+    const answer = await fetch("/api/jobs/" + encodeURIComponent(jobId) + "/actions/" + encodeURIComponent(f.action.value), {
+      method: "POST", headers: {"Authorization": "Bearer " + f.token.value, "Content-Type": "application/json"},
+      body: JSON.stringify({by: f.by.value, reason: f.reason.value}),
+    });
+    f.token.value = "";
+    result.className = answer.ok ? "sub" : "refused";
+    result.textContent = answer.ok ? (s => "sent: " + s.type + " #" + s.seq)(await answer.json()) : await answer.text();
+    result.dataset.status = answer.status;
+  });
+
   const status = document.getElementById("status");
   const source = new EventSource("/api/jobs/" + encodeURIComponent(jobId) + "/events" + location.search);
   source.addEventListener("open", () => { status.textContent = "live"; status.className = "status live"; });
