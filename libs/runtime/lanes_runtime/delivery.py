@@ -260,12 +260,12 @@ class BusAwayError(NatsError):
 _ACK_PREFIX = "$JS.ACK."
 """Every message JetStream delivers has its ack subject as reply; a status message has none."""
 _REQUEST_ENDED = {"404", "408"}
+"""No more messages now, request expired: the request is over, nothing is wrong."""
 _NO_RESPONDERS = "503"
 _PIN_MISMATCH = "423"
 """A pull carrying a pin id that is no longer the consumer's pinned client's (ADR-42)."""
 PIN_ID_HEADER = "Nats-Pin-Id"
 """The header of the first message (and every later one) delivered to a newly pinned client."""
-"""No more messages now, request expired: the request is over, nothing is wrong."""
 _REQUEST_MARGIN_S = 1.0
 """How much longer than its `expires` a fetch waits for the server to end a request."""
 
