@@ -142,14 +142,8 @@ class KubeApi:
         """The lines of a streamed text answer (a pod's log), until the server ends it."""
         async with self._client().get(self.access.server + path, params=dict(params)) as response:
             await self._refuse(response, path)
-            pending = b""
-            async for chunk in response.content.iter_any():
-                pending += chunk
-                *complete, pending = pending.split(b"\n")
-                for line in complete:
-                    yield line.decode(errors="replace")
-            if pending:
-                yield pending.decode(errors="replace")
+            async for line in _lines_of(response):
+                yield line.decode(errors="replace")
 
     async def watch(self, path: str, resource_version: str, timeout_s: int) -> AsyncIterator[dict[str, Any]]:
         """The watch events after `resource_version`, one per line, until the server ends the watch."""
@@ -162,15 +156,21 @@ class KubeApi:
         async with self._client().get(self.access.server + path, params=params) as response:
             await self._refuse(response, path)
             yield OPENED
-            pending = b""
-            async for chunk in response.content.iter_any():
-                pending += chunk
-                *lines, pending = pending.split(b"\n")
-                for line in lines:
-                    if line.strip():
-                        yield _watch_event(line, path)
-            if pending.strip():
-                yield _watch_event(pending, path)
+            async for line in _lines_of(response):
+                if line.strip():
+                    yield _watch_event(line, path)
+
+
+async def _lines_of(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The lines of a streamed body as they arrive, however the chunks cut them (no length limit per line)."""
+    pending = b""
+    async for chunk in response.content.iter_any():
+        pending += chunk
+        *complete, pending = pending.split(b"\n")
+        for line in complete:
+            yield line
+    if pending:
+        yield pending
 
 
 OPENED: dict[str, Any] = {"type": "OPENED", "object": {}}
