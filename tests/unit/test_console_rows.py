@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from lanes_console.rows import BadQueryError, Filters, FirstError, job_update, row_of, summary_of
+from lanes_console.rows import BadQueryError, Filters, FirstError, is_failure, job_update, row_of, summary_of
 from lanes_contract.codec import encode
 from lanes_contract.events import (
     FindingCause,
@@ -126,3 +126,16 @@ def test_the_jobs_list_takes_a_name_a_state_and_the_lane_and_owner_of_the_first_
     }
     update = job_update(stored(5, finding(1, "oom_kill")))
     assert (update["error_lane"], update["job_id"]) == ("host", "j-1")
+
+
+@pytest.mark.parametrize(
+    ("type_", "failure"),
+    [
+        ("io.lanes.job.rejected.v1", True),
+        ("io.lanes.job.transition_rejected.v1", True),
+        ("io.lanes.job.recovery_escalated.v1", True),
+        ("io.lanes.job.heartbeat.v1", False),
+    ],
+)
+def test_refusals_and_unanswered_waits_count_as_failures_by_their_real_names(type_: str, failure: bool) -> None:
+    assert is_failure({"type": type_, "kind": type_.split(".")[3], "data": {}}) is failure

@@ -109,7 +109,11 @@ def is_failure(row: Mapping[str, Any]) -> bool:
         return data.get("exit_code") not in (0, None) or bool(data.get("signal"))
     if kind == "state_changed":
         return data.get("to_state") in {"failed", "partially_failed"} or data.get("state") == "unhealthy"
-    return kind in {"evidence", "finding", "rejected", "escalated"} or row.get("type") is None
+    return kind in _FAILURE_KINDS or row.get("type") is None
+
+
+_FAILURE_KINDS = frozenset({"evidence", "finding", "rejected", "transition_rejected", "recovery_escalated"})
+"""Events that are failures whatever they carry: evidence, a finding, a refusal, an unanswered manual wait."""
 
 
 def _text(value: Any) -> str:
