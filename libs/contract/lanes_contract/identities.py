@@ -294,9 +294,15 @@ PEOPLE_IDENTITIES = (
     ),
     Identity(
         "observer",
-        (*subjects_of(JobSubmitted, JobPlaced, ResourcesReleased, *RANK_EVENTS), f"lanes.{Family.TELEMETRY}.>"),
-        "a platform adapter observing jobs another scheduler placed (`lanes run` under Slurm or Kubernetes):"
-        " it records that scheduler's placements, so it is trusted like one",
+        (
+            *subjects_of(JobSubmitted, JobPlaced, ResourcesReleased, JobWaiting, JobRejected, *RANK_EVENTS),
+            # What the other scheduler did to its job (requeued: a new attempt; cancelled) and to its nodes.
+            *subjects_of(RetryRequested, CancelRequested, NodeStateChanged),
+            f"lanes.{Family.TELEMETRY}.>",
+        ),
+        "a platform adapter observing jobs another scheduler placed (`lanes run`, `lanes slurm watch`, `lanes k8s"
+        " watch`): it records that scheduler's placements, waits, requeues, cancels and node states, so it is"
+        " trusted like one",
     ),
 )
 SERVICE_NAMES = tuple(identity.name for identity in SERVICE_IDENTITIES)
