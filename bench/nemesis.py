@@ -301,6 +301,35 @@ async def _until_settled(run: Run, writes: Writes, timeout_s: float) -> None:
         await asyncio.sleep(1)
 
 
+async def _quiet(run: Run, timeout_s: float) -> bool:
+    """Wait (bounded) until the services are idle: what they show is then what the log says.
+
+    Idle: every service consumer has nothing pending or unacknowledged, no staged event waits to be folded and
+    no outbox row to be published.
+    """
+    durables = [(spec.stream.name, spec.durable) for service in SERVICES.values() for spec, _ in service.consumers]
+    nc = await connect_nats(run.cluster.url, name="nemesis-quiet")
+    deadline = time.monotonic() + timeout_s
+    try:
+        js = nc.jetstream(timeout=5)
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                infos = [await js.consumer_info(stream, durable) for stream, durable in durables]
+                conn = await asyncpg.connect(run.postgres.url)
+                try:
+                    staged = await conn.fetchval(
+                        "SELECT (SELECT count(*) FROM lanes_inbox) + (SELECT count(*) FROM lanes_outbox)"
+                    )
+                finally:
+                    await conn.close()
+                if not staged and all(not i.num_pending and not i.num_ack_pending for i in infos):
+                    return True
+            await asyncio.sleep(1)
+    finally:
+        await nc.close()
+    return False
+
+
 async def _read_back(url: str, tag: str) -> tuple[list[str], dict[tuple[str, int], int]]:
     """This run's events as one server serves them, and the placements per (job, attempt)."""
     nc = await connect_nats(url, name="nemesis-check")
@@ -349,7 +378,10 @@ def _lanes(env: dict[str, str], *args: str) -> dict[str, Any]:
         timeout=300,
         check=False,
     )
-    return {"exit": done.returncode, "said": (done.stdout + done.stderr).strip().splitlines()[-3:]}
+    said = done.stdout.strip()
+    with contextlib.suppress(ValueError):
+        return {"exit": done.returncode, "said": json.loads(said)}
+    return {"exit": done.returncode, "said": (said + "\n" + done.stderr).strip().splitlines()[-5:]}
 
 
 async def check(run: Run, writes: Writes, tag: str, faults: list[dict[str, Any]]) -> dict[str, Any]:
@@ -372,6 +404,7 @@ async def check(run: Run, writes: Writes, tag: str, faults: list[dict[str, Any]]
     stuck = sorted(job for job in jobs if states.get(job) not in TERMINAL)
     times = sorted(writes.acked.values())
     gaps = [b - a for a, b in itertools.pairwise(times)]
+    quiet = await _quiet(run, 60)
     projections = await asyncio.to_thread(_lanes, run.env, "projections", "rebuild", "--verify")
     audit = await asyncio.to_thread(_lanes, run.env, "audit", "verify")
     worst_lost = max((v["total"] for v in lost.values()), default=0)
@@ -386,6 +419,7 @@ async def check(run: Run, writes: Writes, tag: str, faults: list[dict[str, Any]]
         "jobs": len(jobs),
         "stuck": len(stuck),
         "stuck_jobs": {job: states.get(job, "never seen") for job in stuck[:20]},
+        "quiet_before_verify": quiet,
         "projections_verify": projections,
         "audit_verify": audit,
         "longest_write_gap_s": round(max(gaps, default=0.0), 2),
