@@ -14,20 +14,22 @@ import shutil
 import subprocess
 import sys
 import threading
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
-from wsgiref.simple_server import WSGIRequestHandler, make_server
+from wsgiref.simple_server import make_server
 
 import kubernetes_validate  # type: ignore[import-untyped]  # ships no type information
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry, Gauge
-from prometheus_client.exposition import make_wsgi_app
 from test_compose import parse_nats_conf
 
 from lanes_cli.bootstrap import SERVICES
+from lanes_runtime.metrics import probes_and_metrics
 from lanes_runtime.settings import ENV_VARS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -206,9 +208,8 @@ def test_consumer_services_are_ready_when_their_consumers_are_and_expose_metrics
         port = int(env["LANES_METRICS_PORT"])
         assert env["LANES_METRICS_HOST"] == "0.0.0.0"  # noqa: S104 - scraped from outside the container
         assert {"name": "metrics", "containerPort": port} in container["ports"]
-        command = container["readinessProbe"]["exec"]["command"]
-        assert f"http://127.0.0.1:{port}/metrics" in command[-1]
-        assert "lanes_consumer_ready" in command[-1]
+        assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+        assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
         annotations = by_kind["Deployment"][name]["spec"]["template"]["metadata"]["annotations"]
         assert annotations["prometheus.io/port"] == str(port)
 
@@ -222,19 +223,14 @@ def test_the_router_is_ready_from_its_readyz(by_kind: dict[str, dict[str, dict[s
     assert by_kind["Service"]["router"]["spec"]["ports"][0]["port"] == port
 
 
-class _Quiet(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class names it so
-        """Keep the test's output clean."""
-
-
 @pytest.fixture
 def metrics_server() -> Iterator[tuple[int, Gauge]]:
-    """A real Prometheus endpoint with one consumer's `lanes_consumer_ready`, on a free port."""
+    """The services' own metrics port (`lanes_runtime.metrics`) with one registry's `lanes_consumer_ready`."""
     registry = CollectorRegistry()
     ready = Gauge(
         "lanes_consumer_ready", "1 when every server the consumer depends on answers", ["consumer"], registry=registry
     )
-    server = make_server("127.0.0.1", 0, make_wsgi_app(registry), handler_class=_Quiet)
+    server = make_server("127.0.0.1", 0, probes_and_metrics(registry))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -249,20 +245,23 @@ def test_the_readiness_probe_follows_the_consumers_ready_gauge(
     by_kind: dict[str, dict[str, dict[str, Any]]], metrics_server: tuple[int, Gauge]
 ) -> None:
     port, ready = metrics_server
-    container = _container(by_kind["Deployment"]["scheduler"])
-    python, flag, script = container["readinessProbe"]["exec"]["command"]
-    assert (python, flag) == ("python", "-c")
-    script = script.replace("127.0.0.1:9090", f"127.0.0.1:{port}")
+    probe = _container(by_kind["Deployment"]["scheduler"])["readinessProbe"]["httpGet"]
 
-    def probe() -> int:
-        return subprocess.run([sys.executable, "-c", script], check=False, timeout=30).returncode
+    def status() -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{probe['path']}", timeout=10) as answer:
+                return answer.status, answer.read().decode()
+        except urllib.error.HTTPError as refused:
+            return refused.code, refused.read().decode()
 
-    assert probe() == 1  # no consumer has reported yet
+    assert status() == (503, "no consumer has started yet\n")
     ready.labels("scheduler").set(1)
     ready.labels("scheduler-nodes").set(0)
-    assert probe() == 1  # one consumer waits on a server
+    assert status() == (503, "not ready: scheduler-nodes\n")  # one consumer waits on a server
     ready.labels("scheduler-nodes").set(1)
-    assert probe() == 0
+    assert status() == (200, "ready\n")
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        assert b'lanes_consumer_ready{consumer="scheduler"} 1.0' in answer.read()
 
 
 def test_services_set_only_variables_lanes_reads_and_reach_the_cluster_servers(

@@ -1,16 +1,22 @@
 """Prometheus metrics of the consumer runtime (prefix `lanes_`, labelled by consumer, never by job).
 
 The families live in the process's default registry, so `/metrics` (`serve_metrics`) shows every consumer
-the process runs. Label values are consumer names: a handful per service, never an unbounded set.
+the process runs. Label values are consumer names: a handful per service, never an unbounded set. The same
+port answers `/readyz` (200 only while every consumer of the process is ready, as `lanes_consumer_ready` says)
+and `/healthz` (200 while the process serves), so an orchestrator's probe needs no client of its own.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 if TYPE_CHECKING:
     from enum import StrEnum
@@ -71,6 +77,63 @@ DEFAULT_METRICS_HOST = "127.0.0.1"
 """Loopback unless told otherwise: a container, scraped from outside, sets LANES_METRICS_HOST=0.0.0.0."""
 
 
+_READY_METRIC = "lanes_consumer_ready"
+
+
+def not_ready(registry: CollectorRegistry = REGISTRY) -> list[str] | None:
+    """The consumers of the process that are not ready; None while none has said anything yet."""
+    said = {
+        sample.labels["consumer"]: sample.value
+        for family in registry.collect()
+        if family.name == _READY_METRIC
+        for sample in family.samples
+    }
+    return None if not said else sorted(consumer for consumer, value in said.items() if value != 1)
+
+
+_StartResponse = Callable[[str, list[tuple[str, str]]], Any]
+_WsgiApp = Callable[[dict[str, Any], _StartResponse], Iterable[bytes]]
+
+
+def probes_and_metrics(
+    registry: CollectorRegistry = REGISTRY,
+) -> Callable[[dict[str, Any], _StartResponse], Iterable[bytes]]:
+    """The WSGI application of the metrics port: `/readyz`, `/healthz`, and Prometheus's `/metrics` otherwise."""
+    metrics = make_wsgi_app(registry)
+
+    def app(environ: dict[str, Any], start_response: _StartResponse) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path not in {"/readyz", "/healthz"}:
+            return metrics(environ, start_response)  # type: ignore[no-any-return]
+        if path == "/healthz":
+            status, said = "200 OK", "ok"
+        elif (waiting := not_ready(registry)) is None:
+            status, said = "503 Service Unavailable", "no consumer has started yet"
+        elif waiting:
+            status, said = "503 Service Unavailable", "not ready: " + ", ".join(waiting)
+        else:
+            status, said = "200 OK", "ready"
+        start_response(status, [("Content-Type", "text/plain; charset=utf-8")])
+        return [said.encode() + b"\n"]
+
+    return app
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class names it so
+        """Probes come every few seconds: not a line each in the service's log."""
+
+
 def serve_metrics(port: int, host: str | None = None) -> None:
-    """Expose `/metrics` on `port` from a background thread, on `host` (else LANES_METRICS_HOST, else loopback)."""
-    start_http_server(port, addr=host or os.environ.get(METRICS_HOST_ENV) or DEFAULT_METRICS_HOST)
+    """Serve `/metrics`, `/readyz` and `/healthz` on `port` from a background thread.
+
+    It listens on `host`, else LANES_METRICS_HOST, else loopback.
+    """
+    server = make_server(
+        host or os.environ.get(METRICS_HOST_ENV) or DEFAULT_METRICS_HOST,
+        port,
+        probes_and_metrics(),
+        ThreadingWSGIServer,
+        handler_class=_Quiet,
+    )
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
