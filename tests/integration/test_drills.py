@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 from support.cli import local_stack, run_lanes_async
 from support.optional import KERNEL, TORCH, require
-from support.recovery import register_nodes, spec
+from support.recovery import register_nodes, spec, wait_for
 from support.waiting import eventually
 
 from lanes_agent.launcher import LocalLauncher
@@ -35,7 +35,14 @@ from lanes_agent.netns import NodeNetworks, link_of
 from lanes_cli.drills import STRAGGLER_DURATION_S, STRAGGLER_READY_STEP
 from lanes_cli.timeline import job_timeline
 from lanes_contract.client import LanesClient
-from lanes_contract.events import CheckpointSaved, DrillKind, JobSubmitted, JobSubmittedData
+from lanes_contract.events import (
+    CheckpointSaved,
+    DrillKind,
+    JobSubmitted,
+    JobSubmittedData,
+    RecoveryAction,
+    RecoveryDecided,
+)
 from lanes_runtime.service import Connections
 from lanes_runtime.settings import ServerUrls
 
@@ -168,7 +175,10 @@ async def _drill_past_the_baseline(
     (report,) = json.loads(ran.stdout)["drills"]
     assert report["named_right"], report
     assert report["localise_s"] is not None
-    assert report["decision"] is None  # nothing failed: nothing to decide
+    # Nothing failed: recovery only weighs a restart, and this job sets no `steps`, so it runs on, and says why.
+    (decided,) = await wait_for(LanesClient(stack.nc, "tests"), job_id, RecoveryDecided)
+    assert decided.data.action is RecoveryAction.NONE
+    assert "the spec sets no `steps`" in decided.data.reason
     return dict(report)
 
 

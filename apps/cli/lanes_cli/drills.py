@@ -32,7 +32,8 @@ NODE_FAULTS = frozenset({DrillKind.LINK_DOWN, DrillKind.LINK_SLOW})
 """Faults of a node rather than of one rank: the finding must name the node; any rank on it will do."""
 _EVIDENCE_KINDS = {"evidence", "rank_exited", "finding", "slowdown"}
 STRAGGLERS = frozenset({DrillKind.SLOW, DrillKind.LINK_SLOW})
-"""Faults that fail nothing: named by the attempt's `slowdown`, not by a settled finding, and nothing decides."""
+"""Faults that fail nothing: named by the attempt's `slowdown`, not by a settled finding; recovery only weighs a
+restart (docs/recovery.md), and the drill does not wait for that decision."""
 STRAGGLER_READY_STEP = 60
 """A straggler drill is injected once the job is past this step (a plan waits for a checkpoint at or after
 it): telemetry reads an attempt's first 30 steps as its baseline, and a slowdown inside them is no change."""
@@ -202,7 +203,7 @@ def complete(report: DrillReport) -> bool:
     if report.expected_lane is None:
         return True
     if report.kind in STRAGGLERS:
-        return report.named is not None  # nothing failed: nothing to decide or recover
+        return report.named is not None  # nothing failed: recovery's run-on-or-restart decision is not waited for
     if report.named is None or report.decision is None:
         return False
     return report.decision == "manual" or report.recover_s is not None
