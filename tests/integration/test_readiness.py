@@ -27,6 +27,7 @@ from lanes_audit.entrypoints.recorder import AuditRecorder
 from lanes_contract.client import LanesClient, connect_nats
 from lanes_contract.streams import DEAD, JOBS, provision_streams
 from lanes_runtime.consumer import EventConsumer, Outcome
+from lanes_runtime.health import PROBE_EVERY_S, DatabaseWatch, Readiness
 from lanes_runtime.settings import ServerUrls
 from lanes_runtime.store import apply_migrations, apply_runtime_migrations, create_pool, migrations_of
 from lanes_sandbox.embedded import EmbeddedPostgres
@@ -193,3 +194,27 @@ async def test_a_timer_runner_logs_a_database_outage_once_not_a_traceback_per_ti
 
 async def _at_least(value: int, least: int) -> bool:
     return value >= least
+
+
+async def test_a_pool_that_takes_the_probes_connection_back_leaves_the_consumer_not_ready_not_dead(
+    own_urls: ServerUrls,
+) -> None:
+    # The database probe holds one connection between probes. A pool that takes it back under the probe
+    # (terminated, as at shutdown, or a connection that broke) made asyncpg refuse the probe's own clean-up,
+    # and that refusal ended the consumer that was watching: `lanes serve` exited on an ExceptionGroup.
+    pool = await asyncpg.create_pool(own_urls.database_url, min_size=1, max_size=2)
+    readiness = Readiness("probe-taken-back")
+    async with DatabaseWatch.watching(pool, readiness):
+        await eventually(lambda: _probed(readiness), what="a first probe")
+        pool.terminate()
+        await eventually(lambda: _not_ready(readiness), what="the probe to find the pool gone")
+    assert not readiness.ready  # left as it was: waiting on the database, not failed
+
+
+async def _probed(readiness: Readiness) -> bool:
+    await asyncio.sleep(PROBE_EVERY_S)
+    return readiness.ready
+
+
+async def _not_ready(readiness: Readiness) -> bool:
+    return not readiness.ready

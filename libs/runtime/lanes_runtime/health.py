@@ -187,10 +187,14 @@ class DatabaseWatch:
     async def _drop(self, conn: PoolConnectionProxy[asyncpg.Record]) -> None:
         """Close the probe's connection without a round trip (the server may be the one not answering).
 
-        The caller forgets `conn` first: the pool takes it back at once, even if this await is cancelled.
+        The caller forgets `conn` first: the pool takes it back at once, even if this await is cancelled. A
+        connection the pool already took back (the pool closed or terminated, the connection broke) has nothing
+        left to drop: asyncpg refuses both calls then, and that refusal must not end the consumer watching.
         """
-        conn.terminate()
-        await self._pool.release(conn)
+        with contextlib.suppress(asyncpg.InterfaceError):
+            conn.terminate()
+        with contextlib.suppress(asyncpg.InterfaceError):
+            await self._pool.release(conn)
 
 
 async def tick_until_stopped(
