@@ -67,6 +67,8 @@ class ToyReplica:
         self.model = model
         self.version = version
         self.behaviour = behaviour
+        self._changed = asyncio.Event()
+        """Set (and replaced) each time the control changes the behaviour."""
         self.counters = Counters()
         self.fingerprint = f"{model}@{version}"
         self.rank = os.environ.get("RANK")
@@ -108,6 +110,8 @@ class ToyReplica:
         if unknown:
             return web.json_response({"error": f"unknown fields {sorted(unknown)}"}, status=400)
         self.behaviour = Behaviour(**(asdict(self.behaviour) | changes))
+        self._changed.set()  # a request waiting on the old first-token delay reads the new one
+        self._changed = asyncio.Event()
         return await self._stats(request)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
@@ -126,6 +130,19 @@ class ToyReplica:
         finally:
             counters.in_flight -= 1
 
+    async def _first_token_wait(self) -> None:
+        """Wait the first-token delay as the control says it now.
+
+        A test holds a request with a long delay and lets it go by setting a short one, instead of racing a
+        fixed delay on a busy machine.
+        """
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        while (left := self.behaviour.first_token_delay_ms / 1000 - (loop.time() - began)) > 0:
+            changed = self._changed
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), left)
+
     async def _answer(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
             body: Any = await request.json()
@@ -141,7 +158,7 @@ class ToyReplica:
         if behaviour.mode == "slow_first_token":
             await asyncio.sleep(behaviour.slow_first_token_ms / 1000)
         if behaviour.first_token_delay_ms:
-            await asyncio.sleep(behaviour.first_token_delay_ms / 1000)
+            await self._first_token_wait()
         try:
             start = _already_generated(body, chat=chat)
         except ValueError as exc:

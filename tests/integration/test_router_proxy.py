@@ -212,7 +212,9 @@ async def test_each_protection_mode_answers_as_specified_when_no_replica_has_roo
     spec = serving(model, "v1", max_concurrency=1, protection=protection, queue_timeout_s=1.0, retry_after_s=7)
     async with routed_replica(servers, f"r-{unique}", spec) as routed:
         session, lanes, url, toy = routed.session, routed.lanes, routed.url, routed.toy
-        await toy.control(first_token_delay_ms=3000)
+        # The only slot is held until the test lets it go: a fixed delay raced the second request on a busy
+        # machine (the holder finished first, and the second request was served).
+        await toy.control(first_token_delay_ms=600_000)
         holder = asyncio.create_task(chat(session, url, model))
 
         async def slot_taken() -> bool:
@@ -220,6 +222,7 @@ async def test_each_protection_mode_answers_as_specified_when_no_replica_has_roo
 
         await eventually(slot_taken, what="the only slot to be taken")
         status, headers, body = await chat(session, url, model)
+        await toy.control(first_token_delay_ms=0)  # the holder's first token goes now
         assert status == expected_status, body
         assert headers["Retry-After"] == "7"
         error = json.loads(body)["error"]
